@@ -1,0 +1,54 @@
+"""Base class for dpl data modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+
+
+class DPDataModule(L.LightningDataModule):
+    """A LightningDataModule whose training loader yields *logical* batches drawn by the privacy mechanism.
+
+    Subclasses implement :meth:`setup` (set ``self.train_set`` and ``self.val_set``, optionally
+    ``self.test_set``) and :meth:`collate` (list of examples -> dict of tensors). The training batch sampler
+    is asked from the LightningModule (``make_batch_sampler(num_examples)``), so Poisson sampling (or the
+    mechanism's own scheme) is used without the data module knowing about privacy. An empty logical batch is
+    possible under Poisson sampling: ``collate([])`` must return a dict whose tensors have batch size 0.
+    """
+
+    train_set: Dataset | None = None
+    val_set: Dataset | None = None
+    test_set: Dataset | None = None
+
+    def __init__(self, eval_batch_size: int = 64, num_workers: int = 0) -> None:
+        super().__init__()
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+
+    def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def num_train_examples(self) -> int:
+        assert self.train_set is not None, "call setup('fit') first"
+        return len(self.train_set)
+
+    def train_dataloader(self) -> DataLoader:
+        module = self.trainer.lightning_module
+        batch_sampler = module.make_batch_sampler(len(self.train_set))
+        return DataLoader(self.train_set, batch_sampler=batch_sampler, collate_fn=self.collate,
+                          num_workers=self.num_workers)
+
+    def _eval_loader(self, dataset: Dataset | None) -> DataLoader:
+        if dataset is None:
+            raise ValueError(f"{type(self).__name__} has no such split configured")
+        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, collate_fn=self.collate,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.val_set)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.test_set if self.test_set is not None else self.val_set)
