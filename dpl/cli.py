@@ -1,0 +1,62 @@
+"""The ``dpl`` command: LightningCLI (``fit``, ``validate``, ``test``) plus ``dpl plugins``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from dpl.data.base import DPDataModule
+from dpl.errors import DPLError
+from dpl.modules.base import DPModule
+
+
+class DPLightningCLI(LightningCLI):
+    """LightningCLI that validates the privacy setup before the trainer writes anything."""
+
+    def before_fit(self) -> None:
+        # Load and check the data, build the model, check plugins and calibrate sigma before fit starts, so a
+        # bad input fails with one line and leaves no half-written run behind.
+        self.datamodule.prepare_data()
+        self.datamodule.setup("fit")
+        self.model._trainer = self.trainer
+        self.model.ensure_model()
+        self.model.prepare_privacy(self.datamodule.num_train_examples)
+        self.model._trainer = None
+
+
+def print_plugins() -> None:
+    from dpl.plugin_manager import describe_plugins
+
+    infos = describe_plugins()
+    if not infos:
+        print("no dpl plugins installed")
+        return
+    rows = [("name", "package", "version", "hooks")] + [(i.name, i.package, i.version, ", ".join(i.hooks))
+                                                          for i in infos]
+    widths = [max(len(r[c]) for r in rows) for c in range(3)]
+    for r in rows:
+        print("  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3])
+
+
+def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["plugins"]:
+        print_plugins()
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                       save_config_kwargs={"overwrite": True}, args=argv, auto_configure_optimizers=False)
+    except DPLError as exc:
+        if os.environ.get("DPL_DEBUG"):
+            raise
+        print(f"dpl: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

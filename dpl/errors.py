@@ -1,0 +1,17 @@
+"""Exceptions dpl raises for bad input and for privacy-contract violations."""
+
+
+class DPLError(Exception):
+    """Base class of dpl's errors."""
+
+
+class ConfigError(DPLError, ValueError):
+    """A configuration dpl refuses, with a one-line reason (raised before training starts)."""
+
+
+class PluginError(ConfigError):
+    """An unknown plugin, a plugin that fails to load, or plugins that cannot be combined."""
+
+
+class PrivacyViolation(DPLError, RuntimeError):
+    """Code tried to read data that the privacy contract forbids at that point (a bug, never user error)."""

@@ -1,0 +1,110 @@
+"""The hooks a dpl plugin can implement (pluggy). Kept free of heavy imports.
+
+A private training step, per logical batch, calls the four *step hooks* in this order:
+
+1. ``estimate_gradient`` - once per physical micro-batch; the results are summed over the logical batch.
+2. ``privatize``         - exactly once per logical batch; the only hook that may read the raw sum.
+3. ``post_process``      - every active implementation, in the order the plugins are named in the config.
+4. ``precondition``      - once; turns the private gradient into the update direction.
+
+Two *setup hooks* run once before training: ``validate_setup`` (every plugin may refuse a configuration) and
+``configure_mechanism`` (the privatizing plugin says how batches are drawn and how privacy is accounted).
+
+``firstresult`` hooks take the first non-``None`` answer. The built-in defaults (``clip`` and ``gaussian``)
+are registered ``trylast``, so any plugin named in the config that implements the same hook replaces them.
+Two named plugins implementing the same ``firstresult`` step hook cannot be combined: the plugin manager
+refuses them at setup. See ``docs/hooks.md`` for examples.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from dpl.gradients import GradientSum, PrivateGradient
+    from dpl.mechanism import Mechanism
+    from dpl.step import RunSetup, StepContext
+
+PROJECT = "dpl"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+STEP_HOOKS = ("estimate_gradient", "privatize", "post_process", "precondition")
+SETUP_HOOKS = ("validate_setup", "configure_mechanism")
+
+
+@hookspec(firstresult=True)
+def estimate_gradient(ctx: StepContext, batch: dict[str, Any]) -> GradientSum | None:
+    """Return the sum over ``batch`` (one physical micro-batch) of per-example contributions, each with
+    L2 norm at most ``ctx.max_grad_norm`` (the sensitivity of the sum under add/remove adjacency).
+
+    Called once per micro-batch; dpl adds the results over the logical batch. ``batch`` may be empty
+    (Poisson sampling can draw no example): return zeros then. The result must not depend on any example
+    outside ``batch``.
+
+    Privacy contract: every example's contribution is bounded by C; nothing is released here.
+    Default: ``clip`` (per-example gradients by backpropagation, clipped to C, summed).
+    Example: DPZero returns the sum of per-example finite differences along a public random direction,
+    clipped to [-C, C].
+    """
+
+
+@hookspec(firstresult=True)
+def privatize(ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient | None:
+    """Add noise to the clipped sum of the logical batch and divide by the expected batch size.
+
+    Called exactly once per logical batch. This is the only hook that reads ``gradient_sum``; dpl wipes it
+    right after. The returned :class:`~dpl.gradients.PrivateGradient` must carry the per-coordinate standard
+    deviation of the noise it contains (``noise_std``) so that later hooks can use it.
+
+    Privacy contract: the noise is drawn from ``ctx.noise_generator`` (seeded from OS entropy unless the user
+    set a seed); no public value may determine it.
+    Default: ``gaussian`` (independent N(0, sigma^2 C^2) per coordinate).
+    Example: FTRL adds correlated noise built from the current and past draws.
+    """
+
+
+@hookspec
+def post_process(ctx: StepContext, gradient: PrivateGradient) -> None:
+    """Transform the private gradient in place (``gradient.values``).
+
+    Called once per step for every active plugin that implements it, in the order the plugins are named in
+    the config. Post-processing of a DP release: free of privacy cost, provided it reads only ``gradient``,
+    public data and its own state - never the clipped sum or per-example data.
+    Example: ``denoise`` shrinks each 2-D gradient matrix with random-matrix theory, reading
+    ``gradient.noise_std``.
+    """
+
+
+@hookspec(firstresult=True)
+def precondition(ctx: StepContext, gradient: PrivateGradient) -> dict[str, Any] | None:
+    """Return the update direction per trainable parameter name; dpl writes it to ``param.grad`` and calls
+    the configured torch optimizer.
+
+    Called once per step, after ``post_process``. Default (no implementation answers): the private gradient
+    itself. Post-processing: no privacy cost under the same rule as ``post_process``.
+    Example: ``adambc`` returns Adam's direction with the DP noise variance removed from the second moment
+    (and requires a plain SGD optimizer).
+    """
+
+
+@hookspec
+def validate_setup(setup: RunSetup) -> None:
+    """Check the run's configuration before anything trains; raise ``dpl.errors.ConfigError`` with a one-line
+    reason to refuse it (an unsupported model layer, a plugin combination that has no privacy analysis).
+
+    Called once for every active plugin. ``setup.plugin_names`` lists the active plugins.
+    Example: ``denoise`` refuses to run with ``dpzero`` (a rank-one update has nothing to denoise).
+    """
+
+
+@hookspec(firstresult=True)
+def configure_mechanism(setup: RunSetup) -> Mechanism | None:
+    """Return the :class:`~dpl.mechanism.Mechanism` that owns batch sampling and privacy accounting for the
+    noise this run adds.
+
+    Called once at setup. Default: ``gaussian`` (Poisson sampling, PRV accountant for the subsampled
+    Gaussian). A plugin that replaces ``privatize`` with noise of another structure must implement it.
+    """

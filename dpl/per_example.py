@@ -1,0 +1,273 @@
+"""Per-example clipped gradient sums in one forward and one backward pass ("book-keeping" ghost clipping).
+
+For every module that directly owns trainable parameters, a forward hook records the module's input and its
+output tensor. After the forward pass, ``torch.autograd.grad`` computes the gradients of the summed
+per-example losses with respect to those outputs only - autograd skips the weight-gradient products, which
+dpl then forms once, already weighted by each example's clipping factor:
+
+* ``nn.Linear`` (also peft's LoRA A/B, classifier heads): per-example gradient norms by the ghost-norm
+  identity ``||g_i^T a_i||^2 = <a_i a_i^T, g_i g_i^T>`` (cost B T^2 (d_in+d_out)) or by materialising
+  the per-example gradients when that is cheaper (B T d_in d_out); the clipped sum is one matmul.
+* ``nn.Embedding``: ghost norm through token-identity masks; clipped sum by ``index_add``. ``padding_idx``
+  rows get no gradient, as in PyTorch.
+* anything else (LayerNorm, RMSNorm, ...): exact per-example gradients of that module's own parameters with
+  ``torch.func`` (vmap of a vjp through ``functional_call``), given the recorded input and output gradient.
+  The module's forward must take a single tensor.
+
+Inputs whose batch dimension is 1 while the batch has more examples (BERT's position ids) are expanded to
+the batch first, so that each example's gradient stays separate. A parameter shared by two modules (tied
+embeddings) is refused: its per-example gradient would need cross terms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from dpl.errors import ConfigError
+
+
+@dataclass
+class _Record:
+    module: nn.Module
+    kind: str  # "linear" | "embedding" | "generic"
+    params: dict[str, nn.Parameter]  # local name -> parameter (trainable only)
+    full_names: dict[str, str]  # local name -> name in the model
+    inputs: list[Tensor] = field(default_factory=list)
+    outputs: list[Tensor] = field(default_factory=list)
+
+
+def _kind(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None or module.sparse:
+            raise ConfigError(f"nn.Embedding with max_norm or sparse gradients is not supported ({module})")
+        return "embedding"
+    return "generic"
+
+
+class PerExampleClipper:
+    """Computes the clipped sum of per-example gradients of ``model``'s trainable parameters.
+
+    Usage::
+
+        clipper = PerExampleClipper(model)
+        with clipper.record(batch_size):
+            losses = per_example_loss(model, batch)  # shape (batch_size,)
+        sums, norms = clipper.clipped_sum(losses, max_norm)
+
+    ``sums`` maps each trainable parameter's name to the float32 sum of the clipped per-example gradients;
+    ``norms`` holds the per-example gradient norms before clipping (private: never release them).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.records: list[_Record] = []
+        owners: dict[int, str] = {}
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+            if not params:
+                continue
+            for local, p in params.items():
+                full = f"{mod_name}.{local}" if mod_name else local
+                if id(p) in owners:
+                    raise ConfigError(f"trainable parameter {full!r} is shared with {owners[id(p)]!r} (tied "
+                                      "weights): untie them or freeze one; per-example clipping of shared "
+                                      "parameters is not supported")
+                owners[id(p)] = full
+            full_names = {n: names[id(p)] for n, p in params.items()}
+            self.records.append(_Record(module, _kind(module), params, full_names))
+        self._batch_size = 0
+        self._recording = False
+        self._handles = []
+        for rec in self.records:
+            self._handles.append(rec.module.register_forward_pre_hook(self._make_pre_hook(rec)))
+            self._handles.append(rec.module.register_forward_hook(self._make_hook(rec)))
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return [n for rec in self.records for n in rec.full_names.values()]
+
+    def remove(self) -> None:
+        """Remove the hooks from the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _make_pre_hook(self, rec: _Record):
+        def pre_hook(module, args):
+            if not self._recording or not args or not torch.is_tensor(args[0]):
+                return None
+            x = args[0]
+            if x.dim() > 0 and x.shape[0] == 1 and self._batch_size > 1:
+                return (x.expand(self._batch_size, *x.shape[1:]), *args[1:])
+            return None
+        return pre_hook
+
+    def _make_hook(self, rec: _Record):
+        def hook(module, args, output):
+            if not self._recording:
+                return None
+            if len(args) != 1 or not torch.is_tensor(args[0]) or not torch.is_tensor(output):
+                raise ConfigError(f"cannot compute per-example gradients for {type(module).__name__}: its forward "
+                                  "must take one tensor and return one tensor; freeze its parameters")
+            if output.shape[0] != self._batch_size:
+                raise ConfigError(f"{type(module).__name__} output has leading dimension {output.shape[0]}, "
+                                  f"expected the batch size {self._batch_size}")
+            rec.inputs.append(args[0].detach())
+            rec.outputs.append(output)
+            return None
+        return hook
+
+    @contextmanager
+    def record(self, batch_size: int) -> Iterator[None]:
+        """Record layer inputs and outputs during a forward pass over ``batch_size`` examples."""
+        self._clear()
+        self._batch_size = batch_size
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def _clear(self) -> None:
+        for rec in self.records:
+            rec.inputs.clear()
+            rec.outputs.clear()
+
+    def zero_sums(self) -> dict[str, Tensor]:
+        return {full: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                for rec in self.records for local, p in rec.params.items()
+                for full in [rec.full_names[local]]}
+
+    def clipped_sum(self, losses: Tensor, max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
+        """Clip each example's gradient of ``losses[i]`` to ``max_norm`` and sum over the batch."""
+        if losses.dim() != 1 or losses.shape[0] != self._batch_size:
+            raise ValueError(f"expected per-example losses of shape ({self._batch_size},), got {tuple(losses.shape)}")
+        active = [rec for rec in self.records if rec.outputs]
+        outputs = [out for rec in active for out in rec.outputs]
+        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []
+        it = iter(grads)
+        grads_per_rec = [[g if g is not None else torch.zeros_like(o) for g, o in zip(
+            [next(it) for _ in rec.outputs], rec.outputs)] for rec in active]
+        sq_norms = torch.zeros(self._batch_size, dtype=torch.float32, device=losses.device)
+        prepared = []
+        for rec, gs in zip(active, grads_per_rec):
+            state = _PREPARE[rec.kind](rec, gs)
+            sq_norms += state.sq_norms
+            prepared.append((rec, state))
+        norms = sq_norms.sqrt()
+        if math.isinf(max_norm):
+            factors = torch.ones_like(norms)
+        else:
+            factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        sums = {}
+        for rec, state in prepared:
+            for local, tensor in state.weighted_sum(factors).items():
+                sums[rec.full_names[local]] = tensor
+        self._clear()
+        # Parameters of modules not used in this forward pass get zero contributions.
+        for name, zero in self.zero_sums().items():
+            sums.setdefault(name, zero)
+        return sums, norms
+
+
+@dataclass
+class _Prepared:
+    sq_norms: Tensor
+    weighted_sum: callable
+
+
+def _as_3d(t: Tensor) -> Tensor:
+    """(B, d) -> (B, 1, d); (B, *, d) -> (B, T, d)."""
+    return t.unsqueeze(1) if t.dim() == 2 else t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _prepare_linear(rec: _Record, grads: list[Tensor]) -> _Prepared:
+    a = torch.cat([_as_3d(x) for x in rec.inputs], dim=1).float()
+    g = torch.cat([_as_3d(x) for x in grads], dim=1).float()
+    batch, steps, d_in = a.shape
+    d_out = g.shape[-1]
+    has_weight = "weight" in rec.params
+    has_bias = "bias" in rec.params
+    sq = torch.zeros(batch, dtype=torch.float32, device=a.device)
+    per_example_weight = None
+    if has_weight:
+        if steps * steps * (d_in + d_out) < d_in * d_out * steps or steps == 1:
+            if steps == 1:
+                sq = sq + (a.squeeze(1).pow(2).sum(1) * g.squeeze(1).pow(2).sum(1))
+            else:
+                sq = sq + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        else:
+            per_example_weight = torch.bmm(g.transpose(1, 2), a)  # (B, d_out, d_in)
+            sq = sq + per_example_weight.pow(2).sum((1, 2))
+    bias_grad = g.sum(1) if has_bias else None
+    if has_bias:
+        sq = sq + bias_grad.pow(2).sum(1)
+
+    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
+        out = {}
+        if has_weight:
+            if per_example_weight is not None:
+                out["weight"] = torch.einsum("b,boi->oi", factors, per_example_weight)
+            else:
+                gw = g * factors[:, None, None]
+                out["weight"] = gw.reshape(-1, d_out).t() @ a.reshape(-1, d_in)
+        if has_bias:
+            out["bias"] = factors @ bias_grad
+        return out
+
+    return _Prepared(sq, weighted_sum)
+
+
+def _prepare_embedding(rec: _Record, grads: list[Tensor]) -> _Prepared:
+    module: nn.Embedding = rec.module
+    ids = torch.cat([x.reshape(x.shape[0], -1) for x in rec.inputs], dim=1)
+    g = torch.cat([x.reshape(x.shape[0], -1, x.shape[-1]) for x in grads], dim=1).float()
+    if module.padding_idx is not None:
+        g = g * (ids != module.padding_idx).unsqueeze(-1)
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).float()
+    sq = (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
+        weight = rec.params["weight"]
+        out = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        out.index_add_(0, ids.reshape(-1), (g * factors[:, None, None]).reshape(-1, g.shape[-1]))
+        return {"weight": out}
+
+    return _Prepared(sq, weighted_sum)
+
+
+def _prepare_generic(rec: _Record, grads: list[Tensor]) -> _Prepared:
+    module = rec.module
+    params = {n: p.detach() for n, p in rec.params.items()}
+
+    def one_example(x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        def f(p):
+            return functional_call(module, p, (x.unsqueeze(0),)).squeeze(0)
+        _, pullback = vjp(f, params)
+        return pullback(g)[0]
+
+    per_example: dict[str, Tensor] = {}
+    for x, g in zip(rec.inputs, grads):
+        result = vmap(one_example)(x, g.to(x.dtype) if x.is_floating_point() else g)
+        for name, t in result.items():
+            t = t.float()
+            per_example[name] = per_example[name] + t if name in per_example else t
+    sq = sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
+
+    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
+        return {n: torch.tensordot(factors, t, dims=1) for n, t in per_example.items()}
+
+    return _Prepared(sq, weighted_sum)
+
+
+_PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding, "generic": _prepare_generic}

@@ -1,0 +1,47 @@
+"""Default ``estimate_gradient``: per-example gradients by backpropagation, clipped to norm C, summed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpl.errors import ConfigError
+from dpl.gradients import GradientSum
+from dpl.hookspecs import hookimpl
+from dpl.per_example import PerExampleClipper
+from dpl.step import RunSetup, StepContext, batch_size_of
+
+
+class ClipPlugin:
+    """Per-example clipping with one forward and one backward pass (see :mod:`dpl.per_example`)."""
+
+    def __init__(self) -> None:
+        self._clipper: PerExampleClipper | None = None
+
+    def _clipper_for(self, model: torch.nn.Module) -> PerExampleClipper:
+        if self._clipper is None or self._clipper.model is not model:
+            if self._clipper is not None:
+                self._clipper.remove()
+            self._clipper = PerExampleClipper(model)
+        return self._clipper
+
+    @hookimpl(trylast=True)
+    def validate_setup(self, setup: RunSetup) -> None:
+        if "estimate_gradient" in setup.replaced_hooks:
+            return  # another estimator replaces this one
+        clipper = self._clipper_for(setup.model)
+        missing = set(setup.trainable) - set(clipper.parameter_names)
+        if missing:
+            raise ConfigError(f"no per-example gradient for trainable parameters {sorted(missing)[:3]}")
+
+    @hookimpl(trylast=True)
+    def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]) -> GradientSum:
+        clipper = self._clipper_for(ctx.model)
+        size = batch_size_of(batch)
+        if size == 0:
+            return GradientSum(clipper.zero_sums(), 0)
+        with clipper.record(size):
+            losses = ctx.per_example_loss(batch)
+        sums, _norms = clipper.clipped_sum(losses, ctx.max_grad_norm)
+        return GradientSum(sums, size)

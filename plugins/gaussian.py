@@ -1,0 +1,30 @@
+"""Default ``privatize``: independent Gaussian noise N(0, sigma^2 C^2) on the clipped sum, divided by the
+expected batch size; Poisson sampling and PRV accounting (``configure_mechanism``)."""
+
+from __future__ import annotations
+
+import torch
+
+from dpl.gradients import GradientSum, PrivateGradient
+from dpl.hookspecs import hookimpl
+from dpl.mechanism import Mechanism, PoissonGaussian
+from dpl.step import RunSetup, StepContext
+
+
+class GaussianPlugin:
+    """The Gaussian mechanism of DP-SGD."""
+
+    @hookimpl(trylast=True)
+    def configure_mechanism(self, setup: RunSetup) -> Mechanism:
+        return PoissonGaussian(setup.sampling_rate, accountant=setup.accountant)
+
+    @hookimpl(trylast=True)
+    def privatize(self, ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient:
+        std = ctx.noise_multiplier * ctx.max_grad_norm
+        batch = float(ctx.expected_batch_size)
+        values = {}
+        for key, total in gradient_sum.values.items():
+            noise = torch.randn(total.shape, generator=ctx.noise_generator, device=total.device, dtype=total.dtype)
+            values[key] = (total + std * noise) / batch
+        return PrivateGradient(values, noise_std=std / batch, mechanism="gaussian",
+                               expected_batch_size=batch, step=ctx.step)
