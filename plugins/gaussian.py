@@ -20,11 +20,15 @@ class GaussianPlugin:
 
     @hookimpl(trylast=True)
     def privatize(self, ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient:
-        std = ctx.noise_multiplier * ctx.max_grad_norm
+        # sigma = 0 means no noise (even with C = inf, where sigma * C would be nan).
+        std = ctx.noise_multiplier * ctx.max_grad_norm if ctx.noise_multiplier > 0 else 0.0
         batch = float(ctx.expected_batch_size)
         values = {}
         for key, total in gradient_sum.values.items():
-            noise = torch.randn(total.shape, generator=ctx.noise_generator, device=total.device, dtype=total.dtype)
-            values[key] = (total + std * noise) / batch
+            if std > 0:
+                noise = torch.randn(total.shape, generator=ctx.noise_generator, device=total.device,
+                                    dtype=total.dtype)
+                total = total + std * noise
+            values[key] = total / batch
         return PrivateGradient(values, noise_std=std / batch, mechanism="gaussian",
                                expected_batch_size=batch, step=ctx.step)

@@ -1,0 +1,128 @@
+"""The private step: noise scale, the non-private limit, the privacy guards, micro-batching."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import random_batch, tiny_bert
+
+from dpl.errors import PrivacyViolation
+from dpl.gradients import GradientSum
+from dpl.hookspecs import hookimpl
+from dpl.plugin_manager import create_plugin_manager
+from dpl.step import StepContext, private_step
+
+
+def _ctx(model, noise_multiplier, max_grad_norm, batch_size, seed=0):
+    def per_example_loss(batch):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return F.cross_entropy(out.logits, batch["labels"], reduction="none")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return StepContext(model=model, trainable=trainable, per_example_loss=per_example_loss,
+                       max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                       expected_batch_size=batch_size, step=0,
+                       noise_generator=torch.Generator().manual_seed(seed), log=lambda *a: None)
+
+
+def test_noise_std_matches_sigma_c_over_b():
+    pm = create_plugin_manager()
+    sigma, clip, batch = 1.7, 0.3, 8
+    ctx = _ctx(tiny_bert(), sigma, clip, batch)
+    zeros = GradientSum({"w": torch.zeros(200_000)}, 0)
+    private = pm.hook.privatize(ctx=ctx, gradient_sum=zeros)
+    expected = sigma * clip / batch
+    assert private.noise_std == pytest.approx(expected)
+    values = private.values["w"]
+    # std of 200k N(0, s^2) draws: relative standard error ~ 1/sqrt(2n) = 0.16%
+    assert values.std().item() == pytest.approx(expected, rel=0.01)
+    assert abs(values.mean().item()) < 5 * expected / math.sqrt(values.numel())
+
+
+def test_noise_is_independent_across_coordinates_and_steps():
+    pm = create_plugin_manager()
+    ctx = _ctx(tiny_bert(), 1.0, 1.0, 1)
+    draws = torch.stack([pm.hook.privatize(ctx=ctx, gradient_sum=GradientSum({"w": torch.zeros(64)}, 0)).values["w"]
+                         for _ in range(4000)])
+    cov = torch.cov(draws.T)
+    off_diagonal = cov - torch.diag(torch.diag(cov))
+    assert off_diagonal.abs().max() < 0.1  # ~5 standard errors for n=4000
+    torch.testing.assert_close(torch.diag(cov), torch.ones(64), atol=0.1, rtol=0)
+
+
+def test_sigma_zero_infinite_clip_is_plain_sgd():
+    batch = random_batch(batch_size=6)
+    dp_model, ref_model = tiny_bert(seed=3), tiny_bert(seed=3)
+    pm = create_plugin_manager()
+    ctx = _ctx(dp_model, 0.0, math.inf, 6)
+    direction = private_step(pm.hook, ctx, batch, physical_batch_size=4)  # two micro-batches: 4 + 2
+    dp_opt = torch.optim.SGD(dp_model.parameters(), lr=0.5)
+    for name, p in dp_model.named_parameters():
+        p.grad = direction[name]
+    dp_opt.step()
+
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5)
+    out = ref_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    F.cross_entropy(out.logits, batch["labels"]).backward()
+    ref_opt.step()
+    for (name, p), (_, q) in zip(dp_model.named_parameters(), ref_model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_micro_batches_sum_to_the_logical_batch():
+    batch = random_batch(batch_size=7)
+    model = tiny_bert()
+    pm = create_plugin_manager()
+    whole = private_step(pm.hook, _ctx(model, 0.0, 0.5, 7), batch, physical_batch_size=7)
+    split = private_step(pm.hook, _ctx(model, 0.0, 0.5, 7), batch, physical_batch_size=2)
+    for name in whole:
+        torch.testing.assert_close(whole[name], split[name], rtol=1e-5, atol=1e-7)
+
+
+def test_empty_batch_releases_pure_noise():
+    model = tiny_bert()
+    batch = {k: v[:0] for k, v in random_batch().items()}
+    pm = create_plugin_manager()
+    direction = private_step(pm.hook, _ctx(model, 1.0, 1.0, 4), batch, physical_batch_size=2)
+    assert set(direction) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(torch.isfinite(t).all() for t in direction.values())
+    assert any(t.abs().sum() > 0 for t in direction.values())
+
+
+class _Spy:
+    """Counts privatize calls and tries to read the raw sum after privatize."""
+
+    def __init__(self):
+        self.privatize_calls = 0
+        self.estimate_calls = 0
+        self.seen_sum = None
+        self.error = None
+
+    @hookimpl(tryfirst=True, hookwrapper=True)
+    def privatize(self, ctx, gradient_sum):
+        self.privatize_calls += 1
+        self.seen_sum = gradient_sum
+        yield
+
+    @hookimpl(hookwrapper=True)
+    def estimate_gradient(self, ctx, batch):
+        self.estimate_calls += 1
+        yield
+
+    @hookimpl
+    def post_process(self, ctx, gradient):
+        try:
+            self.seen_sum.values  # noqa: B018
+        except PrivacyViolation as exc:
+            self.error = exc
+
+
+def test_privatize_once_and_sum_wiped_before_post_process():
+    spy = _Spy()
+    pm = create_plugin_manager()
+    pm.register(spy)
+    private_step(pm.hook, _ctx(tiny_bert(), 1.0, 1.0, 6), random_batch(batch_size=6), physical_batch_size=2)
+    assert spy.estimate_calls == 3
+    assert spy.privatize_calls == 1
+    assert isinstance(spy.error, PrivacyViolation)
+    assert spy.seen_sum.wiped
