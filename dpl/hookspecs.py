@@ -71,8 +71,10 @@ def post_process(ctx: StepContext, gradient: PrivateGradient) -> None:
     """Transform the private gradient in place (``gradient.values``).
 
     Called once per step for every active plugin that implements it, in the order the plugins are named in
-    the config. Post-processing of a DP release: free of privacy cost, provided it reads only ``gradient``,
-    public data and its own state - never the clipped sum or per-example data.
+    the config.
+
+    Privacy contract: read only ``gradient``, public data and the plugin's own state - never the clipped sum
+    or per-example data. That makes it post-processing of a DP release, free of privacy cost.
     Example: ``denoise`` shrinks each 2-D gradient matrix with random-matrix theory, reading
     ``gradient.noise_std``.
     """
@@ -84,7 +86,9 @@ def precondition(ctx: StepContext, gradient: PrivateGradient) -> dict[str, Any] 
     the configured torch optimizer.
 
     Called once per step, after ``post_process``. Default (no implementation answers): the private gradient
-    itself. Post-processing: no privacy cost under the same rule as ``post_process``.
+    itself.
+
+    Privacy contract: as ``post_process`` (post-processing, no privacy cost).
     Example: ``adambc`` returns Adam's direction with the DP noise variance removed from the second moment
     (and requires a plain SGD optimizer).
     """

@@ -32,3 +32,43 @@ def random_batch(batch_size: int = 4, length: int = 7, vocab: int = 50, num_labe
         mask[i, cut:] = 0
     labels = torch.randint(0, num_labels, (batch_size,), generator=gen)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+WORDS = ["good", "great", "fine", "bad", "awful", "poor", "movie", "film", "plot", "the", "a", "was", "is", "very",
+         "not", "really", "acting", "story"]
+
+
+def save_tiny_bert(folder, num_labels: int = 2) -> str:
+    """A tiny BERT classifier and its word-level tokenizer saved to ``folder`` (loads with from_pretrained)."""
+    from pathlib import Path
+
+    from transformers import BertTokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    tokenizer.save_pretrained(folder)
+    model = tiny_bert(num_labels=num_labels)
+    model.config.vocab_size = len(vocab)
+    model.resize_token_embeddings(len(vocab))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def write_sentiment_tsv(path, rows: int = 64, seed: int = 0) -> str:
+    """A small separable sentiment TSV (``sentence<TAB>label``) over the tiny vocabulary."""
+    import random
+    from pathlib import Path
+
+    rng = random.Random(seed)
+    lines = ["sentence\tlabel"]
+    for i in range(rows):
+        positive = i % 2 == 0
+        word = rng.choice(["good", "great", "fine"] if positive else ["bad", "awful", "poor"])
+        noun = rng.choice(["movie", "film", "plot", "acting", "story"])
+        lines.append(f"the {noun} was {rng.choice(['', 'very ', 'really '])}{word}\t{'positive' if positive else 'negative'}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")
+    return str(path)
