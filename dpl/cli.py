@@ -21,10 +21,8 @@ class DPLightningCLI(LightningCLI):
         # bad input fails with one line and leaves no half-written run behind.
         self.datamodule.prepare_data()
         self.datamodule.setup("fit")
-        self.model._trainer = self.trainer
-        self.model.ensure_model()
-        self.model.prepare_privacy(self.datamodule.num_train_examples)
-        self.model._trainer = None
+        self.model.ensure_model(self.datamodule)
+        self.model.prepare_privacy(self.datamodule.num_train_examples, self.trainer)
 
 
 def print_plugins() -> None:
@@ -42,6 +40,7 @@ def print_plugins() -> None:
 
 
 def main(args: list[str] | None = None) -> None:
+    """Entry point of ``dpl``; ``args`` defaults to the command line."""
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["plugins"]:
         print_plugins()
@@ -50,7 +49,7 @@ def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                       save_config_kwargs={"overwrite": True}, args=argv, auto_configure_optimizers=False)
+                       save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
     except DPLError as exc:
         if os.environ.get("DPL_DEBUG"):
             raise

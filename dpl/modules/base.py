@@ -51,6 +51,7 @@ class DPModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.model: nn.Module | None = None
+        self.datamodule_ref: L.LightningDataModule | None = None
         self.plugin_manager = create_plugin_manager(self.plugin_config)  # fails early on unknown plugins
         self.mechanism: Mechanism | None = None
         self.noise_multiplier: float | None = None
@@ -73,22 +74,31 @@ class DPModule(L.LightningModule):
         raise NotImplementedError
 
     # --- setup ----------------------------------------------------------------------------------------
-    def ensure_model(self) -> nn.Module:
+    def ensure_model(self, datamodule: L.LightningDataModule | None = None) -> nn.Module:
+        """Build the model once (``datamodule`` may provide what it needs, e.g. the number of labels)."""
+        if datamodule is not None:
+            self.datamodule_ref = datamodule
         if self.model is None:
             self.model = self.build_model()
         return self.model
+
+    @property
+    def datamodule(self) -> L.LightningDataModule | None:
+        if self.datamodule_ref is not None:
+            return self.datamodule_ref
+        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
     @property
     def trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.ensure_model().named_parameters() if p.requires_grad}
 
     def setup(self, stage: str) -> None:
-        self.ensure_model()
+        self.ensure_model(self.trainer.datamodule)
         if stage == "fit":
-            self.prepare_privacy(self.trainer.datamodule.num_train_examples)
+            self.prepare_privacy(self.trainer.datamodule.num_train_examples, self.trainer)
 
-    def planned_total_steps(self, steps_per_epoch: int) -> int:
-        trainer = self.trainer
+    @staticmethod
+    def planned_total_steps(trainer: L.Trainer, steps_per_epoch: int) -> int:
         if trainer.max_steps is not None and trainer.max_steps > 0:
             return int(trainer.max_steps)
         if trainer.max_epochs is None or trainer.max_epochs < 0:
@@ -96,7 +106,7 @@ class DPModule(L.LightningModule):
                               "of steps up front")
         return int(trainer.max_epochs) * steps_per_epoch
 
-    def prepare_privacy(self, num_examples: int) -> None:
+    def prepare_privacy(self, num_examples: int, trainer: L.Trainer | None = None) -> None:
         """Validate the setup with every plugin, pick the mechanism and calibrate sigma (idempotent)."""
         if self.mechanism is not None and self.num_train_examples == num_examples:
             return
@@ -104,12 +114,13 @@ class DPModule(L.LightningModule):
         if cfg.batch_size > num_examples:
             raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
                               f"({num_examples} examples)")
-        if getattr(self.trainer, "world_size", 1) > 1:
+        trainer = trainer if trainer is not None else self.trainer
+        if trainer.world_size > 1:
             raise ConfigError("multi-process training (DDP) is not supported yet: noise and sampling would be "
                               "drawn per process")
         self.num_train_examples = num_examples
         self.steps_per_epoch = max(1, num_examples // cfg.batch_size)
-        self.planned_steps = self.planned_total_steps(self.steps_per_epoch)
+        self.planned_steps = self.planned_total_steps(trainer, self.steps_per_epoch)
         self.delta = cfg.delta_for(num_examples)
         if self.delta >= 1.0 / num_examples:
             warnings.warn(f"delta = {self.delta:.3g} >= 1/N = {1 / num_examples:.3g}: this allows releasing an "

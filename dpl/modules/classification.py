@@ -94,7 +94,7 @@ class DPClassificationModule(DPModule):
 
     def _num_labels(self) -> int:
         if self.num_labels is None:
-            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            datamodule = self.datamodule
             if datamodule is None or not hasattr(datamodule, "num_labels"):
                 raise ConfigError("model.num_labels is not set and the data module does not provide it")
             self.num_labels = int(datamodule.num_labels)
@@ -110,8 +110,7 @@ class DPClassificationModule(DPModule):
         except OSError as exc:
             raise ConfigError(f"cannot load model {self.model_location!r}: {str(exc).splitlines()[0]}") from exc
         if model.config.pad_token_id is None:
-            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-            tokenizer = getattr(datamodule, "tokenizer", None)
+            tokenizer = getattr(self.datamodule, "tokenizer", None)
             pad = getattr(tokenizer, "pad_token_id", None)
             model.config.pad_token_id = pad if pad is not None else getattr(model.config, "eos_token_id", None)
         model = apply_finetuning(model, self.finetuning, "SEQ_CLS")
