@@ -50,11 +50,23 @@ def main(args: list[str] | None = None) -> None:
     try:
         DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
                        save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
-    except DPLError as exc:
-        if os.environ.get("DPL_DEBUG"):
+    except Exception as exc:
+        error = _dpl_error_in(exc)
+        if error is None or os.environ.get("DPL_DEBUG"):
             raise
-        print(f"dpl: error: {exc}", file=sys.stderr)
+        print(f"dpl: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _dpl_error_in(exc: BaseException | None) -> DPLError | None:
+    """The DPLError that caused ``exc`` (jsonargparse wraps errors raised while instantiating classes)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, DPLError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ class PrivacyConfig:
     seed: int | None = None
     log_epsilon_every_n_steps: int = 10
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        """Raise :class:`~dpl.errors.ConfigError` with one line for an unusable setting."""
         if self.target_epsilon is not None and self.noise_multiplier is not None:
             raise ConfigError("set either privacy.target_epsilon or privacy.noise_multiplier, not both")
         if self.target_epsilon is None and self.noise_multiplier is None:

@@ -47,6 +47,7 @@ class DPModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.privacy = privacy if privacy is not None else PrivacyConfig()
+        self.privacy.validate()
         self.plugin_config = plugins or {}
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler

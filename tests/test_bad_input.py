@@ -1,0 +1,111 @@
+"""Bad input fails before training with one clear line (exit code 2) and writes no run directory."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import save_tiny_bert, write_sentiment_tsv
+
+from dpl.cli import main
+from dpl.errors import ConfigError
+from dpl.privacy import PrivacyConfig
+
+CONFIG = """
+trainer:
+  accelerator: cpu
+  max_steps: 2
+  default_root_dir: {root}
+  enable_progress_bar: false
+model:
+  class_path: dpl.modules.DPClassificationModule
+  init_args:
+    model: {model}
+    privacy: {{target_epsilon: 3.0, batch_size: 8, physical_batch_size: 8}}
+data:
+  class_path: dpl.data.ClassificationDataModule
+  init_args: {{tokenizer: {model}, data_dir: {data}, max_length: 16}}
+"""
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    model = save_tiny_bert(tmp / "model")
+    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=32)
+    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=8, seed=1)
+    return tmp, model
+
+
+def _run(workspace, *overrides, files=None, capsys=None):
+    tmp, model = workspace
+    data = tmp / "data"
+    if files:
+        data = tmp / f"data_{abs(hash(tuple(files.items())))}"
+        data.mkdir(exist_ok=True)
+        for name, text in files.items():
+            (data / name).write_text(text)
+    root = tmp / f"runs_{abs(hash(overrides))}_{data.name}"
+    config = tmp / "config.yaml"
+    config.write_text(CONFIG.format(root=root, model=model, data=data))
+    args = ["fit", "--config", str(config), *overrides]
+    if capsys is None:  # a real process, as a user runs it
+        result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1])
+        return result, root
+    with pytest.raises(SystemExit) as exit_info:  # in-process: the same code path, without interpreter start-up
+        main(args)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, exit_info.value.code, captured.out, captured.err), root
+
+
+def _assert_one_line_error(result, root, pattern):
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dpl: error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert pattern in errors[0], errors[0]
+    assert "Traceback" not in result.stderr
+    assert not root.exists(), "a run directory was written although the run failed"
+
+
+GOOD_TRAIN = "sentence\tlabel\n" + "the movie was good\tpositive\nthe film was bad\tnegative\n" * 8
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (("--model.init_args.privacy.target_epsilon", "0"), "target_epsilon must be > 0"),
+    (("--model.init_args.privacy.target_epsilon", "-1"), "target_epsilon must be > 0"),
+    (("--model.init_args.privacy.target_delta", "0"), "target_delta must be in (0, 1)"),
+    (("--model.init_args.privacy.target_delta", "1"), "target_delta must be in (0, 1)"),
+    (("--model.init_args.privacy.max_grad_norm", "0"), "max_grad_norm (C) must be > 0"),
+    (("--model.init_args.privacy.batch_size", "1000"), "larger than the training set"),
+    (("--model.init_args.plugins", "{nope: {}}"), "unknown plugin 'nope'"),
+    (("--data.init_args.data_dir", "/nonexistent/dir"), "not found"),
+    (("--data.init_args.text_column", "text"), "missing column(s) ['text']"),
+])
+def test_bad_input_fails_with_one_line(workspace, overrides, pattern, capsys):
+    result, root = _run(workspace, *overrides, capsys=capsys)
+    _assert_one_line_error(result, root, pattern)
+
+
+@pytest.mark.parametrize("files,pattern", [
+    ({"train.tsv": GOOD_TRAIN, "validation.tsv": "sentence\tlabel\nok\tneutral\n"}, "'neutral' is not in the label set"),
+    ({"train.tsv": GOOD_TRAIN + "broken row\tpositive\textra\n", "validation.tsv": GOOD_TRAIN}, "line 18"),
+])
+def test_bad_data_files(workspace, files, pattern, capsys):
+    result, root = _run(workspace, files=files, capsys=capsys)
+    _assert_one_line_error(result, root, pattern)
+
+
+def test_bad_input_in_a_real_process(workspace):
+    result, root = _run(workspace, "--model.init_args.privacy.max_grad_norm", "-1")
+    _assert_one_line_error(result, root, "max_grad_norm (C) must be > 0")
+
+
+@pytest.mark.parametrize("kwargs", [dict(target_epsilon=None, noise_multiplier=None),
+                                    dict(target_epsilon=1.0, noise_multiplier=1.0),
+                                    dict(target_epsilon=None, noise_multiplier=-1.0),
+                                    dict(max_grad_norm=float("inf"), target_epsilon=None, noise_multiplier=1.0),
+                                    dict(physical_batch_size=0)])
+def test_privacy_config_rejects_bad_values_directly(kwargs):
+    with pytest.raises(ConfigError):
+        PrivacyConfig(**kwargs).validate()

@@ -1,0 +1,39 @@
+"""Every shipped config parses with LightningCLI (run=False), alone and composed."""
+
+from pathlib import Path
+
+import pytest
+
+from dpl.cli import DPLightningCLI
+from dpl.data.base import DPDataModule
+from dpl.modules.base import DPModule
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "finetuning"
+                      and p.parent.name != "plugins")
+
+
+def _parse(*configs: Path):
+    args = [arg for c in configs for arg in ("--config", str(c))]
+    return DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                          args=args, auto_configure_optimizers=False)
+
+
+@pytest.mark.parametrize("config", TASK_CONFIGS, ids=[str(p.relative_to(ROOT)) for p in TASK_CONFIGS])
+def test_task_config_parses(config):
+    cli = _parse(config)
+    assert isinstance(cli.model, DPModule)
+    assert isinstance(cli.datamodule, DPDataModule)
+
+
+@pytest.mark.parametrize("fragment", sorted((ROOT / "configs").glob("*/*.yaml")), ids=lambda p: p.name)
+def test_fragments_compose_with_quickstart(fragment):
+    if fragment.parent.name not in ("finetuning", "plugins"):
+        pytest.skip("not a fragment")
+    cli = _parse(ROOT / "configs" / "quickstart.yaml", fragment)
+    assert isinstance(cli.model, DPModule)
+
+
+def test_lora_fragment_switches_method():
+    cli = _parse(ROOT / "configs" / "sst2" / "dpsgd.yaml", ROOT / "configs" / "finetuning" / "lora.yaml")
+    assert cli.model.finetuning.method == "lora"
