@@ -55,10 +55,10 @@ def nonprivate_step(model, batch) -> Callable[[], None]:
     return step
 
 
-def dpl_step(model, batch) -> Callable[[], None]:
+def dpl_step(model, batch, plugins: dict | None = None) -> Callable[[], None]:
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.SGD(list(trainable.values()), lr=1e-4)
-    pm = create_plugin_manager()
+    pm = create_plugin_manager(plugins)
 
     def loss(b):
         out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--denoise", nargs="*", default=["full", "randomized"], choices=["full", "randomized"],
+                        help="also time dpl with the denoise plugin, per SVD method")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     batch = make_batch(args.batch, args.tokens)
@@ -140,6 +142,10 @@ def main() -> None:
         label = f"MiniLM {method}" + (" (embeddings frozen)" if freeze else "")
         variants = {"non-private": nonprivate_step(load(method, freeze), batch),
                     "dpl": dpl_step(load(method, freeze), batch)}
+        if not freeze:
+            for svd in args.denoise:
+                variants[f"dpl + denoise ({svd} SVD)"] = dpl_step(load(method, freeze), batch,
+                                                                  {"denoise": {"svd": svd}})
         for mode in ("hooks", "ghost"):
             step = opacus_step(load(method, freeze), batch, mode)
             if step is not None:
@@ -150,9 +156,10 @@ def main() -> None:
             rows.append((label, name, seconds, seconds / base))
     print(f"\nbatch {args.batch} x {args.tokens} tokens, {args.repeats} interleaved repeats, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print("| model | step | median s | × non-private |\n|---|---|---|---|")
+    print("| model | step | median s | × non-private | × dpl |\n|---|---|---|---|---|")
+    dpl_time = {label: seconds for label, name, seconds, _ in rows if name == "dpl"}
     for label, name, seconds, ratio in rows:
-        print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} |")
+        print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} | {seconds / dpl_time[label]:.3f} |")
 
 
 if __name__ == "__main__":
