@@ -95,3 +95,13 @@ def test_quickstart_config_with_real_minilm(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dpl: trained 3 private steps" in out
     assert "val_acc=" in out
+
+
+@pytest.mark.parametrize("subcommand,metric", [("validate", "val_acc"), ("test", "test_acc")])
+def test_validate_and_test_subcommands(tiny, subcommand, metric, capsys):
+    tmp, model = tiny
+    main([subcommand, "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
+          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", model,
+          "--data.data_dir", str(tmp / "data"), "--data.max_length", "16", "--trainer.accelerator", "cpu",
+          "--trainer.default_root_dir", str(tmp / f"runs_{subcommand}"), "--trainer.enable_progress_bar", "false"])
+    assert metric in capsys.readouterr().out

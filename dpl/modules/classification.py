@@ -127,21 +127,25 @@ class DPClassificationModule(DPModule):
     def per_example_loss(self, batch: dict[str, Any]) -> Tensor:
         return F.cross_entropy(self(batch).float(), batch["labels"], reduction="none")
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+    def _evaluate(self, batch: dict[str, Any], prefix: str) -> None:
         logits = self(batch)
         loss = F.cross_entropy(logits.float(), batch["labels"])
         preds = logits.argmax(-1)
         self.val_accuracy.to(preds.device).update(preds, batch["labels"])
         self.val_f1.to(preds.device).update(preds, batch["labels"])
-        self.log("val_loss", loss, prog_bar=False, batch_size=len(preds))
+        self.log(f"{prefix}_loss", loss, prog_bar=False, batch_size=len(preds))
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_acc", self.val_accuracy.compute(), prog_bar=True)
         self.log("val_f1", self.val_f1.compute())
         self.val_accuracy.reset()
         self.val_f1.reset()
-
-    test_step = validation_step
 
     def on_test_epoch_end(self) -> None:
         self.log("test_acc", self.val_accuracy.compute())
