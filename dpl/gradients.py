@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from dpl.errors import PrivacyViolation
@@ -82,7 +81,3 @@ class PrivateGradient:
         """Noise std of the tensor under ``key``."""
         return self.noise_std[key] if isinstance(self.noise_std, dict) else float(self.noise_std)
 
-
-def zeros_like_params(params: dict[str, torch.nn.Parameter]) -> dict[str, Tensor]:
-    """Float32 zero tensors shaped like ``params`` (accumulators for sums)."""
-    return {name: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for name, p in params.items()}

@@ -43,7 +43,6 @@ class PoissonGaussian:
     def __init__(self, sample_rate: float, accountant: str = "prv") -> None:
         self.sample_rate = sample_rate
         self.accountant = accountant
-        self._cache: dict[tuple, float] = {}
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator) -> Sampler:
         return PoissonBatchSampler(num_examples, self.sample_rate, steps_per_epoch, generator)
@@ -55,13 +54,9 @@ class PoissonGaussian:
                                                      method=self.accountant)
 
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        key = (noise_multiplier, delta, steps)
-        if key not in self._cache:
-            from dpl import accounting
+        from dpl import accounting  # results are cached there
 
-            self._cache[key] = accounting.epsilon_for(noise_multiplier, self.sample_rate, steps, delta,
-                                                      method=self.accountant)
-        return self._cache[key]
+        return accounting.epsilon_for(noise_multiplier, self.sample_rate, steps, delta, method=self.accountant)
 
     def state_dict(self) -> dict[str, Any]:
         return {"sample_rate": self.sample_rate, "accountant": self.accountant}

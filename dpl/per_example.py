@@ -94,10 +94,7 @@ class PerExampleClipper:
         for rec in self.records:
             self._handles.append(rec.module.register_forward_pre_hook(self._make_pre_hook(rec)))
             self._handles.append(rec.module.register_forward_hook(self._make_hook(rec)))
-
-    @property
-    def parameter_names(self) -> list[str]:
-        return [n for rec in self.records for n in rec.full_names.values()]
+        self.parameter_names: list[str] = [n for rec in self.records for n in rec.full_names.values()]
 
     def remove(self) -> None:
         """Remove the hooks from the model."""

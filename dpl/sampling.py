@@ -2,7 +2,7 @@
 
 Poisson sampling (each example joins each logical batch independently with probability q) is what the
 subsampled-Gaussian accountant assumes. A mechanism that needs another scheme (FTRL: fixed-size batches
-from one shuffled order) says so through the ``configure_mechanism`` hook.
+from one shuffled order) brings its own sampler through the ``configure_mechanism`` hook.
 """
 
 from __future__ import annotations
@@ -38,29 +38,6 @@ class PoissonBatchSampler(Sampler[list[int]]):
         for _ in range(self.steps_per_epoch):
             mask = torch.rand(self.num_examples, generator=self.generator) < self.sample_rate
             yield mask.nonzero().flatten().tolist()
-
-
-class ShuffledBatchSampler(Sampler[list[int]]):
-    """Fixed-size batches from one shuffled order, repeated for every pass (each example appears once per pass,
-    every ``len(self)`` steps). Used by mechanisms whose accounting assumes this participation pattern."""
-
-    def __init__(self, num_examples: int, batch_size: int, generator: torch.Generator | None = None,
-                 drop_last: bool = True) -> None:
-        if batch_size > num_examples:
-            raise ValueError(f"batch size {batch_size} is larger than the data set ({num_examples} examples)")
-        self.num_examples = num_examples
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.generator = generator if generator is not None else secure_generator()
-        self.order = torch.randperm(num_examples, generator=self.generator).tolist()
-
-    def __len__(self) -> int:
-        n = self.num_examples // self.batch_size
-        return n if self.drop_last or self.num_examples % self.batch_size == 0 else n + 1
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for i in range(len(self)):
-            yield self.order[i * self.batch_size:(i + 1) * self.batch_size]
 
 
 def secure_generator(seed: int | None = None, device: str | torch.device = "cpu") -> torch.Generator:

@@ -1,0 +1,64 @@
+"""Where the private step's time goes, phase by phase (MiniLM full fine-tuning, embeddings frozen).
+
+    python benchmarks/step_breakdown.py [--repeats 4]
+
+Phases: the recorded forward pass, ``autograd.grad`` at the layer outputs, per-example norms ("prepare"),
+the clipped weighted sums, and drawing Gaussian noise for every trainable coordinate; next to the ordinary
+forward+backward of the same batch. Prints one line per repeat (the first includes warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from step_time import load, make_batch
+
+import dpl.per_example as pe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args()
+    model, batch = load("full", freeze_embeddings=True), make_batch(32, 64)
+    clipper = pe.PerExampleClipper(model)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def losses():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return F.cross_entropy(out.logits, batch["labels"], reduction="none")
+
+    for _ in range(args.repeats):
+        t = {}
+        start = time.perf_counter()
+        losses().sum().backward()
+        t["non-private fwd+bwd"] = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with clipper.record(32):
+            loss = losses()
+        t["forward"] = time.perf_counter() - start
+        start = time.perf_counter()
+        active = [r for r in clipper.records if r.outputs]
+        grads = iter(torch.autograd.grad(loss.sum(), [o for r in active for o in r.outputs]))
+        t["grad at outputs"] = time.perf_counter() - start
+        start = time.perf_counter()
+        grams: dict = {}
+        prepared = [pe._PREPARE[r.kind](r, [next(grads) for _ in r.outputs], grams) for r in active]
+        t["norms"] = time.perf_counter() - start
+        start = time.perf_counter()
+        for state in prepared:
+            state.weighted_sum(torch.ones(32))
+        t["clipped sums"] = time.perf_counter() - start
+        clipper._clear()
+        start = time.perf_counter()
+        torch.randn(numel)
+        t[f"noise ({numel / 1e6:.1f}M)"] = time.perf_counter() - start
+        print("  ".join(f"{k} {v:.3f}s" for k, v in t.items()))
+
+
+if __name__ == "__main__":
+    main()
