@@ -1,9 +1,10 @@
-"""Small helpers: resolving model locations."""
+"""Small helpers: resolving and loading pretrained models and tokenizers."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from dpl.errors import ConfigError
 
@@ -28,3 +29,46 @@ def resolve_path(location: str) -> str:
     if not path.exists():
         raise ConfigError(f"{location}: {path} does not exist")
     return str(path)
+
+
+def split_gguf(location: str) -> tuple[str, dict[str, str]]:
+    """``(folder, extra from_pretrained kwargs)`` for a resolved location: a ``.gguf`` file is loaded from its
+    folder with ``gguf_file=<name>`` (transformers dequantizes it to float32; needs the ``gguf`` package)."""
+    path = Path(location)
+    if path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    return location, {}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_tokenizer(location: str) -> Any:
+    """A tokenizer from a folder, hub id, ``.gguf`` file or ``pkg://`` location, with a pad token
+    (decoder-only tokenizers pad with EOS, or UNK)."""
+    from transformers import AutoTokenizer
+
+    folder, extra = split_gguf(resolve_path(location))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot load tokenizer {location!r}: {_first_line(exc)}") from exc
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+        if fallback is None:
+            raise ConfigError(f"tokenizer {location!r} has no pad, eos or unk token to pad with")
+        tokenizer.pad_token = fallback
+    return tokenizer
+
+
+def load_pretrained(auto_class: Any, location: str, **kwargs: Any) -> Any:
+    """``auto_class.from_pretrained`` for a folder, hub id, ``.gguf`` file or ``pkg://`` location, with one-line
+    :class:`~dpl.errors.ConfigError` on failure. The model is returned in train mode."""
+    folder, extra = split_gguf(resolve_path(location))
+    try:
+        model = auto_class.from_pretrained(folder, **extra, **kwargs)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot load model {location!r}: {_first_line(exc)}") from exc
+    return model.train()  # from_pretrained returns eval mode
