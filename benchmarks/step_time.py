@@ -132,13 +132,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--denoise", nargs="*", default=["full", "randomized"], choices=["full", "randomized"],
+    parser.add_argument("--denoise", nargs="*", default=["auto", "full", "randomized"],
+                        choices=["auto", "full", "randomized"],
                         help="also time dpl with the denoise plugin, per SVD method")
+    parser.add_argument("--only-denoise", action="store_true",
+                        help="time only non-private, dpl and dpl + denoise (no opacus, no frozen-embeddings model)")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     batch = make_batch(args.batch, args.tokens)
     rows = []
-    for method, freeze in [("full", False), ("full", True), ("lora", False)]:
+    configs = [("full", False), ("full", True), ("lora", False)]
+    if args.only_denoise:
+        configs = [c for c in configs if not c[1]]
+    for method, freeze in configs:
         label = f"MiniLM {method}" + (" (embeddings frozen)" if freeze else "")
         variants = {"non-private": nonprivate_step(load(method, freeze), batch),
                     "dpl": dpl_step(load(method, freeze), batch)}
@@ -146,7 +152,7 @@ def main() -> None:
             for svd in args.denoise:
                 variants[f"dpl + denoise ({svd} SVD)"] = dpl_step(load(method, freeze), batch,
                                                                   {"denoise": {"svd": svd}})
-        for mode in ("hooks", "ghost"):
+        for mode in () if args.only_denoise else ("hooks", "ghost"):
             step = opacus_step(load(method, freeze), batch, mode)
             if step is not None:
                 variants[f"opacus {mode}"] = step

@@ -46,6 +46,13 @@ def implemented_hooks(obj: Any) -> tuple[str, ...]:
                  and hasattr(getattr(obj, n), f"{hookspecs.PROJECT}_impl"))
 
 
+def _replaces(plugin: Any, hook: str) -> bool:
+    """Whether ``plugin``'s implementation of ``hook`` answers it; a pluggy wrapper (``wrapper=True`` or
+    ``hookwrapper=True``) only wraps whichever plugin answers, so it neither conflicts with nor replaces it."""
+    opts = getattr(getattr(plugin, hook), f"{hookspecs.PROJECT}_impl", None) or {}
+    return not (opts.get("wrapper") or opts.get("hookwrapper"))
+
+
 def describe_plugins() -> list[PluginInfo]:
     """One :class:`PluginInfo` per installed plugin, sorted by name (loads each entry point)."""
     infos = []
@@ -122,7 +129,7 @@ def create_plugin_manager(plugins: dict[str, Any] | list[Any] | None = None) -> 
     owners: dict[str, str] = {}
     for name, plugin in named:
         for hook in implemented_hooks(plugin):
-            if hook in _EXCLUSIVE_HOOKS:
+            if hook in _EXCLUSIVE_HOOKS and _replaces(plugin, hook):
                 if hook in owners:
                     raise PluginError(f"plugins {owners[hook]!r} and {name!r} both implement {hook!r} "
                                       "and cannot be combined")
@@ -144,4 +151,4 @@ def replaced_hooks(pm: pluggy.PluginManager) -> frozenset[str]:
     """Exclusive hooks implemented by a named plugin (so the default implementation is not used)."""
     named = set(active_plugin_names(pm))
     return frozenset(hook for name, plugin in pm.list_name_plugin() if name in named
-                     for hook in implemented_hooks(plugin) if hook in _EXCLUSIVE_HOOKS)
+                     for hook in implemented_hooks(plugin) if hook in _EXCLUSIVE_HOOKS and _replaces(plugin, hook))

@@ -72,3 +72,40 @@ def write_sentiment_tsv(path, rows: int = 64, seed: int = 0) -> str:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+LM_WORDS = ["name", "area", "food", "eat", "type", "pub", "restaurant", "city", "centre", "riverside", "italian",
+            "french", "is", "a", "in", "the", "serves", "food", "there", "near", "table", "sentence", ":", "[", "]",
+            ",", ".", "aromi", "alimentum", "cotto", "wildwood"]
+
+
+def tiny_llama_lm(vocab_size: int = 50, seed: int = 0, tie: bool = False):
+    """A tiny Llama causal LM (optionally with tied input/output embeddings)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config).train()
+
+
+def save_tiny_llama_lm(folder, tie: bool = True) -> str:
+    """A tiny Llama causal LM and a word-level tokenizer (pad 0, bos 1, eos 2) saved to ``folder``."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + sorted(set(LM_WORDS)))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                     pre_tokenizers.Punctuation()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(folder)
+    tiny_llama_lm(vocab_size=len(vocab), tie=tie).save_pretrained(folder)
+    return str(folder)

@@ -3,5 +3,7 @@ from the DP module (Poisson by default), because the privacy analysis owns how b
 
 from dpl.data.base import DPDataModule
 from dpl.data.classification import ClassificationDataModule, DataError
+from dpl.data.generation import DARTDataModule, E2EDataModule, GenerationDataModule, JSONLDataModule, Record
 
-__all__ = ["DPDataModule", "ClassificationDataModule", "DataError"]
+__all__ = ["DPDataModule", "ClassificationDataModule", "DataError", "GenerationDataModule", "E2EDataModule",
+           "DARTDataModule", "JSONLDataModule", "Record"]

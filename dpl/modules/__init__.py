@@ -2,5 +2,7 @@
 
 from dpl.modules.base import DPModule
 from dpl.modules.classification import DPClassificationModule, FinetuneOptions, LoraOptions
+from dpl.modules.generation import DPGenerationModule, GenerationOptions
 
-__all__ = ["DPModule", "DPClassificationModule", "FinetuneOptions", "LoraOptions"]
+__all__ = ["DPModule", "DPClassificationModule", "DPGenerationModule", "FinetuneOptions", "GenerationOptions",
+           "LoraOptions"]

@@ -4,20 +4,34 @@ After ``privatize``, each selected 2-D gradient matrix Y (per-entry noise std s,
 gradient's metadata) whose top singular value exceeds kappa * s * (sqrt(m) + sqrt(n)) is replaced by its
 Shabalin-Nobel optimal low-rank estimate, rescaled to Y's Frobenius norm (norm correction). It reads only the
 released gradient, so it is post-processing: no privacy cost. See ``shrinkage.py`` for the formulas.
+
+Opt-in and NOT private: ``nonprivate_diagnostics`` logs the seed paper's Improvement(t) = cos(D(g~), g) -
+cos(g~, g), which reads the clean clipped gradient g (see :meth:`DenoisePlugin.privatize`).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
+import warnings
+from collections.abc import Generator, Mapping
 from typing import Literal
 
+import torch
+from torch import Tensor
+
 from dpl.errors import ConfigError
-from dpl.gradients import PrivateGradient
+from dpl.gradients import GradientSum, PrivateGradient
 from dpl.hookspecs import hookimpl
 from dpl.step import RunSetup, StepContext
 from dpl_plugins.denoise.shrinkage import DenoiseStats, denoise_matrices
 
 RANK_ONE_ESTIMATORS = ("dpzero",)
+SVD_METHODS = ("auto", "full", "randomized")
+NONPRIVATE_PREFIX = "nonprivate/"
+NONPRIVATE_WARNING = ("denoise: non-private diagnostics enabled: logged values read the clean gradient and are not "
+                      "covered by the privacy guarantee (metrics named 'nonprivate/...'; use for research only, "
+                      "never release them)")
 
 
 class DenoisePlugin:
@@ -29,17 +43,28 @@ class DenoisePlugin:
             the ablation).
         parameters: ``all`` (every 2-D gradient: linear layers, LoRA A/B, trainable embeddings), ``lora``
             (LoRA A/B matrices only), or a list of glob patterns of parameter names.
-        svd: ``full`` (batched SVD) or ``randomized`` (leading components, growing the rank as needed).
+        svd: ``auto`` (default: a Cholesky certificate on the Gram matrix leaves pure-noise matrices alone without
+            any decomposition; the others get an eigendecomposition of their float64 Gram matrix), ``full``
+            (batched SVD, the reference) or ``randomized`` (leading components, growing the rank as needed).
+            All three give the same result (to float rounding; ``randomized`` to about 1e-3).
         rank: first rank tried by ``randomized``.
+        nonprivate_diagnostics: NOT PRIVATE, off by default. Log, every step, the seed paper's
+            Improvement = cos(D(g~), g) - cos(g~, g) of the denoiser D on the privatized gradient g~ against the
+            clean clipped gradient g (clipped sum / expected batch size), for the whole gradient and per denoised
+            matrix, under ``nonprivate/...`` names. The values are functions of the clean gradient: they are not
+            covered by the privacy guarantee. Training is unaffected (bit for bit).
     """
 
     def __init__(self, kappa: float = 1.02, norm_correction: bool = True,
                  parameters: Literal["all", "lora"] | list[str] = "all",
-                 svd: Literal["full", "randomized"] = "full", rank: int | None = None) -> None:
+                 svd: Literal["auto", "full", "randomized"] = "auto", rank: int | None = None,
+                 nonprivate_diagnostics: bool = False) -> None:
         if not kappa > 0:
             raise ConfigError(f"denoise: kappa must be > 0, got {kappa}")
-        if svd not in ("full", "randomized"):
-            raise ConfigError(f"denoise: svd must be 'full' or 'randomized', got {svd!r}")
+        if svd not in SVD_METHODS:
+            raise ConfigError(f"denoise: svd must be one of {', '.join(SVD_METHODS)}, got {svd!r}")
+        if not isinstance(nonprivate_diagnostics, bool):
+            raise ConfigError(f"denoise: nonprivate_diagnostics must be true or false, got {nonprivate_diagnostics!r}")
         self.kappa = kappa
         self.norm_correction = norm_correction
         self.patterns = {"all": ["*"], "lora": ["*lora_A*", "*lora_B*"]}.get(parameters, parameters) \
@@ -48,10 +73,19 @@ class DenoisePlugin:
             raise ConfigError(f"denoise: parameters must be 'all', 'lora' or a list of patterns, got {parameters!r}")
         self.svd = svd
         self.rank = rank
+        self.nonprivate_diagnostics = nonprivate_diagnostics
         self.step_calls = 0
 
     def _selected(self, name: str) -> bool:
         return any(fnmatch.fnmatch(name, p) for p in self.patterns)
+
+    def _denoise(self, values: Mapping[str, Tensor], gradient: PrivateGradient,
+                 seed: int) -> tuple[dict[str, Tensor], DenoiseStats]:
+        """D applied to ``values`` (a new dict; the input tensors are not modified)."""
+        selected = {k: v for k, v in values.items() if v.dim() == 2 and self._selected(k)}
+        stds = {k: gradient.std_of(k) for k in selected}
+        return denoise_matrices(selected, stds, kappa=self.kappa, norm_correction=self.norm_correction,
+                                method=self.svd, rank=self.rank, seed=seed)
 
     @hookimpl
     def validate_setup(self, setup: RunSetup) -> None:
@@ -62,13 +96,27 @@ class DenoisePlugin:
         matrices = [n for n, p in setup.trainable.items() if p.dim() == 2 and self._selected(n)]
         if not matrices:
             raise ConfigError(f"denoise: no trainable 2-D parameter matches {self.patterns}")
+        if self.nonprivate_diagnostics:
+            warnings.warn(NONPRIVATE_WARNING, UserWarning, stacklevel=2)
+
+    @hookimpl(wrapper=True)
+    def privatize(self, ctx: StepContext, gradient_sum: GradientSum) -> Generator[None, PrivateGradient | None,
+                                                                                    PrivateGradient | None]:
+        """A wrapper around whichever plugin privatizes (it adds nothing to the release and replaces nothing).
+
+        With ``nonprivate_diagnostics`` off (the default) it only passes the result through. With it on, once the
+        inner ``privatize`` has returned and before dpl wipes the clipped sum, it denoises a copy of the private
+        gradient and logs the cosines against the clean clipped gradient (``nonprivate/...``); the clean values
+        are dropped on return: nothing derived from them is kept in the plugin, ``ctx.scratch`` or the gradient.
+        """
+        private = yield
+        if self.nonprivate_diagnostics and private is not None:
+            self._log_nonprivate(ctx, gradient_sum, private)
+        return private
 
     @hookimpl
     def post_process(self, ctx: StepContext, gradient: PrivateGradient) -> None:
-        selected = {k: v for k, v in gradient.values.items() if v.dim() == 2 and self._selected(k)}
-        stds = {k: gradient.std_of(k) for k in selected}
-        denoised, stats = denoise_matrices(selected, stds, kappa=self.kappa, norm_correction=self.norm_correction,
-                                           method=self.svd, rank=self.rank, seed=ctx.step)
+        denoised, stats = self._denoise(gradient.values, gradient, seed=ctx.step)
         gradient.values.update(denoised)
         self.step_calls += 1
         self._log(ctx, stats)
@@ -80,8 +128,47 @@ class DenoisePlugin:
         ctx.log("denoise/spikes", float(stats.num_spikes))
         ctx.log("denoise/max_edge_ratio", float(stats.max_edge_ratio))
 
+    @torch.no_grad()
+    def _log_nonprivate(self, ctx: StepContext, gradient_sum: GradientSum, private: PrivateGradient) -> None:
+        """Log Improvement = cos(D(g~), g) - cos(g~, g), whole gradient and per denoised-eligible matrix.
+
+        NOT PRIVATE: reads the clean clipped sum. Only the logged floats leave this function.
+        """
+        clean = gradient_sum.values
+        noisy = private.values
+        denoised, _ = self._denoise(noisy, private, seed=ctx.step)  # new tensors: the release is not touched
+        whole = torch.zeros(5, dtype=torch.float64)  # <D, g>, <g~, g>, |D|^2, |g~|^2, |g|^2
+        per_layer: dict[str, float] = {}
+        for key, noisy_value in noisy.items():
+            if key not in clean:
+                continue
+            g = clean[key].detach().double().flatten()     # the clipped sum; the 1/B scale cancels in a cosine
+            y = noisy_value.detach().double().flatten()
+            d = denoised.get(key, noisy_value).detach().double().flatten()
+            sums = torch.stack([d @ g, y @ g, d @ d, y @ y, g @ g])
+            whole += sums.cpu()
+            if noisy_value.dim() == 2 and self._selected(key):
+                value = _improvement(*sums.tolist())
+                if value is not None:
+                    per_layer[key] = value
+        value = _improvement(*whole.tolist())
+        if value is not None:
+            ctx.log(NONPRIVATE_PREFIX + "denoise_improvement", value)
+            dg, yg, dd, yy, gg = whole.tolist()
+            ctx.log(NONPRIVATE_PREFIX + "denoise_cosine_noisy", yg / math.sqrt(yy * gg))
+            ctx.log(NONPRIVATE_PREFIX + "denoise_cosine_denoised", dg / math.sqrt(dd * gg))
+        for key, value in per_layer.items():
+            ctx.log(f"{NONPRIVATE_PREFIX}denoise_improvement/{key}", value)
+
     def state_dict(self) -> dict:
         return {"step_calls": self.step_calls}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_calls = int(state.get("step_calls", 0))
+
+
+def _improvement(dg: float, yg: float, dd: float, yy: float, gg: float) -> float | None:
+    """cos(D, g) - cos(y, g) from the inner products; None where a cosine is undefined (a zero vector)."""
+    if not (dd > 0 and yy > 0 and gg > 0):
+        return None
+    return dg / math.sqrt(dd * gg) - yg / math.sqrt(yy * gg)
