@@ -9,7 +9,7 @@ is per arm. Results are appended to ``benchmarks/results/e2e_generation.json``; 
     OMP_NUM_THREADS=2 python benchmarks/e2e_generation.py                 # both arms, one after the other
     OMP_NUM_THREADS=1 python benchmarks/e2e_generation.py --arms dp &      # or in parallel, one core each
     OMP_NUM_THREADS=1 python benchmarks/e2e_generation.py --arms nonprivate
-    python benchmarks/e2e_generation.py --summary                      # print the table from the results file
+    python benchmarks/e2e_generation.py --summary   # metrics recomputed from the predictions files, table printed
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict:
             if len(step_times) % 10 == 0:
                 print(f"[{arm}] step {len(step_times)}: {step_times[-1]:.1f} s/step", file=sys.stderr, flush=True)
 
-        def on_validation_epoch_end(self, trainer, pl_module):
+        def on_validation_end(self, trainer, pl_module):  # after the module has logged its metrics
             if trainer.sanity_checking:
                 return
             scores = {m: float(trainer.callback_metrics[f"val_{m}"]) for m in METRICS
@@ -101,17 +101,54 @@ def load_results() -> list[dict]:
     return json.loads(RESULTS.read_text()) if RESULTS.exists() else []
 
 
+def scores_from_predictions(arm: str) -> list[dict]:
+    """The five metrics recomputed from the predictions files a run wrote at each evaluation
+    (``runs/bench-e2e/<arm>/.../predictions/validation_step<N>.jsonl``): works for an interrupted run too."""
+    from dpl.metrics import compute_metrics
+
+    files = sorted((ROOT / "runs" / "bench-e2e" / arm).rglob("validation_step*.jsonl"),
+                   key=lambda p: int(p.stem.split("step")[1]))
+    rows = []
+    for path in files:
+        outputs = [json.loads(line) for line in path.read_text().splitlines()]
+        scores = compute_metrics([o["prediction"] for o in outputs], [o["references"] for o in outputs], METRICS)
+        rows.append({"step": int(path.stem.split("step")[1]), "inputs": len(outputs), **scores,
+                     "source": str(path.relative_to(ROOT))})
+    return rows
+
+
+def fill_from_predictions(results: list[dict], arms: list[str]) -> list[dict]:
+    """Add (or complete) each arm's evaluations from its predictions files."""
+    for arm in arms:
+        rows = scores_from_predictions(arm)
+        if not rows:
+            continue
+        result = next((r for r in results if r["arm"] == arm), None)
+        if result is None:  # an interrupted run: only its evaluations are known
+            result = {"arm": arm, "steps": rows[-1]["step"], "interrupted": True, "evaluations": []}
+            results.append(result)
+        known = {e["step"]: e for e in result["evaluations"]}
+        for row in rows:
+            known.setdefault(row["step"], {"step": row["step"]}).update(row)
+        result["evaluations"] = [known[k] for k in sorted(known)]
+    return results
+
+
 def summary(results: list[dict]) -> str:
     lines = ["| arm | step | epsilon | BLEU | ROUGE-L | METEOR | NIST | CIDEr |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for e in r["evaluations"]:
-            eps = "inf (σ=0)" if r["arm"] == "nonprivate" else f"{e['epsilon']:.2f}"
+            eps = "∞ (σ=0)" if r["arm"] == "nonprivate" else (f"{e['epsilon']:.2f}" if "epsilon" in e else "–")
             lines.append(f"| {r['arm']} | {e['step']} | {eps} | " + " | ".join(
-                f"{e[m] * (100 if m in ('bleu', 'rouge_l', 'meteor') else 1):.2f}" for m in METRICS) + " |")
+                f"{e[m] * (100 if m in ('bleu', 'rouge_l', 'meteor') else 1):.2f}" if m in e else "–"
+            for m in METRICS) + " |")
     lines.append("")
     lines.append("| arm | sigma | train examples | eval inputs | step time (s) | peak RSS (GiB) | wall (min) |")
     lines.append("|---|---|---|---|---|---|---|")
     for r in results:
+        if r.get("interrupted"):
+            lines.append(f"| {r['arm']} | interrupted after step {r['steps']} | | | | | |")
+            continue
         lines.append(f"| {r['arm']} | {r['sigma']:.3f} | {r['train_examples']} | {r['eval_inputs']} | "
                      f"{r['step_time_s_mean']:.2f} | {r['peak_rss_gib']:.2f} | {r['wall_s'] / 60:.1f} |")
     return "\n".join(lines)
@@ -143,7 +180,9 @@ def main() -> None:
         print("RESULT " + json.dumps(run_arm(args, args.worker)), flush=True)
         return
     if args.summary:
-        print(summary(load_results()))
+        results = fill_from_predictions(load_results(), args.arms)
+        RESULTS.write_text(json.dumps(results, indent=1))
+        print(summary(results))
         return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for arm in args.arms:

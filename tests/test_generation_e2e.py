@@ -88,3 +88,21 @@ def test_smollm2_lora_on_real_e2e(tmp_path, capsys):
     assert len(predictions) == 4
     assert all(p["prompt"].startswith("Table: name[") and len(p["references"]) >= 1 for p in predictions)
     assert sum(len(p["prediction"]) > 0 for p in predictions) >= 3  # a real LM writes text
+
+
+@pytest.mark.parametrize("content, message", [
+    ("mr,text\nname[aromi],aromi is a pub .\n", "ref"),                      # missing column
+    ("mr,ref\nname[aromi],aromi is a pub .\nname[cotto],   \n", "line 3"),   # empty reference
+], ids=["missing-ref-column", "empty-reference"])
+def test_bad_e2e_data_is_one_line_error(tmp_path, capsys, content, message):
+    model = save_tiny_llama_lm(tmp_path / "model")
+    (tmp_path / "train.csv").write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--model", "dpl.modules.DPGenerationModule", "--model.model", model,
+              "--data", "dpl.data.E2EDataModule", "--data.tokenizer", model,
+              "--data.train_file", str(tmp_path / "train.csv"), "--trainer.max_steps", "2",
+              "--trainer.default_root_dir", str(tmp_path / "runs")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dpl: error:") and message in err[-1] and "train.csv" in err[-1]
+    assert not (tmp_path / "runs").exists()

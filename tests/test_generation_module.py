@@ -136,3 +136,28 @@ def test_untied_loss_finite(tiny_lm):
     module = DPGenerationModule(model=tiny_lm, tied_embeddings="untie")
     module.ensure_model()
     assert all(math.isfinite(float(x)) for x in module.per_example_loss(_batch()))
+
+
+def test_plugins_work_for_generation(tiny_lm, tmp_path):
+    """The same private step and plugins as classification: denoise runs on a causal LM's gradients."""
+    import lightning as L
+
+    from dpl.data import E2EDataModule
+    from dpl.privacy import PrivacyConfig
+
+    rows = ["mr,ref"] + [f"name[aromi] food[italian],aromi serves italian food {i % 3} ." for i in range(40)]
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    logged = {}
+    module = DPGenerationModule(model=tiny_lm, finetuning=FinetuneOptions(method="full"), tied_embeddings="untie",
+                                privacy=PrivacyConfig(target_epsilon=8, batch_size=8, physical_batch_size=4, seed=3),
+                                plugins={"denoise": {}})
+    module._log_metric = lambda name, value: logged.setdefault(name, value)
+    data = E2EDataModule(tokenizer=tiny_lm, train_file=str(tmp_path / "train.csv"), max_length=24)
+    before = {n: p.detach().clone() for n, p in module.ensure_model().named_parameters()}
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    assert module.steps_done == 2
+    assert any(k.startswith("denoise") for k in logged), logged
+    changed = [n for n, p in module.model.named_parameters() if not torch.equal(p, before[n])]
+    assert "lm_head.weight" in changed and "model.embed_tokens.weight" in changed
