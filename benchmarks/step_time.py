@@ -115,15 +115,16 @@ def opacus_step(model, batch, mode: str) -> Callable[[], None] | None:
     return step
 
 
-def timeit(variants: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def timeit(variants: dict[str, Callable[[], None]], repeats: int,
+           clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up
         fn()
     for _ in range(repeats):
         for name, fn in variants.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -137,6 +138,9 @@ def main() -> None:
                         help="also time dpl with the denoise plugin, per SVD method")
     parser.add_argument("--only-denoise", action="store_true",
                         help="time only non-private, dpl and dpl + denoise (no opacus, no frozen-embeddings model)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "process"],
+                        help="process: CPU seconds of this process (robust to other jobs on a shared machine; use "
+                             "with OMP_NUM_THREADS=1)")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     batch = make_batch(args.batch, args.tokens)
@@ -156,11 +160,11 @@ def main() -> None:
             step = opacus_step(load(method, freeze), batch, mode)
             if step is not None:
                 variants[f"opacus {mode}"] = step
-        medians = timeit(variants, args.repeats)
+        medians = timeit(variants, args.repeats, time.process_time if args.clock == "process" else time.perf_counter)
         base = medians["non-private"]
         for name, seconds in medians.items():
             rows.append((label, name, seconds, seconds / base))
-    print(f"\nbatch {args.batch} x {args.tokens} tokens, {args.repeats} interleaved repeats, "
+    print(f"\nbatch {args.batch} x {args.tokens} tokens, {args.repeats} interleaved repeats, {args.clock} clock, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
     print("| model | step | median s | × non-private | × dpl |\n|---|---|---|---|---|")
     dpl_time = {label: seconds for label, name, seconds, _ in rows if name == "dpl"}

@@ -470,6 +470,14 @@ def test_bad_arguments():
         optimal_shrinkage(torch.ones(3, 3, dtype=torch.int64), 1.0)
     with pytest.raises(ValueError):
         optimal_shrinkage(torch.stack([Yt, Yt]), torch.tensor([1.0, 1.0, 1.0]))
-    empty, st = optimal_shrinkage(torch.zeros(0, 5), 1.0)
-    assert empty.shape == (0, 5) and st.num_denoised == 0
+    for method in ("auto", "full"):
+        empty, st = optimal_shrinkage(torch.zeros(0, 5), 1.0, method=method)
+        assert empty.shape == (0, 5) and st.num_denoised == 0
+        empty, st = optimal_shrinkage(torch.zeros(0, 4, 3), 1.0, method=method)
+        assert empty.shape == (0, 4, 3) and st == DenoiseStats()
+    column = torch.from_numpy(signal_plus_noise(300, 1, [4.0], seed=61)[1]).float()  # a single column: n = 1
+    for method in ("auto", "full"):
+        out, st = optimal_shrinkage(column, 1.0, method=method)
+        ref, st_ref = optimal_shrinkage(column, 1.0, method="full")
+        assert st.num_denoised == st_ref.num_denoised and rel(out.numpy(), ref.numpy()) < 1e-5
     assert denoise_matrices({}, 1.0) == ({}, DenoiseStats())
