@@ -9,6 +9,7 @@ is per arm. Results are appended to ``benchmarks/results/e2e_generation.json``; 
     OMP_NUM_THREADS=2 python benchmarks/e2e_generation.py                 # both arms, one after the other
     OMP_NUM_THREADS=1 python benchmarks/e2e_generation.py --arms dp &      # or in parallel, one core each
     OMP_NUM_THREADS=1 python benchmarks/e2e_generation.py --arms nonprivate
+    OMP_NUM_THREADS=2 python benchmarks/e2e_generation.py --timing 4   # step time only, side by side
     python benchmarks/e2e_generation.py --summary   # metrics recomputed from the predictions files, table printed
 """
 
@@ -97,6 +98,53 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict:
     }
 
 
+def timing(args: argparse.Namespace) -> None:
+    """Step time side by side on one machine state: the private step (per-example clipping + noise, batch of
+    ``--batch-size`` real E2E examples) vs a plain non-private forward/backward on the same batch, interleaved."""
+    import statistics
+
+    import torch
+
+    from dpl.data.generation import E2EDataModule
+    from dpl.modules import FinetuneOptions, LoraOptions
+    from dpl.modules.generation import DPGenerationModule
+    from dpl.privacy import PrivacyConfig
+    from dpl.step import StepContext, private_step
+
+    torch.set_num_threads(args.threads)
+    data = E2EDataModule(train_file=str(args.data), holdout_mrs=args.holdout_mrs, max_length=args.max_length)
+    data.setup("fit")
+    batch = data.collate([data.train_set[i] for i in range(args.batch_size)])
+    lora = LoraOptions(r=args.lora_r, alpha=args.lora_r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    module = DPGenerationModule(finetuning=FinetuneOptions(method="lora", lora=lora),
+                                privacy=PrivacyConfig(batch_size=args.batch_size, noise_multiplier=0.5))
+    model = module.ensure_model()
+    ctx = StepContext(model=model, trainable=module.trainable, per_example_loss=module.per_example_loss,
+                      max_grad_norm=1.0, noise_multiplier=0.5, expected_batch_size=args.batch_size, step=0,
+                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+
+    def nonprivate():
+        model.zero_grad(set_to_none=True)
+        module.per_example_loss(batch).mean().backward()
+
+    def private():
+        private_step(module.plugin_manager.hook, ctx, batch, args.physical_batch_size)
+
+    times = {"non-private": [], "dpl (DP-SGD)": []}
+    for _ in range(args.timing):
+        for name, fn in (("non-private", nonprivate), ("dpl (DP-SGD)", private)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["non-private"][1:])
+    print(f"SmolLM2-135M + LoRA r={args.lora_r}, batch {args.batch_size} E2E examples "
+          f"({int(batch['attention_mask'].sum())} tokens), {args.threads} threads, {args.timing} repeats (first dropped)")
+    for name, values in times.items():
+        med = statistics.median(values[1:])
+        print(f"| {name} | {med:.2f} s | {med / base:.2f}x |")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
 def load_results() -> list[dict]:
     return json.loads(RESULTS.read_text()) if RESULTS.exists() else []
 
@@ -106,7 +154,11 @@ def scores_from_predictions(arm: str) -> list[dict]:
     (``runs/bench-e2e/<arm>/.../predictions/validation_step<N>.jsonl``): works for an interrupted run too."""
     from dpl.metrics import compute_metrics
 
-    files = sorted((ROOT / "runs" / "bench-e2e" / arm).rglob("validation_step*.jsonl"),
+    versions = sorted((ROOT / "runs" / "bench-e2e" / arm).glob("lightning_logs/version_*"),
+                      key=lambda p: int(p.name.split("_")[1]))
+    if not versions:
+        return []
+    files = sorted(versions[-1].glob("predictions/validation_step*.jsonl"),  # the latest run of the arm
                    key=lambda p: int(p.stem.split("step")[1]))
     rows = []
     for path in files:
@@ -173,11 +225,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", action="store_true")
+    parser.add_argument("--timing", type=int, metavar="REPEATS", help="only time the step (private vs non-private)")
     parser.add_argument("--worker", choices=["dp", "nonprivate"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:  # one arm in this process; the result goes to stdout as the last line
         print("RESULT " + json.dumps(run_arm(args, args.worker)), flush=True)
+        return
+    if args.timing:
+        timing(args)
         return
     if args.summary:
         results = fill_from_predictions(load_results(), args.arms)
