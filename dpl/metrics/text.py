@@ -97,7 +97,7 @@ __all__ = ["METRICS", "MeteorFallbackWarning", "compute_metrics", "meteor_java_a
 METRICS: tuple[str, ...] = ("bleu", "rouge_l", "meteor", "nist", "cider")
 
 MeteorBackend = Literal["auto", "java", "python"]
-_METEOR_BACKENDS = ("auto", "java", "python")
+METEOR_BACKENDS = ("auto", "java", "python")
 
 # Standalone tokens that the MS-COCO PTBTokenizer wrapper drops ("-LRB-" etc. are its brackets).
 _COCO_PUNCTUATION = frozenset(
@@ -159,9 +159,9 @@ def compute_metrics(
         TypeError: ``predictions`` or a ``references[i]`` is a single string, or holds a non-string.
         RuntimeError: ``meteor_backend="java"`` and the METEOR jar cannot be run.
     """
-    names = _check_metric_names(metrics)
-    if meteor_backend not in _METEOR_BACKENDS:
-        raise ConfigError(f"unknown meteor_backend {meteor_backend!r}; valid backends: {', '.join(_METEOR_BACKENDS)}")
+    names = check_metric_names(metrics)
+    if meteor_backend not in METEOR_BACKENDS:
+        raise ConfigError(f"unknown meteor_backend {meteor_backend!r}; valid backends: {', '.join(METEOR_BACKENDS)}")
     _check_corpus(predictions, references)
 
     hyp_tokens = [tokenize(p) for p in predictions]
@@ -188,7 +188,8 @@ def compute_metrics(
 # --------------------------------------------------------------------------- input checks
 
 
-def _check_metric_names(metrics: Sequence[str] | str) -> list[str]:
+def check_metric_names(metrics: Sequence[str] | str) -> list[str]:
+    """The distinct metric names in order; ``ConfigError`` naming the valid ones for an unknown name."""
     if isinstance(metrics, str):
         metrics = [metrics]
     names: list[str] = []

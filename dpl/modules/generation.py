@@ -21,7 +21,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from dpl.errors import ConfigError
-from dpl.metrics.text import _METEOR_BACKENDS, METRICS, _check_metric_names, compute_metrics
+from dpl.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
 from dpl.modules.base import DPModule
 from dpl.modules.classification import FinetuneOptions, apply_finetuning
 from dpl.privacy import PrivacyConfig
@@ -56,9 +56,9 @@ class GenerationOptions:
             raise ConfigError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_beams < 1:
             raise ConfigError(f"generation.num_beams must be >= 1, got {self.num_beams}")
-        self.metrics = _check_metric_names(self.metrics)
-        if self.meteor_backend not in _METEOR_BACKENDS:
-            raise ConfigError(f"generation.meteor_backend must be one of {', '.join(_METEOR_BACKENDS)}, "
+        self.metrics = check_metric_names(self.metrics)
+        if self.meteor_backend not in METEOR_BACKENDS:
+            raise ConfigError(f"generation.meteor_backend must be one of {', '.join(METEOR_BACKENDS)}, "
                               f"got {self.meteor_backend!r}")
 
 
