@@ -19,3 +19,8 @@ class PluginError(ConfigError):
 
 class PrivacyViolation(DPLError, RuntimeError):
     """Code tried to read data that the privacy contract forbids at that point (a bug, never user error)."""
+
+
+class PrivacyWarning(Warning):
+    """A setting that weakens the privacy guarantee or its interpretation (a seed, a large delta, non-private
+    diagnostics). Deliberately not a ``UserWarning``, so that filters aimed at ordinary warnings keep it."""

@@ -25,7 +25,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from dpl.gradients import GradientSum, PrivateGradient
     from dpl.mechanism import Mechanism
-    from dpl.step import RunSetup, StepContext
+    from dpl.step import ReleaseContext, RunSetup, StepContext
 
 PROJECT = "dpl"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -59,29 +59,32 @@ def privatize(ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient | 
     right after. The returned :class:`~dpl.gradients.PrivateGradient` must carry the per-coordinate standard
     deviation of the noise it contains (``noise_std``) so that later hooks can use it.
 
-    Privacy contract: the noise is drawn from ``ctx.noise_generator`` (seeded from OS entropy unless the user
-    set a seed); no public value may determine it.
+    Privacy contract: the noise is drawn from ``ctx.noise_generator`` (its whole state filled from OS entropy
+    unless the user set ``privacy.seed``; identical on every DDP rank, so the noise is added once); no public
+    value may determine it (never ``ctx.public_seed``). The release's ``mechanism`` must be the name of the
+    mechanism the run accounts for (``configure_mechanism``); dpl checks it every step.
     Default: ``gaussian`` (independent N(0, sigma^2 C^2) per coordinate).
     Example: FTRL adds correlated noise built from the current and past draws.
     """
 
 
 @hookspec
-def post_process(ctx: StepContext, gradient: PrivateGradient) -> None:
+def post_process(ctx: ReleaseContext, gradient: PrivateGradient) -> None:
     """Transform the private gradient in place (``gradient.values``).
 
     Called once per step for every active plugin that implements it, in the order the plugins are named in
     the config.
 
     Privacy contract: read only ``gradient``, public data and the plugin's own state - never the clipped sum
-    or per-example data. That makes it post-processing of a DP release, free of privacy cost.
+    or per-example data. That makes it post-processing of a DP release, free of privacy cost. ``ctx`` is a
+    :class:`~dpl.step.ReleaseContext`: it has no noise generator and no forward pass on the examples.
     Example: ``denoise`` shrinks each 2-D gradient matrix with random-matrix theory, reading
     ``gradient.noise_std``.
     """
 
 
 @hookspec(firstresult=True)
-def precondition(ctx: StepContext, gradient: PrivateGradient) -> dict[str, Any] | None:
+def precondition(ctx: ReleaseContext, gradient: PrivateGradient) -> dict[str, Any] | None:
     """Return the update direction per trainable parameter name; dpl writes it to ``param.grad`` and calls
     the configured torch optimizer.
 

@@ -7,6 +7,7 @@ compositions of the subsampled Gaussian (RDP as fallback).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -21,8 +22,10 @@ class Mechanism(Protocol):
 
     name: str
 
-    def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator) -> Sampler:
-        """The training batch sampler its privacy analysis assumes."""
+    def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
+                      start_step: int = 0) -> Sampler:
+        """The training batch sampler its privacy analysis assumes. ``start_step`` is the global index of the
+        first step the run will take (non-zero on resume); ``generator`` is secret."""
 
     def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
         """Smallest noise multiplier whose (epsilon, delta) after ``steps`` is within the target."""
@@ -30,9 +33,16 @@ class Mechanism(Protocol):
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
         """Epsilon spent after ``steps`` steps."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def epsilon_of_segments(self, segments: list[tuple[float, int, float]], delta: float) -> float:
+        """Epsilon of consecutive segments ``(noise_multiplier, steps, sampling_rate)`` (a run resumed with
+        changed settings under ``privacy.force_resume``). May raise :class:`~dpl.errors.ConfigError` if the
+        mechanism has no analysis for it."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def state_dict(self) -> dict[str, Any]:
+        """Public state (goes into the checkpoint)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; raise ConfigError on a mismatch that would break the accounting."""
 
 
 class PoissonGaussian:
@@ -44,7 +54,9 @@ class PoissonGaussian:
         self.sample_rate = sample_rate
         self.accountant = accountant
 
-    def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator) -> Sampler:
+    def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
+                      start_step: int = 0) -> Sampler:
+        # Every Poisson batch is a fresh draw: where the run resumes does not matter.
         return PoissonBatchSampler(num_examples, self.sample_rate, steps_per_epoch, generator)
 
     def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
@@ -58,9 +70,18 @@ class PoissonGaussian:
 
         return accounting.epsilon_for(noise_multiplier, self.sample_rate, steps, delta, method=self.accountant)
 
+    def epsilon_of_segments(self, segments: list[tuple[float, int, float]], delta: float) -> float:
+        from dpl.accounting import PoissonGaussianAccountant
+
+        accountant = PoissonGaussianAccountant(self.accountant)
+        for sigma, steps, *rate in segments:
+            if sigma == 0 and steps > 0:
+                return math.inf
+            accountant.step(sigma, rate[0] if rate else self.sample_rate, steps)
+        return accountant.epsilon(delta)
+
     def state_dict(self) -> dict[str, Any]:
         return {"sample_rate": self.sample_rate, "accountant": self.accountant}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if abs(state["sample_rate"] - self.sample_rate) > 1e-12:
-            raise ValueError("checkpoint was trained with another sampling rate; resuming would break accounting")
+        self.accountant = state.get("accountant", self.accountant)

@@ -170,9 +170,15 @@ class PerExampleClipper:
             factors = torch.ones_like(norms)
         else:
             factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        # An example whose gradient is not finite (NaN/inf input, overflow) contributes exactly zero: otherwise
+        # one record would turn the whole release into NaN (0 * inf = NaN), an event of unbounded privacy loss.
+        finite = torch.isfinite(norms)
+        keep = None if bool(finite.all()) else finite
+        if keep is not None:
+            factors = torch.where(keep, factors, torch.zeros_like(factors))
         sums = {}
         for rec, state in prepared:
-            for local, tensor in state.weighted_sum(factors).items():
+            for local, tensor in state.weighted_sum(factors, keep).items():
                 sums[rec.full_names[local]] = tensor
         self._clear()
         if len(sums) < len(self.parameter_names):  # modules unused in this forward pass contribute zeros
@@ -186,7 +192,14 @@ class PerExampleClipper:
 @dataclass
 class _Prepared:
     sq_norms: Tensor
-    weighted_sum: callable
+    weighted_sum: callable  # (factors, keep) -> sums; keep: None or a bool mask of the examples to include
+
+
+def _zero_rows(t: Tensor, keep: Tensor | None) -> Tensor:
+    """``t`` with the examples (dim 0) not in ``keep`` set to exactly zero (NaN/inf included)."""
+    if keep is None:
+        return t
+    return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 def _as_3d(t: Tensor) -> Tensor:
@@ -236,7 +249,12 @@ def _prepare_linear(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor
     if has_bias:
         sq = sq + bias_grad.pow(2).sum(1)
 
-    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
+    def weighted_sum(factors: Tensor, keep: Tensor | None = None) -> dict[str, Tensor]:
+        nonlocal a, g, per_example_weight, bias_grad
+        if keep is not None:
+            a, g = _zero_rows(a, keep), _zero_rows(g, keep)
+            per_example_weight = None if per_example_weight is None else _zero_rows(per_example_weight, keep)
+            bias_grad = None if bias_grad is None else _zero_rows(bias_grad, keep)
         out = {}
         if has_weight:
             if per_example_weight is not None:
@@ -264,10 +282,10 @@ def _prepare_embedding(rec: _Record, grads: list[Tensor], grams: dict[tuple, Ten
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)).float()
     sq = _batched_dot(same, torch.bmm(g, g.transpose(1, 2)))
 
-    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
+    def weighted_sum(factors: Tensor, keep: Tensor | None = None) -> dict[str, Tensor]:
         weight = rec.params["weight"]
         out = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        out.index_add_(0, ids.reshape(-1), (g * factors[:, None, None]).reshape(-1, g.shape[-1]))
+        out.index_add_(0, ids.reshape(-1), (_zero_rows(g, keep) * factors[:, None, None]).reshape(-1, g.shape[-1]))
         return {"weight": out}
 
     return _Prepared(sq, weighted_sum)
@@ -294,8 +312,8 @@ def _per_example_prepared(per_example: dict[str, Tensor]) -> _Prepared:
     """Norms and weighted sums from materialised per-example gradients (small parameters only)."""
     sq = sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
 
-    def weighted_sum(factors: Tensor) -> dict[str, Tensor]:
-        return {n: torch.tensordot(factors, t, dims=1) for n, t in per_example.items()}
+    def weighted_sum(factors: Tensor, keep: Tensor | None = None) -> dict[str, Tensor]:
+        return {n: torch.tensordot(factors, _zero_rows(t, keep), dims=1) for n, t in per_example.items()}
 
     return _Prepared(sq, weighted_sum)
 

@@ -15,7 +15,13 @@ class PrivacyConfig:
 
     Args:
         target_epsilon: epsilon to reach at the end of training; the noise multiplier is calibrated to it.
-        target_delta: delta; default 1 / N^1.1 for N training examples (a warning if >= 1/N).
+        target_delta: delta; default 1 / (10 N) for N training examples, so that N * delta = 0.1 (a warning if
+            N * delta > 0.1). delta is the probability with which the guarantee may fail outright; a mechanism
+            that published each example with probability delta would be (0, delta)-DP and expose N * delta
+            examples on average, so N * delta must be small.
+        max_epsilon: privacy budget: training stops (checkpoint written, summary printed) before a step would
+            spend more, also after a resume, and a plan that would exceed it is refused before training.
+            Default: ``target_epsilon`` (none if only ``noise_multiplier`` is set).
         noise_multiplier: sigma (noise std / C). If set, it is used as is (``target_epsilon`` is ignored) and
             the epsilon it gives is reported.
         max_grad_norm: clipping bound C on each example's gradient (its L2 norm); ``.inf`` disables
@@ -24,7 +30,11 @@ class PrivacyConfig:
         physical_batch_size: most examples per forward/backward pass (bounds memory; no effect on privacy).
         accountant: ``prv`` (default; falls back to ``rdp`` if PRV fails) or ``rdp``.
         seed: seed of the noise and sampling generators. Only for reproducible experiments: a seed that is
-            known makes the noise known. Default: OS entropy.
+            known makes the noise known. Default: OS entropy (the generators' whole state).
+        secure_noise: draw the noise from the operating system's CSPRNG with the floating-point-attack
+            mitigation of opacus' secure mode (see :mod:`dpl.noise`); slower, never reproducible.
+        force_resume: resume from a checkpoint even though sigma, C, the sampling rate, delta or the mechanism
+            changed; epsilon is then composed over both parts (never reset). Without it such a resume is refused.
         log_epsilon_every_n_steps: how often epsilon spent is logged (and at the end).
     """
 
@@ -36,7 +46,10 @@ class PrivacyConfig:
     physical_batch_size: int = 32
     accountant: Literal["prv", "rdp"] = "prv"
     seed: int | None = None
-    log_epsilon_every_n_steps: int = 10
+    max_epsilon: float | None = None
+    secure_noise: bool = False
+    force_resume: bool = False
+    log_epsilon_every_n_steps: int = 1
 
     def validate(self) -> None:
         """Raise :class:`~dpl.errors.ConfigError` with one line for an unusable setting."""
@@ -54,8 +67,20 @@ class PrivacyConfig:
             raise ConfigError("privacy.max_grad_norm is infinite: noise would be infinite too; set a finite C")
         if self.batch_size < 1 or self.physical_batch_size < 1:
             raise ConfigError("privacy.batch_size and privacy.physical_batch_size must be >= 1")
+        if self.max_epsilon is not None and not self.max_epsilon > 0:
+            raise ConfigError(f"privacy.max_epsilon must be > 0, got {self.max_epsilon}")
+        if self.secure_noise and self.seed is not None:
+            raise ConfigError("privacy.secure_noise draws from the OS CSPRNG and cannot be seeded: unset privacy.seed")
         if self.log_epsilon_every_n_steps < 1:
             raise ConfigError("privacy.log_epsilon_every_n_steps must be >= 1")
 
     def delta_for(self, num_examples: int) -> float:
-        return self.target_delta if self.target_delta is not None else 1.0 / num_examples ** 1.1
+        return self.target_delta if self.target_delta is not None else 0.1 / num_examples
+
+    @property
+    def budget(self) -> float | None:
+        """The epsilon training may never exceed (``max_epsilon``, else ``target_epsilon`` when sigma is
+        calibrated to it)."""
+        if self.max_epsilon is not None:
+            return self.max_epsilon
+        return self.target_epsilon if self.noise_multiplier is None else None

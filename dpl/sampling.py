@@ -40,10 +40,41 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield mask.nonzero().flatten().tolist()
 
 
+_MT_WORDS = 624  # MT19937 state words (32 bits each)
+_MT_WORDS_OFFSET = 24  # byte offset of the state words in torch's CPU generator state (uint64 each)
+
+
 def secure_generator(seed: int | None = None, device: str | torch.device = "cpu") -> torch.Generator:
-    """A torch.Generator seeded from OS entropy (``seed=None``) or, for reproducibility only, from ``seed``."""
+    """A secret ``torch.Generator``: with ``seed=None`` its whole state comes from OS entropy; with a seed,
+    it is reproducible (for experiments only: whoever knows the seed knows the noise and the batches).
+
+    ``manual_seed`` would keep only 32 bits of entropy on the CPU (torch's MT19937 is seeded by a 32-bit
+    integer), i.e. 2^32 possible streams. Here all 624 state words (19,968 bits) are filled from ``secrets``.
+    CUDA generators (Philox) take a 64-bit key: they are seeded with 64 bits from ``secrets``.
+    """
     import secrets
 
     gen = torch.Generator(device=device)
-    gen.manual_seed(secrets.randbits(63) if seed is None else seed)
+    if seed is not None:
+        gen.manual_seed(seed)
+        return gen
+    if gen.device.type != "cpu":
+        gen.manual_seed(secrets.randbits(64))
+        return gen
+    gen.manual_seed(0)
+    state = gen.get_state().clone()
+    words = torch.frombuffer(bytearray(secrets.token_bytes(4 * _MT_WORDS)), dtype=torch.int32).to(torch.int64)
+    words = words & 0xFFFFFFFF  # unsigned 32-bit values, stored as uint64 in the state
+    state[_MT_WORDS_OFFSET:_MT_WORDS_OFFSET + 8 * _MT_WORDS] = words.view(torch.uint8)
+    gen.set_state(state)  # "left" is 1: the first draw regenerates the whole state from these words
     return gen
+
+
+def derive_seed(seed: int | None, purpose: str) -> int | None:
+    """A per-purpose seed derived from the user's ``privacy.seed`` (``None`` stays ``None``: OS entropy)."""
+    if seed is None:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}:{purpose}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

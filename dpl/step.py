@@ -29,11 +29,17 @@ class RunSetup:
     optimizer_name: str
     task: str  # "classification" | "generation"
     replaced_hooks: frozenset[str] = frozenset()  # exclusive hooks a named plugin implements (replacing a default)
+    seed: int | None = None  # privacy.seed (reproducible experiments only) or None: OS entropy
+    world_size: int = 1
+    optimizer_factory: Any = None  # the configured optimizer callable (plugins may refuse some optimizers)
+    secure_noise: bool = False  # noise from the OS CSPRNG (dpl.noise.SecureNormal): it cannot be replayed
 
 
 @dataclass
 class StepContext:
-    """What the step hooks see. ``per_example_loss(batch) -> Tensor[b]`` runs the model's forward pass."""
+    """What ``estimate_gradient`` and ``privatize`` see. ``per_example_loss(batch) -> Tensor[b]`` runs the
+    model's forward pass; ``noise_generator`` is secret (identical on every DDP rank); ``public_seed`` is a
+    public per-step seed (identical on every rank) for public randomness such as DPZero's direction."""
 
     model: nn.Module
     trainable: dict[str, nn.Parameter]
@@ -45,6 +51,31 @@ class StepContext:
     noise_generator: torch.Generator
     log: Callable[[str, float], None]
     scratch: dict[str, Any] = field(default_factory=dict)  # per-step values shared between hooks (public)
+    public_seed: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+
+    def release_context(self) -> ReleaseContext:
+        """The context of the hooks after ``privatize``: no noise generator, no forward pass on data."""
+        return ReleaseContext(trainable=self.trainable, max_grad_norm=self.max_grad_norm,
+                              noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
+                              step=self.step, public_seed=self.public_seed, optimizer=self.optimizer,
+                              log=self.log, scratch=self.scratch)
+
+
+@dataclass
+class ReleaseContext:
+    """What ``post_process`` and ``precondition`` see: public values only. No noise generator (a later hook
+    could subtract the noise) and no ``per_example_loss`` (no access to the private examples)."""
+
+    trainable: dict[str, nn.Parameter]
+    max_grad_norm: float
+    noise_multiplier: float
+    expected_batch_size: int
+    step: int
+    public_seed: int
+    optimizer: torch.optim.Optimizer | None
+    log: Callable[[str, float], None]
+    scratch: dict[str, Any] = field(default_factory=dict)
 
 
 def batch_size_of(batch: dict[str, Any]) -> int:
@@ -65,23 +96,38 @@ def split_batch(batch: dict[str, Any], size: int) -> Iterator[dict[str, Any]]:
                for k, v in batch.items()}
 
 
-def private_step(hook: pluggy.HookRelay, ctx: StepContext, batch: dict[str, Any],
-                 physical_batch_size: int) -> dict[str, Tensor]:
+def private_step(hook: pluggy.HookRelay, ctx: StepContext, batch: dict[str, Any], physical_batch_size: int,
+                 reduce_sum: Callable[[GradientSum], None] | None = None,
+                 mechanism: str | None = None) -> dict[str, Tensor]:
     """Run estimate_gradient (per micro-batch, summed), privatize, post_process and precondition.
 
-    Returns the update direction per trainable parameter. The clipped sum is wiped once privatize returns.
+    ``reduce_sum`` (multi-process training) sums the clipped sum over all ranks in place before ``privatize``.
+    ``mechanism`` is the name of the configured mechanism; the release must say it came from it.
+    Returns the update direction per trainable parameter. Every reference to the clipped sum is dropped once
+    privatize returns (``wipe``), and the later hooks get a :class:`ReleaseContext`.
     """
     total: GradientSum | None = None
     for micro in split_batch(batch, physical_batch_size):
         part = hook.estimate_gradient(ctx=ctx, batch=micro)
         if part is None:
             raise PluginError("no plugin answered estimate_gradient")
-        total = part if total is None else total.add_(part)
+        if total is None:
+            total = part
+        else:
+            total.add_(part)
+            part.wipe()
+        del part
+    if reduce_sum is not None:
+        reduce_sum(total)
     private: PrivateGradient | None = hook.privatize(ctx=ctx, gradient_sum=total)
     total.wipe()
+    del total
     if private is None:
         raise PluginError("no plugin answered privatize")
-    del total
-    hook.post_process(ctx=ctx, gradient=private)
-    direction = hook.precondition(ctx=ctx, gradient=private)
+    if mechanism is not None and private.mechanism != mechanism:
+        raise PluginError(f"privatize released noise of mechanism {private.mechanism!r} but the run accounts "
+                          f"for {mechanism!r}: a plugin replacing privatize must also implement configure_mechanism")
+    release = ctx.release_context()
+    hook.post_process(ctx=release, gradient=private)
+    direction = hook.precondition(ctx=release, gradient=private)
     return private.values if direction is None else direction

@@ -8,6 +8,7 @@ import torch
 from dpl.gradients import GradientSum, PrivateGradient
 from dpl.hookspecs import hookimpl
 from dpl.mechanism import Mechanism, PoissonGaussian
+from dpl.noise import normal
 from dpl.step import RunSetup, StepContext
 
 
@@ -26,7 +27,7 @@ class GaussianPlugin:
         values = {}
         for key, total in gradient_sum.values.items():
             if std > 0:
-                noise = torch.randn(total.shape, generator=ctx.noise_generator, device=total.device,
+                noise = normal(total.shape, ctx.noise_generator, device=total.device,
                                     dtype=total.dtype)
                 values[key] = noise.mul_(std).add_(total).div_(batch)
             else:

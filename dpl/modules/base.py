@@ -19,12 +19,15 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torch.utils.data import Sampler
 
-from dpl.errors import ConfigError
+from dpl import checkpoint as ckpt_io
+from dpl.errors import ConfigError, PrivacyWarning
 from dpl.mechanism import Mechanism
+from dpl.noise import NoiseSource, SecureNormal
 from dpl.plugin_manager import active_plugin_names, create_plugin_manager, replaced_hooks
 from dpl.privacy import PrivacyConfig
-from dpl.sampling import secure_generator
+from dpl.sampling import derive_seed, secure_generator
 from dpl.step import RunSetup, StepContext, private_step
+from dpl.update import apply_direction
 
 log = logging.getLogger("dpl")
 
@@ -61,9 +64,13 @@ class DPModule(L.LightningModule):
         self.steps_per_epoch = 0
         self.steps_done = 0
         self.num_train_examples = 0
-        self._noise_generator: torch.Generator | None = None
+        self.history: list[tuple[float, int]] = []  # (sigma, steps) of earlier runs this one resumes
+        self.stopped_by_budget = False
+        self._noise_generator: NoiseSource | None = None
         self._sampler_generator: torch.Generator | None = None
-        self._pending_rng: dict[str, Tensor] | None = None
+        self._public_generator: torch.Generator | None = None
+        self._pending_secret: dict[str, Any] | None = None
+        self._resumed_without_secret = False
 
     # --- what a task provides -------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -96,16 +103,52 @@ class DPModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         self.ensure_model(self.trainer.datamodule)
         if stage == "fit":
+            install_sidecar_io(self.trainer)
             self.prepare_privacy(self.trainer.datamodule.num_train_examples, self.trainer)
 
     @staticmethod
     def planned_total_steps(trainer: L.Trainer, steps_per_epoch: int) -> int:
+        """The number of steps the trainer will really run: the smallest of ``max_steps`` and ``max_epochs``
+        times the batches per epoch (``limit_train_batches`` applied); a warning when the settings disagree."""
+        per_epoch = steps_per_epoch
+        limit = trainer.limit_train_batches
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            per_epoch = min(per_epoch, limit)
+        elif limit is not None and limit != 1.0:
+            per_epoch = int(per_epoch * float(limit))
+        candidates = {}
         if trainer.max_steps is not None and trainer.max_steps > 0:
-            return int(trainer.max_steps)
-        if trainer.max_epochs is None or trainer.max_epochs < 0:
+            candidates["trainer.max_steps"] = int(trainer.max_steps)
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            candidates[f"trainer.max_epochs ({trainer.max_epochs} x {per_epoch} steps)"] = int(trainer.max_epochs) * per_epoch
+        if not candidates:
             raise ConfigError("set trainer.max_steps or trainer.max_epochs: privacy accounting needs the number "
                               "of steps up front")
-        return int(trainer.max_epochs) * steps_per_epoch
+        steps = min(candidates.values())
+        if len(set(candidates.values())) > 1:
+            log.warning("dpl: %s; training stops after %d steps, and privacy is accounted for %d steps",
+                        " vs ".join(f"{k} = {v}" for k, v in candidates.items()), steps, steps)
+        if steps < 1:
+            raise ConfigError("the trainer settings leave no training step (max_steps / max_epochs / "
+                              "limit_train_batches)")
+        return steps
+
+    def _check_model_is_per_example(self) -> None:
+        """Refuse layers whose output for one example depends on the other examples of the batch."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                raise ConfigError(f"layer {name or type(module).__name__} ({type(module).__name__}) normalizes over "
+                                  "the batch, so one example changes the others' gradients and clipping no longer "
+                                  "bounds its influence; use LayerNorm/GroupNorm (or replace it before training)")
+            if getattr(module, "expert_capacity", None) is not None or "Top1Router" in type(module).__name__:
+                raise ConfigError(f"layer {name} ({type(module).__name__}) routes tokens with a capacity shared by "
+                                  "the batch (token dropping): one example changes the others' outputs")
+
+    def _check_precision(self, trainer: L.Trainer) -> None:
+        precision = str(getattr(trainer, "precision", "32"))
+        if precision.startswith("16"):
+            raise ConfigError(f"trainer.precision={precision} is not supported: float16 needs loss scaling, which "
+                              "per-example clipping does not do; use bf16-mixed (or 32)")
 
     def prepare_privacy(self, num_examples: int, trainer: L.Trainer | None = None) -> None:
         """Validate the setup with every plugin, pick the mechanism and calibrate sigma (idempotent)."""
@@ -119,22 +162,30 @@ class DPModule(L.LightningModule):
         if trainer.world_size > 1:
             raise ConfigError("multi-process training (DDP) is not supported yet: noise and sampling would be "
                               "drawn per process")
+        self._check_precision(trainer)
         self.num_train_examples = num_examples
         self.steps_per_epoch = max(1, num_examples // cfg.batch_size)
         self.planned_steps = self.planned_total_steps(trainer, self.steps_per_epoch)
         self.delta = cfg.delta_for(num_examples)
-        if self.delta >= 1.0 / num_examples:
-            warnings.warn(f"delta = {self.delta:.3g} >= 1/N = {1 / num_examples:.3g}: this allows releasing an "
-                          "example outright; use delta << 1/N", stacklevel=2)
+        if self.delta * num_examples > 0.1:
+            warnings.warn(f"delta = {self.delta:.3g} gives N * delta = {self.delta * num_examples:.2f} for N = "
+                          f"{num_examples}: the guarantee may fail outright with probability delta, and N * delta "
+                          "should be small (default: delta = 0.1 / N)", PrivacyWarning, stacklevel=2)
         trainable = self.trainable
         if not trainable:
             raise ConfigError("the model has no trainable parameter")
+        self._check_model_is_per_example()
         hook = self.plugin_manager.hook
+        replaced = replaced_hooks(self.plugin_manager)
+        if "privatize" in replaced and "configure_mechanism" not in replaced:
+            raise ConfigError("a plugin replaces privatize without configure_mechanism: the default accounting "
+                              "would not match its noise")
         setup = RunSetup(model=self.model, trainable=trainable, plugin_names=active_plugin_names(self.plugin_manager),
                          num_examples=num_examples, expected_batch_size=cfg.batch_size, steps=self.planned_steps,
                          sampling_rate=cfg.batch_size / num_examples, accountant=cfg.accountant,
                          optimizer_name=getattr(self.optimizer_factory, "__name__", type(self.optimizer_factory).__name__),
-                         task=self.task, replaced_hooks=replaced_hooks(self.plugin_manager))
+                         task=self.task, replaced_hooks=replaced, seed=cfg.seed, world_size=trainer.world_size,
+                         optimizer_factory=self.optimizer_factory, secure_noise=cfg.secure_noise)
         hook.validate_setup(setup=setup)
         self.mechanism = hook.configure_mechanism(setup=setup)
         if self.mechanism is None:
@@ -143,10 +194,18 @@ class DPModule(L.LightningModule):
             self.noise_multiplier = float(cfg.noise_multiplier)
         else:
             self.noise_multiplier = self.mechanism.calibrate(cfg.target_epsilon, self.delta, self.planned_steps)
+        budget = cfg.budget
+        if budget is not None and self.noise_multiplier > 0:
+            planned = self.final_epsilon()
+            if planned > budget * (1 + 1e-9):
+                raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
+                                  f"(sigma = {self.noise_multiplier:.4f}, {self.planned_steps} steps)")
         if cfg.seed is not None:
             warnings.warn("privacy.seed is set: noise and batches are reproducible, and so predictable by anyone "
-                          "who knows the seed. Use it for experiments, never in production.", stacklevel=2)
-        self._sampler_generator = secure_generator(None if cfg.seed is None else cfg.seed + 1)
+                          "who knows the seed. Use it for experiments, never in production.", PrivacyWarning,
+                          stacklevel=2)
+        self._sampler_generator = secure_generator(derive_seed(cfg.seed, "sampler"))
+        self._public_generator = secure_generator(derive_seed(cfg.seed, "public"))
         eps = self.final_epsilon()
         log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s]",
                  num_examples, cfg.batch_size, cfg.batch_size / num_examples, self.planned_steps,
@@ -156,14 +215,21 @@ class DPModule(L.LightningModule):
         return self.epsilon_after(self.planned_steps)
 
     def epsilon_after(self, steps: int) -> float:
-        if self.noise_multiplier == 0:
+        """Epsilon spent after ``steps`` steps in total (earlier runs this one resumed included)."""
+        if self.noise_multiplier == 0 and steps > 0:
             return math.inf
-        return self.mechanism.epsilon(self.noise_multiplier, self.delta, steps)
+        if not self.history:
+            return self.mechanism.epsilon(self.noise_multiplier, self.delta, steps) if steps > 0 else 0.0
+        done_before = sum(h[1] for h in self.history)
+        rate = self.privacy.batch_size / self.num_train_examples
+        segments = [*self.history, (self.noise_multiplier, max(0, steps - done_before), rate)]
+        return self.mechanism.epsilon_of_segments(segments, self.delta)
 
     def make_batch_sampler(self, num_examples: int) -> Sampler:
         """The training batch sampler (called by :class:`~dpl.data.DPDataModule`)."""
         self.prepare_privacy(num_examples)
-        return self.mechanism.batch_sampler(num_examples, self.steps_per_epoch, self._sampler_generator)
+        return self.mechanism.batch_sampler(num_examples, self.steps_per_epoch, self._sampler_generator,
+                                            start_step=self.steps_done)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(list(self.trainable.values()))
@@ -171,28 +237,38 @@ class DPModule(L.LightningModule):
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
 
+    def _new_noise_source(self, device: torch.device) -> NoiseSource:
+        if self.privacy.secure_noise:
+            return SecureNormal()
+        return secure_generator(derive_seed(self.privacy.seed, "noise") if self.privacy.seed is not None else None,
+                                device=device)
+
     def on_fit_start(self) -> None:
         device = next(self.model.parameters()).device
-        if self._noise_generator is None or self._noise_generator.device != device:
-            seed = self.privacy.seed
-            self._noise_generator = secure_generator(seed, device=device)
-        if self._pending_rng is not None:
-            self._noise_generator.set_state(self._pending_rng["noise"])
-            self._sampler_generator.set_state(self._pending_rng["sampler"])
-            self._pending_rng = None
+        if self._noise_generator is None or (isinstance(self._noise_generator, torch.Generator)
+                                             and self._noise_generator.device != device):
+            self._noise_generator = self._new_noise_source(device)
+        self._apply_secret_state()
 
     # --- the private step -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        budget = self.privacy.budget
+        if budget is not None and self.epsilon_after(self.steps_done + 1) > budget * (1 + 1e-9):
+            self._stop_for_budget(budget)
+            return
+        optimizer = self.optimizers()
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
+        public_seed = int(torch.randint(0, 2 ** 62, (1,), generator=self._public_generator))
         ctx = StepContext(model=self.model, trainable=self.trainable, per_example_loss=self.per_example_loss,
                           max_grad_norm=self.privacy.max_grad_norm, noise_multiplier=self.noise_multiplier,
                           expected_batch_size=self.privacy.batch_size, step=self.steps_done,
-                          noise_generator=self._noise_generator, log=self._log_metric)
-        direction = private_step(self.plugin_manager.hook, ctx, batch, self.privacy.physical_batch_size)
-        optimizer = self.optimizers()
-        optimizer.zero_grad(set_to_none=True)
-        for name, param in ctx.trainable.items():
-            param.grad = direction[name].to(param.dtype)
-        optimizer.step()
+                          noise_generator=self._noise_generator, log=self._log_metric, public_seed=public_seed,
+                          optimizer=optimizer)
+        direction = private_step(self.plugin_manager.hook, ctx, batch, self.privacy.physical_batch_size,
+                                 mechanism=self.mechanism.name)
+        del batch, ctx
+        apply_direction(optimizer, self.trainable, direction)
+        del direction
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
@@ -200,6 +276,13 @@ class DPModule(L.LightningModule):
         every = self.privacy.log_epsilon_every_n_steps
         if self.steps_done % every == 0 or self.steps_done == self.planned_steps or self.steps_done == 1:
             self.log("epsilon", self.epsilon_after(self.steps_done), prog_bar=True, on_step=True, on_epoch=False)
+
+    def _stop_for_budget(self, budget: float) -> None:
+        if not self.stopped_by_budget:
+            log.warning("dpl: stopping: step %d would spend more than privacy.max_epsilon = %g (epsilon now %.3f)",
+                        self.steps_done + 1, budget, self.epsilon_after(self.steps_done))
+        self.stopped_by_budget = True
+        self.trainer.should_stop = True
 
     def _log_metric(self, name: str, value: float) -> None:
         self.log(name, value, on_step=True, on_epoch=False)
@@ -214,31 +297,164 @@ class DPModule(L.LightningModule):
                   + (f"; {shown}" if shown else ""))
 
     # --- checkpoints ----------------------------------------------------------------------------------
+    def _named_stateful(self) -> list[tuple[str, Any]]:
+        """The plugins (by name) and the mechanism (``"mechanism"``), whose state goes into checkpoints."""
+        items = list(self.plugin_manager.list_name_plugin())
+        if self.mechanism is not None:
+            items.append(("mechanism", self.mechanism))
+        return items
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Public state into the checkpoint; secret state under ``dpl.checkpoint.SECRET_KEY`` only when the
+        trainer writes it to an owner-only sidecar (:class:`~dpl.checkpoint.SidecarCheckpointIO`) and the
+        checkpoint is a full one (not weights-only)."""
+        secret_id = ckpt_io.new_secret_id()
         checkpoint["dpl"] = {
-            "noise_multiplier": self.noise_multiplier, "delta": self.delta, "steps_done": self.steps_done,
-            "planned_steps": self.planned_steps,
-            "mechanism": self.mechanism.state_dict() if self.mechanism is not None else None,
-            "rng": {"noise": self._noise_generator.get_state() if self._noise_generator is not None else None,
-                    "sampler": self._sampler_generator.get_state() if self._sampler_generator is not None else None},
-            "plugins": {name: plugin.state_dict() for name, plugin in self.plugin_manager.list_name_plugin()
-                        if callable(getattr(plugin, "state_dict", None))},
+            "version": 2, "noise_multiplier": self.noise_multiplier, "delta": self.delta,
+            "max_grad_norm": self.privacy.max_grad_norm, "expected_batch_size": self.privacy.batch_size,
+            "num_examples": self.num_train_examples, "steps_done": self.steps_done,
+            "planned_steps": self.planned_steps, "history": [list(h) for h in self.history],
+            "mechanism_name": self.mechanism.name if self.mechanism is not None else None,
+            "sampling_rate": self.privacy.batch_size / self.num_train_examples if self.num_train_examples else None,
+            "public_rng": self._public_generator.get_state() if self._public_generator is not None else None,
+            "states": {name: obj.state_dict() for name, obj in self._named_stateful()
+                       if callable(getattr(obj, "state_dict", None))},
+            "secret_id": secret_id,
+        }
+        full = "optimizer_states" in checkpoint
+        trainer = self._trainer
+        if full and trainer is not None and isinstance(trainer.strategy.checkpoint_io, ckpt_io.SidecarCheckpointIO):
+            checkpoint[ckpt_io.SECRET_KEY] = self._secret_state(secret_id)
+
+    def _secret_state(self, secret_id: str) -> dict[str, Any]:
+        noise = self._noise_generator
+        return {
+            "secret_id": secret_id,
+            "noise_rng": noise.get_state() if isinstance(noise, torch.Generator) else None,
+            "sampler_rng": self._sampler_generator.get_state() if self._sampler_generator is not None else None,
+            "states": {name: obj.secret_state_dict() for name, obj in self._named_stateful()
+                       if callable(getattr(obj, "secret_state_dict", None))},
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("dpl")
         if state is None:
             return
-        self.steps_done = state["steps_done"]
-        if state["noise_multiplier"] is not None:
-            self.noise_multiplier = state["noise_multiplier"]
-            self.delta = state["delta"]
-        if self.mechanism is not None and state["mechanism"] is not None:
-            self.mechanism.load_state_dict(state["mechanism"])
-        rng = state["rng"]
-        if rng["noise"] is not None:
-            self._pending_rng = rng
-        plugins = dict(self.plugin_manager.list_name_plugin())
-        for name, plugin_state in state["plugins"].items():
-            if name in plugins and callable(getattr(plugins[name], "load_state_dict", None)):
-                plugins[name].load_state_dict(plugin_state)
+        if state.get("version") != 2:
+            raise ConfigError("this checkpoint was written by an older dpl whose checkpoints carried secrets; "
+                              "it cannot be resumed safely")
+        self._check_resume_plan(state)
+        self.steps_done = int(state["steps_done"])
+        if state.get("public_rng") is not None and self._public_generator is not None:
+            self._public_generator.set_state(state["public_rng"])
+        named = dict(self._named_stateful())
+        for name, sub in state["states"].items():
+            if name in named and callable(getattr(named[name], "load_state_dict", None)):
+                named[name].load_state_dict(sub)
+        self._pending_secret = checkpoint.pop(ckpt_io.SECRET_KEY, None)
+        self._resumed_without_secret = self._pending_secret is None
+        if self._noise_generator is not None:  # on_fit_start already ran (strategies restoring after setup)
+            self._apply_secret_state()
+
+    def _check_resume_plan(self, state: dict[str, Any]) -> None:
+        """Refuse (unless ``privacy.force_resume``) a resume whose privacy settings differ from the checkpoint's;
+        account the whole history either way."""
+        cfg = self.privacy
+        old_sigma = float(state["noise_multiplier"])
+        done = int(state["steps_done"])
+        changes = []
+        if state["mechanism_name"] != self.mechanism.name:
+            changes.append(f"mechanism {state['mechanism_name']} -> {self.mechanism.name}")
+        if state["max_grad_norm"] != cfg.max_grad_norm:
+            changes.append(f"C {state['max_grad_norm']:g} -> {cfg.max_grad_norm:g}")
+        if state["expected_batch_size"] != cfg.batch_size or state["num_examples"] != self.num_train_examples:
+            changes.append(f"q = {state['expected_batch_size']}/{state['num_examples']} -> "
+                           f"{cfg.batch_size}/{self.num_train_examples}")
+        if not math.isclose(state["delta"], self.delta, rel_tol=1e-12):
+            changes.append(f"delta {state['delta']:.3g} -> {self.delta:.3g}")
+        same_plan = int(state["planned_steps"]) == self.planned_steps
+        if cfg.noise_multiplier is None and same_plan:
+            self.noise_multiplier = old_sigma  # same plan, same calibration: keep the exact value
+        if not math.isclose(old_sigma, self.noise_multiplier, rel_tol=1e-12):
+            changes.append(f"sigma {old_sigma:.4f} -> {self.noise_multiplier:.4f}"
+                           + ("" if same_plan else f" (plan {state['planned_steps']} -> {self.planned_steps} steps)"))
+        old_rate = state["sampling_rate"]
+        history = [(float(h[0]), int(h[1]), float(h[2])) for h in state.get("history", [])]
+        history.append((old_sigma, done - sum(h[1] for h in history), old_rate))
+        if changes and not cfg.force_resume:
+            raise ConfigError("resuming would change the privacy settings (" + "; ".join(changes) + "); set "
+                              "privacy.force_resume=true to resume anyway (epsilon is then composed over both parts)")
+        if state["mechanism_name"] != self.mechanism.name:
+            raise ConfigError("a resume cannot change the privacy mechanism: there is no accounting for the "
+                              "composition; start a new run")
+        history = [h for h in history if h[1] > 0]
+        if changes:
+            self.history = history
+            if cfg.noise_multiplier is None:  # recalibrate sigma for what is left of the budget
+                self.noise_multiplier = self._calibrate_remaining(cfg.target_epsilon)
+            log.warning("dpl: resuming with changed privacy settings (%s); epsilon is composed over both parts: "
+                        "%.3f after %d steps, %.3f planned", "; ".join(changes), self.epsilon_after(done), done,
+                        self.final_epsilon())
+        else:
+            self.history = history[:-1]  # unchanged settings: the last segment continues
+
+    def _calibrate_remaining(self, target: float) -> float:
+        """Smallest sigma for the remaining steps whose composition with the history stays within ``target``."""
+        done = sum(h[1] for h in self.history)
+        rate = self.privacy.batch_size / self.num_train_examples
+        remaining = self.planned_steps - done
+        if remaining <= 0:
+            return self.history[-1][0]
+        if self.mechanism.epsilon_of_segments(list(self.history), self.delta) >= target:
+            raise ConfigError(f"the checkpoint already spent epsilon >= target {target:g}: nothing left to train with")
+
+        def eps(sigma: float) -> float:
+            return self.mechanism.epsilon_of_segments([*self.history, (sigma, remaining, rate)], self.delta)
+
+        lo, hi = 0.05, 1.0
+        while eps(hi) > target:
+            lo, hi = hi, hi * 2
+            if hi > 1e4:
+                raise ConfigError("cannot calibrate sigma for the remaining steps")
+        for _ in range(40):
+            mid = math.sqrt(lo * hi)
+            if eps(mid) > target:
+                lo = mid
+            else:
+                hi = mid
+            if hi / lo < 1 + 1e-4:
+                break
+        return hi
+
+    def _apply_secret_state(self) -> None:
+        """Restore generators and plugin secrets from the sidecar, or start fresh from OS entropy without it."""
+        if self._pending_secret is None and not self._resumed_without_secret:
+            return
+        secret, self._pending_secret = self._pending_secret, None
+        named = dict(self._named_stateful())
+        if secret is None:
+            self._resumed_without_secret = False
+            log.info("dpl: resumed without the checkpoint's .secret sidecar: noise and sampling continue from fresh "
+                     "OS entropy (as private; not bit-exact)")
+            if self.privacy.seed is not None:
+                warnings.warn("privacy.seed is set but the checkpoint's .secret sidecar is missing: the resumed run "
+                              "is not bit-exact", PrivacyWarning, stacklevel=2)
+            for obj in named.values():
+                if callable(getattr(obj, "load_secret_state_dict", None)):
+                    obj.load_secret_state_dict(None)
+            return
+        if secret["noise_rng"] is not None and isinstance(self._noise_generator, torch.Generator):
+            self._noise_generator.set_state(secret["noise_rng"])
+        if secret["sampler_rng"] is not None and self._sampler_generator is not None:
+            self._sampler_generator.set_state(secret["sampler_rng"])
+        for name, sub in secret["states"].items():
+            if name in named and callable(getattr(named[name], "load_secret_state_dict", None)):
+                named[name].load_secret_state_dict(sub)
+
+
+def install_sidecar_io(trainer: L.Trainer) -> None:
+    """Make the trainer write checkpoints through :class:`~dpl.checkpoint.SidecarCheckpointIO` (idempotent)."""
+    strategy = trainer.strategy
+    current = strategy.checkpoint_io
+    if not isinstance(current, ckpt_io.SidecarCheckpointIO):
+        strategy.checkpoint_io = ckpt_io.SidecarCheckpointIO(current)

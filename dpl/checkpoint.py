@@ -1,0 +1,142 @@
+"""Checkpoints that never carry secrets: public ``.ckpt`` + owner-only ``.ckpt.secret`` sidecar.
+
+Secret state - the noise and sampler generators, plugin state derived from noise (FTRL's buffers), secret
+permutations - lets whoever holds it replay the batches and subtract the noise from the parameter updates,
+recovering every clipped sum. dpl therefore keeps it out of the Lightning checkpoint:
+
+* :class:`DPModule` puts its secret state under :data:`SECRET_KEY` in the checkpoint dict only when the
+  trainer's checkpoint IO is a :class:`SidecarCheckpointIO` (which dpl installs at setup);
+* :class:`SidecarCheckpointIO` pops that key before anything is written, writes the public checkpoint to
+  ``<path>`` and the secret state to ``<path>.secret`` (created with mode 0600), both atomically (temporary
+  file + ``os.replace``: a killed run never leaves a truncated checkpoint behind);
+* on load it reads ``<path>.secret`` if present, checks that it belongs to this checkpoint (a random
+  ``secret_id`` written into both) and hands it back under :data:`SECRET_KEY`.
+
+Share the ``.ckpt`` (or the exported weights) and never the ``.secret`` file. Without the sidecar a run
+resumes with fresh OS entropy (as private, not bit-exact), or is refused by a plugin that cannot continue.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+
+from dpl.errors import ConfigError
+
+SECRET_KEY = "dpl_secret"
+SECRET_SUFFIX = ".secret"
+
+
+def secret_path(path: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(path)}{SECRET_SUFFIX}")
+
+
+def new_secret_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _write_atomic(data: bytes, path: Path, mode: int) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, created with ``mode``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any]:
+    """``torch.load`` a checkpoint, turning a missing, truncated or corrupt file into a one-line ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"checkpoint {path} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # truncated zip, garbage bytes, pickle errors
+        raise ConfigError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ConfigError(f"{path} is not a Lightning checkpoint")
+    return checkpoint
+
+
+class SidecarCheckpointIO(CheckpointIO):
+    """Writes secret state to an owner-only sidecar, never into the checkpoint; all writes are atomic.
+
+    Wraps another :class:`CheckpointIO` for remote paths it cannot handle itself (then secrets are dropped,
+    not written: only local files get a sidecar).
+    """
+
+    def __init__(self, inner: CheckpointIO | None = None) -> None:
+        self.inner = inner if inner is not None else TorchCheckpointIO()
+
+    @staticmethod
+    def _is_local(path: str | os.PathLike) -> bool:
+        return "://" not in os.fspath(path)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        secret = checkpoint.pop(SECRET_KEY, None)
+        if not self._is_local(path):
+            self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        path = Path(path)
+        sidecar = secret_path(path)
+        if secret is not None:
+            _write_atomic(_serialize(secret), sidecar, stat.S_IRUSR | stat.S_IWUSR)
+        elif sidecar.exists():
+            sidecar.unlink()  # a stale sidecar must not pair with this checkpoint
+        _write_atomic(_serialize(checkpoint), path, 0o644)
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if not self._is_local(path):
+            return self.inner.load_checkpoint(path, map_location=map_location)
+        checkpoint = load_checkpoint_file(path)
+        sidecar = secret_path(path)
+        if sidecar.is_file():
+            mode = sidecar.stat().st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ConfigError(f"{sidecar} is readable by others (mode {oct(mode & 0o777)}): it holds the "
+                                  f"run's noise secrets; chmod 600 it")
+            try:
+                secret = torch.load(sidecar, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise ConfigError(f"secret sidecar {sidecar} is corrupt or truncated ({type(exc).__name__})") from None
+            expected = (checkpoint.get("dpl") or {}).get("secret_id")
+            if not isinstance(secret, dict) or secret.get("secret_id") != expected:
+                raise ConfigError(f"secret sidecar {sidecar} does not belong to checkpoint {path}")
+            checkpoint[SECRET_KEY] = secret
+        return checkpoint
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        if self._is_local(path):
+            for p in (Path(path), secret_path(path)):
+                if p.exists() or p.is_symlink():
+                    p.unlink()
+        else:
+            self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
