@@ -1,16 +1,108 @@
-"""Applying the update direction that ``precondition`` returns to the parameters."""
+"""Applying the update direction that ``precondition`` returns to the parameters.
+
+Two paths:
+
+* a plain mapping ``{name: tensor}`` (every estimator but DPZero): the tensors are written into the parameters'
+  ``.grad`` and the configured torch optimizer takes one step, whatever it is (SGD, AdamW, ...);
+* a :class:`StreamingDirection` (DPZero): a lazy direction whose tensors are produced one at a time on demand and
+  never held together. It is applied tensor by tensor, in place, with the parameter group's learning rate (and
+  weight decay), so no ``.grad`` buffer and no second copy of the parameters is ever allocated. This is only
+  possible for optimizers without per-parameter state: plain SGD. :func:`streaming_refusal` says why another
+  optimizer cannot be used; plugins that return a streaming direction call it at setup.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from dpl.errors import ConfigError
+
+
+class StreamingDirection(Mapping):
+    """An update direction computed on demand: ``direction[name]`` calls ``produce(name)`` and returns a fresh
+    tensor (nothing is cached), so at most one tensor of the direction exists at a time when it is applied.
+
+    It is a read-only ``Mapping`` (keys: the trainable parameter names), so code that expects a dict of tensors
+    still works, at the cost of materializing each tensor it reads.
+    """
+
+    def __init__(self, names: Sequence[str], produce: Callable[[str], Tensor]) -> None:
+        self._names = list(names)
+        self._known = set(self._names)
+        self._produce = produce
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._produce(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def materialize(self) -> dict[str, Tensor]:
+        """All tensors at once (tests and diagnostics only: this is the memory the streaming path avoids)."""
+        return {name: self[name] for name in self._names}
+
+
+def streaming_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot apply a :class:`StreamingDirection` in place, or ``None`` if it can.
+
+    Supported: ``torch.optim.SGD`` without momentum (any learning rate per group, ``weight_decay``, ``maximize``).
+    Momentum, Adam's moments and the like are buffers the size of the parameters, updated from a full gradient:
+    exactly the memory a streaming direction exists to avoid.
+    """
+    name = type(optimizer).__name__
+    if type(optimizer) is not torch.optim.SGD:
+        return (f"optimizer {name} keeps per-parameter state fed by a full gradient buffer; a streaming update "
+                "needs torch.optim.SGD without momentum")
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) or group.get("nesterov", False):
+            return ("SGD with momentum keeps a momentum buffer the size of the parameters; a streaming update needs "
+                    "momentum: 0")
+    return None
+
+
+@torch.no_grad()
+def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn.Parameter],
+                    direction: StreamingDirection) -> None:
+    """One plain-SGD step ``p <- p * (1 - lr * wd) - lr * direction[name]`` per parameter, tensor by tensor.
+
+    Equal (to float rounding) to writing the direction into ``.grad`` and calling ``torch.optim.SGD.step`` with
+    ``momentum=0``; ``maximize`` flips the sign. No ``.grad`` is allocated. The optimizer's ``step()`` is then
+    called with no gradient set - a no-op for SGD - so that step hooks and LR schedulers see a step.
+    """
+    reason = streaming_refusal(optimizer)
+    if reason is not None:
+        raise ConfigError(reason)
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    optimizer.zero_grad(set_to_none=True)
+    for name, param in trainable.items():
+        group = groups.get(id(param))
+        if group is None:
+            raise ValueError(f"parameter {name} is not in the optimizer")
+        lr = float(group["lr"])
+        decay = float(group.get("weight_decay", 0.0))
+        if decay:
+            param.mul_(1.0 - lr * decay)
+        update = direction[name]
+        param.add_(update.to(param.dtype), alpha=lr if group.get("maximize", False) else -lr)
+        del update
+    optimizer.step()
+
 
 def apply_direction(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn.Parameter],
                     direction: Mapping[str, Tensor]) -> None:
-    """Write ``direction[name]`` into each trainable parameter's ``.grad`` and take one optimizer step."""
+    """Apply one update: a :class:`StreamingDirection` in place (:func:`apply_streaming`); any other mapping is
+    written into each trainable parameter's ``.grad`` and the optimizer takes one step."""
+    if isinstance(direction, StreamingDirection):
+        apply_streaming(optimizer, trainable, direction)
+        return
     optimizer.zero_grad(set_to_none=True)
     for name, param in trainable.items():
         param.grad = direction[name].to(param.dtype)

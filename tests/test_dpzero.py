@@ -1,0 +1,461 @@
+"""The dpzero plugin: public direction regenerated exactly, parameters restored, no .grad, unbiased on a quadratic,
+contributions bounded by C, noise independent of the direction seed, noise std, MeZO equals a hand-written MeZO
+step, the streaming SGD update, refusals, and `dpl fit` end to end."""
+
+import copy
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import random_batch, save_tiny_bert, save_tiny_llama_lm, tiny_bert, write_sentiment_tsv
+from torch import nn
+
+from dpl.errors import ConfigError
+from dpl.gradients import GradientSum
+from dpl.noise import normal
+from dpl.plugin_manager import create_plugin_manager, replaced_hooks
+from dpl.step import RunSetup, StepContext, private_step
+from dpl.update import StreamingDirection, apply_direction, apply_streaming, streaming_refusal
+from dpl_plugins.dpzero import KEY, DPZeroPlugin
+from dpl_plugins.dpzero.directions import DirectionSampler
+from dpl_plugins.gaussian import GaussianPlugin
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Quadratic(nn.Module):
+    """l_i(theta) = 1/2 (theta - x_i)^T A (theta - x_i) in float64: central differences are exact on it."""
+
+    def __init__(self, dim: int = 5, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        m = torch.randn(dim, dim, generator=gen, dtype=torch.float64)
+        self.register_buffer("A", m @ m.T / dim + torch.eye(dim, dtype=torch.float64))
+        self.theta = nn.Parameter(torch.randn(dim, generator=gen, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(2, generator=gen, dtype=torch.float64))  # a second tensor of z
+
+    def per_example_loss(self, batch):
+        r = self.theta - batch["x"]
+        return 0.5 * ((r @ self.A) * r).sum(1) + 3.0 * self.bias.sum() * batch["w"]
+
+    def gradient(self, batch):
+        """Gradient of the summed loss, per parameter."""
+        r = self.theta - batch["x"]
+        return {"theta": (r @ self.A).sum(0), "bias": 3.0 * batch["w"].sum() * torch.ones(2, dtype=torch.float64)}
+
+
+def _xbatch(n=6, dim=5, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, dim, generator=gen, dtype=torch.float64),
+            "w": torch.randn(n, generator=gen, dtype=torch.float64)}
+
+
+def _ctx(model, loss, *, seed=123, C=1.0, sigma=0.0, B=4, noise_seed=0, optimizer=None, logs=None):
+    logs = {} if logs is None else logs
+    return StepContext(model=model, trainable={n: p for n, p in model.named_parameters() if p.requires_grad},
+                       per_example_loss=loss, max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=B, step=0,
+                       noise_generator=torch.Generator().manual_seed(noise_seed),
+                       log=lambda k, v: logs.__setitem__(k, v), public_seed=seed, optimizer=optimizer)
+
+
+def _bert_loss(model):
+    def loss(batch):
+        return F.cross_entropy(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                               batch["labels"], reduction="none")
+    return loss
+
+
+def _setup(model, names, optimizer_factory=None, replaced=frozenset({"estimate_gradient", "precondition"})):
+    return RunSetup(model=model, trainable={n: p for n, p in model.named_parameters() if p.requires_grad},
+                    plugin_names=names, num_examples=100, expected_batch_size=4, steps=10, sampling_rate=0.04,
+                    accountant="prv", optimizer_name="SGD", task="classification", replaced_hooks=replaced,
+                    optimizer_factory=optimizer_factory)
+
+
+# --- the public direction -------------------------------------------------------------------------------------
+
+def test_regenerated_z_equals_the_perturbation():
+    model = Quadratic()
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = []
+
+    def loss(batch):  # record the parameters each forward pass sees
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return model.per_example_loss(batch)
+
+    plugin = DPZeroPlugin(mu=1e-3)
+    ctx = _ctx(model, loss, seed=987)
+    torch.manual_seed(0)
+    plugin.estimate_gradient(ctx=ctx, batch=_xbatch())
+    torch.manual_seed(1)  # the global RNG plays no part in z
+    sampler = DirectionSampler(987)
+    for name, p in model.named_parameters():
+        z = sampler.z(name, p)
+        torch.testing.assert_close((seen[0][name] - theta0[name]) / 1e-3, z, rtol=0, atol=1e-9)
+        torch.testing.assert_close((seen[1][name] - theta0[name]) / -1e-3, z, rtol=0, atol=1e-9)
+    # precondition regenerates the same z (times the released scalar)
+    direction = plugin.precondition(ctx=ctx.release_context(), gradient=_private(2.5))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(direction[name], 2.5 * sampler.z(name, p), rtol=0, atol=0)
+    # exact regeneration, any order; a different seed gives a different direction
+    zero = {"theta": nn.Parameter(torch.zeros(5, dtype=torch.float64))}
+    DirectionSampler(987).perturb_(zero, 1.0)
+    assert torch.equal(zero["theta"].detach(), DirectionSampler(987).z("theta", zero["theta"]))
+    assert not torch.equal(DirectionSampler(988).z("theta", zero["theta"]), zero["theta"].detach())
+
+
+def _private(value):
+    from dpl.gradients import PrivateGradient
+    return PrivateGradient({KEY: torch.tensor([value], dtype=torch.float64)}, noise_std=0.0, mechanism="gaussian",
+                           expected_batch_size=4, step=0)
+
+
+def test_parameters_restored_and_no_grad_ever_allocated():
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = _bert_loss(model)
+    outputs = []
+
+    def recording(batch):
+        out = loss(batch)
+        outputs.append(out.requires_grad)
+        return out
+
+    pm = create_plugin_manager({"dpzero": {"mu": 1e-3}})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctx = _ctx(model, recording, C=5.0, sigma=1.0, B=8, optimizer=optimizer)
+    plugin = dict(pm.list_name_plugin())["dpzero"]
+    plugin.estimate_gradient(ctx=ctx, batch=random_batch(8))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=1e-6)
+    assert model.training  # eval mode for the two forwards only
+
+    direction = private_step(pm.hook, ctx, random_batch(8), physical_batch_size=3)
+    assert isinstance(direction, StreamingDirection)
+    apply_direction(optimizer, ctx.trainable, direction)  # lr = 0: the parameters stay where they were
+    assert outputs and not any(outputs)  # no autograd graph was built
+    assert all(p.grad is None for p in model.parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=1e-6)
+
+
+def test_parameters_restored_when_the_forward_fails():
+    model = Quadratic()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+
+    def failing(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return model.per_example_loss(batch)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        DPZeroPlugin().estimate_gradient(ctx=_ctx(model, failing), batch=_xbatch())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=1e-12)
+
+
+# --- the estimate ---------------------------------------------------------------------------------------------
+
+def test_quadratic_estimate_is_the_directional_derivative_and_unbiased():
+    model = Quadratic()
+    batch = _xbatch(n=4)
+    plugin = DPZeroPlugin(mu=1e-2)
+    grad = model.gradient(batch)
+    # per step: the central difference of a quadratic is exactly the directional derivative grad . z
+    for seed in range(5):
+        total = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=seed, C=math.inf), batch=batch)
+        sampler = DirectionSampler(seed)
+        directional = sum(float(grad[n] @ sampler.z(n, p)) for n, p in model.named_parameters())
+        assert float(total.values[KEY]) == pytest.approx(directional, rel=1e-7, abs=1e-9)
+    # in expectation over z: E[(grad . z) z] = grad
+    seeds = 3000
+    mean = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for seed in range(seeds):
+        total = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=seed, C=math.inf), batch=batch)
+        direction = plugin.precondition(ctx=_ctx(model, None, seed=seed).release_context(),
+                                        gradient=_private(float(total.values[KEY])))
+        for n in mean:
+            mean[n] += direction[n] / seeds
+    for n in mean:
+        scale = float(torch.cat([g.flatten() for g in grad.values()]).norm())
+        assert float((mean[n] - grad[n]).norm()) < 4 * scale * math.sqrt(len(grad) * 7 / seeds)
+    # and it is wrong if the direction were not the one used to perturb
+    wrong = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=1, C=math.inf), batch=batch)
+    other = sum(float(grad[n] @ DirectionSampler(2).z(n, p)) for n, p in model.named_parameters())
+    assert float(wrong.values[KEY]) != pytest.approx(other, rel=1e-3)
+
+
+def test_each_contribution_bounded_by_C():
+    model = Quadratic()
+    batch = _xbatch(n=8)
+    batch["x"] *= 30.0  # large per-example differences
+    plugin = DPZeroPlugin(mu=1e-3)
+    C = 0.5
+    singles = []
+    for i in range(8):
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        value = float(plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=C), batch=one).values[KEY])
+        assert abs(value) <= C + 1e-12
+        singles.append(value)
+    assert sum(abs(s) == pytest.approx(C) for s in singles) >= 4  # clipping was active
+    total = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=C), batch=batch)
+    assert float(total.values[KEY]) == pytest.approx(sum(singles), abs=1e-9)
+    assert total.count == 8
+    unclipped = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=math.inf), batch=batch)
+    assert abs(float(unclipped.values[KEY])) > 8 * C  # without clipping the bound does not hold: the test can fail
+
+
+def test_micro_batches_and_ranks_sum_to_the_full_batch():
+    """DDP by design: every rank uses the same public seed; the scalar sums add up (the core all-reduces them)."""
+    model = Quadratic()
+    batch = _xbatch(n=6)
+    plugin = DPZeroPlugin()
+    full = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=2.0), batch=batch)
+    rank0 = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=2.0), batch={k: v[:4] for k, v in batch.items()})
+    rank1 = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=2.0), batch={k: v[4:] for k, v in batch.items()})
+    rank0.add_(rank1)
+    assert float(rank0.values[KEY]) == pytest.approx(float(full.values[KEY]), rel=1e-9)
+    assert rank0.count == 6
+    empty = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss), batch={k: v[:0] for k, v in batch.items()})
+    assert float(empty.values[KEY]) == 0.0 and empty.count == 0
+
+
+# --- noise ----------------------------------------------------------------------------------------------------
+
+def _released(model, public_seed, noise_seed, sigma=2.0, C=1.0, B=4):
+    pm = create_plugin_manager({"dpzero": {}})
+    ctx = _ctx(model, model.per_example_loss, seed=public_seed, sigma=sigma, C=C, B=B, noise_seed=noise_seed)
+    batch = _xbatch(n=4)
+    clean = float(DPZeroPlugin().estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=public_seed, C=C),
+                                                   batch=batch).values[KEY])
+    state = ctx.noise_generator.get_state()
+    direction = private_step(pm.hook, ctx, batch, physical_batch_size=4, mechanism="gaussian")
+    g = float(direction["theta"][0] / DirectionSampler(public_seed).z("theta", model.theta)[0])
+    noise = g * B - clean
+    return noise, state, ctx.noise_generator
+
+
+def test_noise_does_not_depend_on_the_direction_seed_and_never_comes_from_it():
+    model = Quadratic()
+    noise_a, state, gen = _released(model, public_seed=1, noise_seed=42)
+    noise_b, _, _ = _released(model, public_seed=2, noise_seed=42)
+    assert noise_a == pytest.approx(noise_b, rel=1e-6)  # other direction, same noise draw
+    # the noise is the first draw of the run's noise generator, times sigma C
+    expected = float(normal((1,), torch.Generator().manual_seed(42), dtype=torch.float64)) * 2.0
+    assert noise_a == pytest.approx(expected, rel=1e-6)
+    # exactly one scalar was drawn from it: estimate_gradient and precondition never touch the noise generator
+    replay = torch.Generator().manual_seed(42)
+    normal((1,), replay, dtype=torch.float64)
+    assert torch.equal(replay.get_state(), gen.get_state())
+    # and a generator seeded with the public seed would have given another draw
+    for public_seed in (1, 2):
+        leaked = float(normal((1,), torch.Generator().manual_seed(public_seed), dtype=torch.float64)) * 2.0
+        assert noise_a != pytest.approx(leaked, rel=1e-3)
+    noise_c, _, _ = _released(model, public_seed=1, noise_seed=43)
+    assert noise_c != pytest.approx(noise_a, rel=1e-3)  # other noise seed: other noise
+
+
+def test_noise_std_is_sigma_C_over_B():
+    model = Quadratic()
+    sigma, C, B, n = 1.5, 0.7, 4, 4000
+    plugin = DPZeroPlugin()
+    gaussian = GaussianPlugin()
+    gen = torch.Generator().manual_seed(5)
+    batch = _xbatch(n=4)
+    ctx = _ctx(model, model.per_example_loss, seed=3, C=C, sigma=sigma, B=B)
+    ctx.noise_generator = gen
+    clean = float(plugin.estimate_gradient(ctx=ctx, batch=batch).values[KEY]) / B
+    released = []
+    for _ in range(n):
+        total = GradientSum({KEY: torch.tensor([clean * B], dtype=torch.float64)}, 4)
+        private = gaussian.privatize(ctx=ctx, gradient_sum=total)
+        released.append(float(private.values[KEY]) - clean)
+    released = torch.tensor(released, dtype=torch.float64)
+    expected = sigma * C / B
+    assert private.noise_std == pytest.approx(expected)
+    # std of a sample of n normals: relative standard error 1/sqrt(2n) = 1.1%; 5 standard errors
+    assert float(released.std()) == pytest.approx(expected, rel=5 / math.sqrt(2 * n))
+    assert abs(float(released.mean())) < 5 * expected / math.sqrt(n)
+
+
+# --- MeZO and the update --------------------------------------------------------------------------------------
+
+def test_mezo_mode_equals_a_hand_written_mezo_step():
+    model = tiny_bert()
+    for module in model.modules():  # dropout active in train mode: the plugin's two forwards run in eval mode
+        if isinstance(module, nn.Dropout):
+            module.p = 0.3
+    reference = copy.deepcopy(model)
+    batch = random_batch(8)
+    lr, mu, seed = 0.05, 1e-3, 4242
+    # dpl: privacy noise off and no clipping (MeZO), fixed batch of the expected size
+    pm = create_plugin_manager({"dpzero": {"mu": mu}})
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ctx = _ctx(model, _bert_loss(model), seed=seed, C=math.inf, sigma=0.0, B=8, optimizer=optimizer)
+    apply_direction(optimizer, ctx.trainable, private_step(pm.hook, ctx, batch, physical_batch_size=3))
+    # by hand (MeZO's Algorithm 1, mean loss, z from the same public seed)
+    z = {n: DirectionSampler(seed).z(n, p) for n, p in reference.named_parameters()}
+    reference.eval()
+    with torch.no_grad():
+        def mean_loss(scale):
+            probe = copy.deepcopy(reference)
+            for n, p in probe.named_parameters():
+                p.add_(scale * z[n])
+            return float(_bert_loss(probe)(batch).double().mean())
+        g = (mean_loss(mu) - mean_loss(-mu)) / (2 * mu)
+        for n, p in reference.named_parameters():
+            p.sub_(lr * g * z[n])
+    assert g != 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_streaming_update_equals_sgd_through_grad():
+    gen = torch.Generator().manual_seed(0)
+    a = [nn.Parameter(torch.randn(3, 4, generator=gen)), nn.Parameter(torch.randn(5, generator=gen))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    dirs = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen)]
+    groups_a = [{"params": [a[0]], "lr": 0.1, "weight_decay": 0.01}, {"params": [a[1]], "lr": 0.3}]
+    groups_b = [{"params": [b[0]], "lr": 0.1, "weight_decay": 0.01}, {"params": [b[1]], "lr": 0.3}]
+    opt_a, opt_b = torch.optim.SGD(groups_a, lr=1.0), torch.optim.SGD(groups_b, lr=1.0)
+    names = ["w", "b"]
+    produced = []
+
+    def produce(name):
+        produced.append(name)
+        return dirs[names.index(name)].clone()
+
+    apply_direction(opt_a, dict(zip(names, a)), StreamingDirection(names, produce))
+    apply_direction(opt_b, dict(zip(names, b)), dict(zip(names, dirs)))
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.detach(), q.detach())
+        assert p.grad is None
+    assert produced == names  # one tensor at a time, each produced once
+    # LR schedulers see the step (no "scheduler.step() before optimizer.step()" warning path)
+    sched = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5)
+    apply_direction(opt_a, dict(zip(names, a)), StreamingDirection(names, produce))
+    sched.step()
+    assert opt_a.param_groups[1]["lr"] == pytest.approx(0.15)
+
+
+def test_optimizers_with_gradient_buffers_are_refused():
+    p = [nn.Parameter(torch.zeros(2))]
+    assert streaming_refusal(torch.optim.SGD(p, lr=0.1)) is None
+    assert streaming_refusal(torch.optim.SGD(p, lr=0.1, weight_decay=0.1)) is None
+    assert "momentum" in streaming_refusal(torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert "AdamW" in streaming_refusal(torch.optim.AdamW(p, lr=0.1))
+    with pytest.raises(ConfigError):
+        apply_streaming(torch.optim.Adam(p), {"x": p[0]}, StreamingDirection(["x"], lambda n: torch.ones(2)))
+    model = tiny_bert()
+    plugin = DPZeroPlugin()
+    with pytest.raises(ConfigError, match="AdamW"):
+        plugin.validate_setup(setup=_setup(model, ["dpzero"], optimizer_factory=torch.optim.AdamW))
+    with pytest.raises(ConfigError, match="momentum"):
+        plugin.validate_setup(setup=_setup(model, ["dpzero"], optimizer_factory=lambda ps: torch.optim.SGD(
+            ps, lr=0.1, momentum=0.9)))
+    plugin.validate_setup(setup=_setup(model, ["dpzero"], optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    # the dense DPGD-0th baseline goes through .grad: any optimizer
+    DPZeroPlugin(estimator="dpgd0").validate_setup(setup=_setup(model, ["dpzero"],
+                                                                optimizer_factory=torch.optim.AdamW))
+
+
+def test_denoise_and_privatize_replacements_are_refused():
+    model = tiny_bert()
+    pm = create_plugin_manager({"dpzero": {}, "denoise": {}})
+    setup = _setup(model, ["dpzero", "denoise"], replaced=replaced_hooks(pm))
+    with pytest.raises(ConfigError, match="denoise"):
+        DPZeroPlugin().validate_setup(setup=setup)
+    with pytest.raises(ConfigError, match="dpzero|denoise"):
+        pm.hook.validate_setup(setup=setup)
+    with pytest.raises(ConfigError, match="privatize"):
+        DPZeroPlugin().validate_setup(setup=_setup(model, ["dpzero", "x"],
+                                                   replaced=frozenset({"estimate_gradient", "privatize"})))
+    with pytest.raises(ConfigError):
+        DPZeroPlugin(mu=0)
+    with pytest.raises(ConfigError):
+        DPZeroPlugin(estimator="spsa")
+
+
+def test_dpgd0_clips_the_whole_vector():
+    model = Quadratic()
+    batch = _xbatch(n=5)
+    batch["x"] *= 30.0
+    C = 0.5
+    total = DPZeroPlugin(estimator="dpgd0").estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=C),
+                                                               batch=batch)
+    assert set(total.values) == {"theta", "bias"}
+    norm = math.sqrt(sum(float(v.pow(2).sum()) for v in total.values.values()))
+    assert norm <= 5 * C + 1e-9
+    for i in range(5):
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        single = DPZeroPlugin(estimator="dpgd0").estimate_gradient(ctx=_ctx(model, model.per_example_loss, C=C),
+                                                                    batch=one)
+        assert math.sqrt(sum(float(v.pow(2).sum()) for v in single.values.values())) <= C * (1 + 1e-7)
+
+
+def test_generation_module_with_lora(tmp_path):
+    from dpl.modules import FinetuneOptions, LoraOptions
+    from dpl.modules.generation import DPGenerationModule
+
+    folder = save_tiny_llama_lm(tmp_path / "lm", tie=True)
+    module = DPGenerationModule(model=folder, finetuning=FinetuneOptions(
+        method="lora", lora=LoraOptions(r=2, alpha=4, target_modules=["q_proj", "v_proj"])))
+    model = module.ensure_model()
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 2, 0], [5, 10, 11, 12, 13, 14, 2]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]),
+             "labels": torch.tensor([[-100, -100, -100, 8, 9, 2, -100], [-100, -100, 11, 12, 13, 14, 2]])}
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora" in n for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    pm = create_plugin_manager({"dpzero": {"mu": 1e-2}})
+    optimizer = torch.optim.SGD(trainable.values(), lr=1.0)
+    ctx = StepContext(model=model, trainable=trainable, per_example_loss=module.per_example_loss, max_grad_norm=10.0,
+                      noise_multiplier=0.0, expected_batch_size=2, step=0, noise_generator=torch.Generator(),
+                      log=lambda k, v: None, public_seed=7, optimizer=optimizer)
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    apply_direction(optimizer, trainable, private_step(pm.hook, ctx, batch, physical_batch_size=2))
+    assert any(not torch.equal(before[n], p.detach()) for n, p in trainable.items())  # LoRA moved
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(frozen[n], p.detach())  # the base model never moved (not even by rounding)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --- end to end -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dpzero_e2e")
+    model = save_tiny_bert(tmp / "model")
+    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=96)
+    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=32, seed=1)
+    return tmp, model
+
+
+@pytest.mark.parametrize("fragment", ["dpzero.yaml", "mezo.yaml"])
+def test_dpl_fit_with_the_config(tiny, fragment, capsys):
+    from dpl.cli import main
+
+    tmp, model = tiny
+    root = tmp / f"runs_{fragment}"
+    main(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+          "--config", str(ROOT / "configs" / "plugins" / fragment),
+          "--model.model", model, "--model.finetuning.method", "full",
+          "--model.privacy.batch_size", "16", "--model.privacy.physical_batch_size", "8",
+          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", model,
+          "--data.data_dir", str(tmp / "data"), "--data.max_length", "16",
+          "--trainer.max_epochs", "1", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
+          "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root)])
+    out = capsys.readouterr().out
+    assert "dpl: trained 6 private steps" in out
+    eps = out.split("epsilon=")[1].split(",")[0]
+    assert (eps == "inf") == (fragment == "mezo.yaml")
+    rows = list(csv.DictReader(open(next(root.rglob("metrics.csv")))))
+    assert any(r.get("dpzero/projected_grad") for r in rows)
+    assert any(r.get("val_acc") for r in rows)
