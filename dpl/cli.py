@@ -45,6 +45,13 @@ def main(args: list[str] | None = None) -> None:
     if argv[:1] == ["plugins"]:
         print_plugins()
         return
+    if argv[:1] == ["audit"]:
+        from dpl.audit import audit_command
+
+        code = audit_command(argv[1:])
+        if code:
+            raise SystemExit(code)
+        return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
