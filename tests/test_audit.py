@@ -179,3 +179,17 @@ def test_cli_audit_bad_setting_is_one_line(capsys):
     code, out, err = run_cli([*TINY, "--canaries", "1"], capsys)
     assert code == 2
     assert err.strip().startswith("dpl: error:") and len(err.strip().splitlines()) == 1
+
+
+AUDIT_CONFIGS = sorted((ROOT / "configs" / "audit").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", AUDIT_CONFIGS, ids=lambda p: p.name)
+def test_audit_configs_parse(config):
+    from dpl.audit import build_parser
+
+    parser = build_parser()
+    base = ROOT / "configs" / "audit" / "gaussian.yaml"
+    args = parser.parse_args(["--config", str(base), "--config", str(config)])
+    cfg = AuditConfig(**{k: args[k] for k in AuditConfig.__dataclass_fields__})
+    cfg.validate()
