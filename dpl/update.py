@@ -29,10 +29,22 @@ class StreamingDirection(Mapping):
     still works, at the cost of materializing each tensor it reads.
     """
 
-    def __init__(self, names: Sequence[str], produce: Callable[[str], Tensor]) -> None:
+    def __init__(self, names: Sequence[str], produce: Callable[[str], Tensor],
+                 pieces: Callable[[str], Iterator[tuple[int, Tensor]]] | None = None) -> None:
         self._names = list(names)
         self._known = set(self._names)
         self._produce = produce
+        self._pieces = pieces
+
+    def pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
+        """``(flat offset, flat piece)`` pairs that tile ``direction[name].reshape(-1)`` in order: a producer that
+        can make a large tensor in pieces (``pieces=``) bounds the transient memory to one piece."""
+        if name not in self._known:
+            raise KeyError(name)
+        if self._pieces is None:
+            yield 0, self._produce(name).reshape(-1)
+        else:
+            yield from self._pieces(name)
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._known:
@@ -71,7 +83,8 @@ def streaming_refusal(optimizer: torch.optim.Optimizer) -> str | None:
 @torch.no_grad()
 def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn.Parameter],
                     direction: StreamingDirection) -> None:
-    """One plain-SGD step ``p <- p * (1 - lr * wd) - lr * direction[name]`` per parameter, tensor by tensor.
+    """One plain-SGD step ``p <- p * (1 - lr * wd) - lr * direction[name]`` per parameter, tensor by tensor (piece
+    by piece where the direction produces pieces).
 
     Equal (to float rounding) to writing the direction into ``.grad`` and calling ``torch.optim.SGD.step`` with
     ``momentum=0``; ``maximize`` flips the sign. No ``.grad`` is allocated. The optimizer's ``step()`` is then
@@ -90,9 +103,14 @@ def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
         decay = float(group.get("weight_decay", 0.0))
         if decay:
             param.mul_(1.0 - lr * decay)
-        update = direction[name]
-        param.add_(update.to(param.dtype), alpha=lr if group.get("maximize", False) else -lr)
-        del update
+        alpha = lr if group.get("maximize", False) else -lr
+        if param.is_contiguous():
+            flat = param.view(-1)
+            for offset, piece in direction.pieces(name):
+                flat[offset:offset + piece.numel()].add_(piece.to(param.dtype), alpha=alpha)
+                del piece
+        else:
+            param.add_(direction[name].to(param.dtype), alpha=alpha)
     optimizer.step()
 
 

@@ -107,6 +107,30 @@ def test_regenerated_z_equals_the_perturbation():
     assert not torch.equal(DirectionSampler(988).z("theta", zero["theta"]), zero["theta"].detach())
 
 
+def test_large_tensors_are_drawn_in_chunks_consistently(monkeypatch):
+    from dpl_plugins.dpzero import directions
+
+    monkeypatch.setattr(directions, "CHUNK", 4)  # a 5 x 3 matrix: chunks of 4, 4, 4, 3
+    param = nn.Parameter(torch.zeros(5, 3))
+    sampler = DirectionSampler(11)
+    chunks = list(sampler.chunks("w", param))
+    assert [offset for offset, _ in chunks] == [0, 4, 8, 12]
+    z = sampler.z("w", param)
+    assert torch.equal(z.reshape(-1), torch.cat([c for _, c in chunks]))
+    sampler.perturb_({"w": param}, 1.0)
+    assert torch.equal(param.detach(), z)
+    # the streaming update applies the same pieces: theta <- theta - lr * g * z
+    plugin = DPZeroPlugin()
+    model = nn.Module()
+    model.w = param
+    ctx = _ctx(model, None, seed=11)
+    direction = plugin.precondition(ctx=ctx.release_context(), gradient=_private(2.0))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    apply_direction(optimizer, {"w": param}, direction)
+    torch.testing.assert_close(param.detach(), z - 0.5 * 2.0 * z)
+    assert param.grad is None
+
+
 def _private(value):
     from dpl.gradients import PrivateGradient
     return PrivateGradient({KEY: torch.tensor([value], dtype=torch.float64)}, noise_std=0.0, mechanism="gaussian",

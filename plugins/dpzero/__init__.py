@@ -157,7 +157,11 @@ class DPZeroPlugin:
         def produce(name: str) -> Tensor:
             return sampler.z(name, params[name]).mul_(g)
 
-        return StreamingDirection(list(params), produce)
+        def pieces(name: str) -> Iterator[tuple[int, Tensor]]:
+            for offset, chunk in sampler.chunks(name, params[name]):
+                yield offset, chunk.mul_(g)
+
+        return StreamingDirection(list(params), produce, pieces)
 
     # --- state --------------------------------------------------------------------------------------------
     # Nothing to keep: the direction seed is the core's public per-step seed (checkpointed by the core), and the

