@@ -10,7 +10,7 @@ from dpl.modules.base import DPModule
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "finetuning"
-                      and p.parent.name != "plugins"
+                      and p.parent.name != "plugins" and p.parent.name != "optimizers"
                       and p.parent.name != "audit")  # dpl audit configs: tests/test_audit.py
 
 
@@ -27,7 +27,7 @@ def test_task_config_parses(config):
     assert isinstance(cli.datamodule, DPDataModule)
 
 
-FRAGMENTS = sorted(p for folder in ("finetuning", "plugins") for p in (ROOT / "configs" / folder).glob("*.yaml"))
+FRAGMENTS = sorted(p for folder in ("finetuning", "plugins", "optimizers") for p in (ROOT / "configs" / folder).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("fragment", FRAGMENTS, ids=lambda p: p.name)

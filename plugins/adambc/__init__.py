@@ -152,6 +152,16 @@ class AdamBCPlugin:
         ctx.log("adambc/fraction_floored", float(sum(floored)) / max(1, total) if floored else 0.0)
         return direction
 
+    @torch.no_grad()
+    def corrected_second_moment(self, name: str) -> Tensor:
+        """v^ - Phi^ for ``name`` after the last step (v^ for plain DP-Adam), before the floor gamma: the
+        estimate of the clean gradient's second moment (public, for diagnostics and tests)."""
+        correction2 = 1.0 - self.beta2 ** self.steps
+        second = self.exp_avg_sq[name] / correction2
+        if self.bias_correction:
+            second = second - self.noise_var_avg[name] / correction2
+        return second
+
     @staticmethod
     def _moment(store: dict[str, Tensor], name: str, like: Tensor) -> Tensor:
         buf = store.get(name)
