@@ -15,7 +15,8 @@ white-box gradient canaries, run through dpl's real private step:
 3. **Scores.** The auditor sees every intermediate model (white box). For canary i and step t,
    ``y_it = <theta_t - theta_{t+1}, u_i> * B / (lr * C)`` (1 when the canary was in the batch, plus noise).
    The score is the log-likelihood ratio of the Poisson-subsampled Gaussian with the *claimed* sigma and q,
-   ``sum_t log(1 - q + q exp((2 y_it - 1) / (2 sigma^2)))`` (``score: lr``), or ``sum_t y_it`` (``score: sum``).
+   ``sum_t log(1 - q + q exp((2 y_it - 1) / (2 sigma^2)))`` (``score: lr``), ``sum_t y_it`` (``score: sum``) or
+   ``sum_t sign(y_it)`` (``score: sign``).
 4. **Guesses and bound.** Guess "in" for the ``k+`` highest scores and "out" for the ``k-`` lowest; with ``r``
    guesses of which ``v`` are right, Theorem 5.2 / Corollary 5.4 of the paper bound
    ``P[v correct] <= f(v) + 2 m delta max_i (f(v - i) - f(v)) / i``, ``f(v) = P[Binomial(r, e^eps/(1+e^eps)) >= v]``,
@@ -231,7 +232,9 @@ class AuditConfig:
         rows: rows of the audited weight matrix (None: the smallest square that holds the canaries).
         cols: columns of the weight matrix (None: as rows).
         lr: SGD learning rate (the model is linear, so it only scales the updates).
-        score: ``lr`` (log-likelihood ratio of the subsampled Gaussian at the claimed sigma and q) or ``sum``.
+        score: ``lr`` (log-likelihood ratio of the subsampled Gaussian at the claimed sigma and q), ``sum`` (of the
+            per-step projections) or ``sign`` (sum of their signs: scale-free, for preconditioned updates such
+            as adambc's, whose per-coordinate scale varies wildly).
         guesses: explicit ``[[k_plus, k_minus], ...]`` candidates (None: fractions of m, see
             DEFAULT_GUESS_FRACTIONS). The best one is reported, with a Bonferroni correction over all.
         confidence: confidence of the lower bound (e.g. 0.95).
@@ -258,7 +261,7 @@ class AuditConfig:
     rows: int | None = None
     cols: int | None = None
     lr: float = 1.0
-    score: Literal["lr", "sum"] = "lr"
+    score: Literal["lr", "sum", "sign"] = "lr"
     guesses: list[list[int]] | None = None
     confidence: float = 0.95
     seed: int | None = None
@@ -532,6 +535,8 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
         if cfg.score == "lr" and sigma > 0:
             scores += torch.logaddexp(torch.full_like(observed, log_1mq),
                                       log_q + (2 * observed - 1) / (2 * sigma ** 2))
+        elif cfg.score == "sign":
+            scores += torch.sign(observed)
         else:
             scores += observed
         if progress is not None:
