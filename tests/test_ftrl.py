@@ -146,7 +146,8 @@ def test_streaming_equals_the_dense_matrix_product(family, memory):
             w = stream.push(z, draw, "cpu")
         else:
             z = draw(gen)
-            w = stream.push({k: v.clone() for k, v in z.items()})
+            w = {k: stream.push(k, v.clone()).clone() for k, v in z.items()}
+            stream.end_step()
         Z.append(torch.cat([z["a"], z["b"].flatten()]).numpy())
         W.append(torch.cat([w["a"], w["b"].flatten()]).numpy())
     expected = scipy.linalg.solve_triangular(_dense(strat.c), np.stack(Z), lower=True)

@@ -161,20 +161,28 @@ class FTRLPlugin:
             if self.stream is None:
                 self.stream = self._new_stream()
 
-            def draw(source: Any) -> dict[str, torch.Tensor]:
-                return {k: normal(v.shape, source, device=v.device, dtype=v.dtype) for k, v in totals.items()}
-
             if isinstance(self.stream, DenseRegenerateStream):
                 if not isinstance(ctx.noise_generator, torch.Generator):
                     raise ConfigError("ftrl: memory: regenerate needs a replayable torch.Generator noise source")
+
+                def draw(source: Any) -> dict[str, torch.Tensor]:
+                    return {k: normal(v.shape, source, device=v.device, dtype=v.dtype) for k, v in totals.items()}
+
                 self.stream.record(ctx.noise_generator)
-                device = ctx.noise_generator.device
-                w = self.stream.push(draw(ctx.noise_generator), draw, device)
+                w = self.stream.push(draw(ctx.noise_generator), draw, ctx.noise_generator.device)
+                for key, total in totals.items():
+                    values[key] = w.pop(key).mul_(scale).add_(total).div_(batch)
             else:
-                w = self.stream.push(draw(ctx.noise_generator))
-            for key, total in totals.items():
-                values[key] = torch.mul(w[key], scale).add_(total).div_(batch)
-            del w
+                # key by key: draw z, turn it into w_t, release; at most one extra tensor of one key at a time
+                for key, total in totals.items():
+                    z = normal(total.shape, ctx.noise_generator, device=total.device, dtype=total.dtype)
+                    w = self.stream.push(key, z)
+                    if self.stream.in_place:
+                        values[key] = w.mul_(scale).add_(total).div_(batch)
+                    else:
+                        values[key] = torch.add(total, w, alpha=scale).div_(batch)
+                    del z, w
+                self.stream.end_step()
             noise_std = scale * strategy.marginal_std(ctx.step) / batch
         self.step += 1
         ctx.log("ftrl/noise_std", noise_std)

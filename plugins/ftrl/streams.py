@@ -32,23 +32,34 @@ def _to_cpu(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 class BandedStream:
+    """Per key: ``push(key, z)`` (z is consumed: it becomes w_t and joins the history); ``end_step()`` after all
+    keys. Memory: the bands - 1 last outputs."""
+
+    in_place = False  # w is kept in the history: the caller must not modify it
+
     def __init__(self, c_band: np.ndarray) -> None:
         self.c = [float(x) for x in c_band]
         self.history: list[dict[str, Tensor]] = []  # newest first, at most len(c) - 1
+        self._current: dict[str, Tensor] = {}
 
-    def push(self, z: dict[str, Tensor]) -> dict[str, Tensor]:
-        w = {}
-        for key, value in z.items():
-            out = value.clone()
-            for j, past in enumerate(self.history, start=1):
-                out.sub_(past[key].to(out.device), alpha=self.c[j])
-            if self.c[0] != 1.0:
-                out.div_(self.c[0])
-            w[key] = out
+    def push(self, key: str, z: Tensor) -> Tensor:
+        out = z
+        for j, past in enumerate(self.history, start=1):
+            prev = past[key]
+            if prev.device != out.device:
+                prev = past[key] = prev.to(out.device)
+            out.sub_(prev, alpha=self.c[j])
+        if self.c[0] != 1.0:
+            out.div_(self.c[0])
         if len(self.c) > 1:
-            self.history.insert(0, w)
+            self._current[key] = out
+        return out
+
+    def end_step(self) -> None:
+        if len(self.c) > 1:
+            self.history.insert(0, self._current)
             del self.history[len(self.c) - 1:]
-        return w
+        self._current = {}
 
     def memory_floats(self) -> int:
         return sum(t.numel() for h in self.history for t in h.values())
@@ -61,53 +72,65 @@ class BandedStream:
 
 
 class BLTStream:
+    """Per key: ``push(key, z)`` turns z into w_t in place and updates the key's nbuf buffers. Memory: nbuf x d."""
+
+    in_place = True  # w is not kept: the caller may reuse its memory
+
     def __init__(self, omega: list[float], theta: list[float]) -> None:
         self.omega = [float(x) for x in omega]
         self.theta = [float(x) for x in theta]
-        self.buffers: dict[str, Tensor] | None = None  # key -> (nbuf, *shape)
+        self.buffers: dict[str, Tensor] = {}  # key -> (nbuf, *shape)
 
-    def push(self, z: dict[str, Tensor]) -> dict[str, Tensor]:
-        if self.buffers is None:
-            self.buffers = {k: torch.zeros((len(self.omega), *v.shape), dtype=v.dtype, device=v.device)
-                            for k, v in z.items()}
-        w = {}
-        for key, value in z.items():
-            buf = self.buffers[key]
-            if buf.device != value.device:
-                buf = self.buffers[key] = buf.to(value.device)
-            out = value.clone()
-            for j, om in enumerate(self.omega):
-                out.sub_(buf[j], alpha=om)
-            for j, th in enumerate(self.theta):
-                buf[j].mul_(th).add_(out)
-            w[key] = out
-        return w
+    def push(self, key: str, z: Tensor) -> Tensor:
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = torch.zeros((len(self.omega), *z.shape), dtype=z.dtype, device=z.device)
+        elif buf.device != z.device:
+            buf = self.buffers[key] = buf.to(z.device)
+        out = z
+        for j, om in enumerate(self.omega):
+            out.sub_(buf[j], alpha=om)
+        for j, th in enumerate(self.theta):
+            buf[j].mul_(th).add_(out)
+        return out
+
+    def end_step(self) -> None:
+        pass
 
     def memory_floats(self) -> int:
-        return 0 if self.buffers is None else sum(t.numel() for t in self.buffers.values())
+        return sum(t.numel() for t in self.buffers.values())
 
     def secret_state(self) -> dict[str, Any]:
-        return {"buffers": None if self.buffers is None else _to_cpu(self.buffers)}
+        return {"buffers": _to_cpu(self.buffers)}
 
     def load_secret_state(self, state: dict[str, Any]) -> None:
-        self.buffers = None if state["buffers"] is None else dict(state["buffers"])
+        self.buffers = dict(state["buffers"] or {})
 
 
 class DenseKeepStream:
+    """Per key: ``push(key, z)`` keeps z and returns a new w_t = sum_s beta_{t-s} z_s. Memory: T x d."""
+
+    in_place = True  # w is a fresh tensor
+
     def __init__(self, beta: np.ndarray) -> None:
         self.beta = [float(x) for x in beta]
         self.past: list[dict[str, Tensor]] = []
+        self._current: dict[str, Tensor] = {}
 
-    def push(self, z: dict[str, Tensor]) -> dict[str, Tensor]:
-        self.past.append(z)
-        t = len(self.past) - 1
-        w = {}
-        for key, value in z.items():
-            out = value.clone()  # beta_0 = 1
-            for s in range(t):
-                out.add_(self.past[s][key].to(out.device), alpha=self.beta[t - s])
-            w[key] = out
-        return w
+    def push(self, key: str, z: Tensor) -> Tensor:
+        self._current[key] = z
+        t = len(self.past)
+        out = z.clone()  # beta_0 = 1
+        for s in range(t):
+            prev = self.past[s][key]
+            if prev.device != out.device:
+                prev = self.past[s][key] = prev.to(out.device)
+            out.add_(prev, alpha=self.beta[t - s])
+        return out
+
+    def end_step(self) -> None:
+        self.past.append(self._current)
+        self._current = {}
 
     def memory_floats(self) -> int:
         return sum(t.numel() for p in self.past for t in p.values())
