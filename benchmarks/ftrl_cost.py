@@ -1,0 +1,139 @@
+"""Cost per step of ftrl's correlated noise on MiniLM full fine-tuning (22.7M parameters), side by side in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/ftrl_cost.py [--repeats 8] [--batch 32] [--tokens 64] [--steps 1000]
+
+Variants (same model, same batch, one full private step each: forward, per-example clipping, noise, SGD update):
+the default Gaussian mechanism, ftrl independent, ftrl banded (bands=4: 3 stored vectors), ftrl BLT (nbuf=4).
+Timings are interleaved round-robin (machine noise hits all alike); medians. Memory: the floats the noise stream
+holds between steps (exact, counted from its tensors) against the goal nbuf x d, and the process's peak RSS
+growth while the variant runs (coarse: the allocator keeps freed memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dpl.plugin_manager import create_plugin_manager
+from dpl.step import RunSetup, StepContext, private_step
+
+from step_time import load, make_batch  # noqa: E402  (benchmarks/ on sys.path when run as a script)
+
+
+def variant(model, batch, plugins: dict | None, steps: int):
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD(list(trainable.values()), lr=1e-5)
+    pm = create_plugin_manager(plugins)
+    size = batch["labels"].shape[0]
+    setup = RunSetup(model=model, trainable=trainable, plugin_names=list(plugins or {}), num_examples=size * 50,
+                     expected_batch_size=size, steps=steps, sampling_rate=1 / 50, accountant="prv",
+                     optimizer_name="SGD", task="classification")
+    pm.hook.validate_setup(setup=setup)
+    mech = pm.hook.configure_mechanism(setup=setup)
+    plugin = dict(pm.list_name_plugin()).get("ftrl")
+    state = {"step": 0}
+    gen = torch.Generator().manual_seed(0)
+
+    def loss(b):
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        return F.cross_entropy(out.logits, b["labels"], reduction="none")
+
+    def step():
+        ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
+                          noise_multiplier=1.0, expected_batch_size=size, step=state["step"], noise_generator=gen,
+                          log=lambda *a: None)
+        direction = private_step(pm.hook, ctx, batch, physical_batch_size=size, mechanism=mech.name)
+        opt.zero_grad(set_to_none=True)
+        for name, p in trainable.items():
+            p.grad = direction[name]
+        opt.step()
+        state["step"] += 1
+
+    def privatize_only():
+        """The privatize hook alone on a zero clipped sum of the model's shapes (isolates the noise cost)."""
+        from dpl.gradients import GradientSum
+
+        ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
+                          noise_multiplier=1.0, expected_batch_size=size, step=state["step"], noise_generator=gen,
+                          log=lambda *a: None)
+        total = GradientSum({n: torch.zeros_like(p) for n, p in trainable.items()}, size)
+        start = time.perf_counter()
+        pm.hook.privatize(ctx=ctx, gradient_sum=total)
+        elapsed = time.perf_counter() - start
+        state["step"] += 1
+        return elapsed
+
+    def held_floats() -> int:
+        stream = getattr(plugin, "stream", None)
+        return 0 if stream is None else stream.memory_floats()
+
+    return step, held_floats, privatize_only
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=1000, help="planned run length (for the fits)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = load("full")
+    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    batch = make_batch(args.batch, args.tokens)
+    configs = {
+        "gaussian (default)": None,
+        "ftrl independent": {"ftrl": {"noise": "independent"}},
+        "ftrl banded (bands=4)": {"ftrl": {"noise": "banded", "bands": 4}},
+        "ftrl blt (nbuf=4)": {"ftrl": {"noise": "blt", "nbuf": 4}},
+    }
+    goal_floats = {"ftrl banded (bands=4)": 3 * d, "ftrl blt (nbuf=4)": 4 * d}
+    variants, held, rss, privs = {}, {}, {}, {}
+    for name, plugins in configs.items():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        step, floats, priv = variant(model, batch, plugins, args.steps)
+        for _ in range(6):  # warm-up; fills the banded history / BLT buffers
+            step()
+        rss[name] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # MiB (peak growth)
+        variants[name], held[name], privs[name] = step, floats, priv
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    noise_times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.repeats):
+        for name, fn in privs.items():
+            noise_times[name].append(fn())
+    base = statistics.median(times["gaussian (default)"])
+    base_noise = statistics.median(noise_times["gaussian (default)"])
+    rows = []
+    print(f"MiniLM full fine-tuning, d = {d:,} trainable parameters, batch {args.batch} x {args.tokens} tokens, "
+          f"{args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}")
+    print(f"{'variant':24s} {'median s':>9s} {'vs default':>10s} {'held floats':>14s} {'goal floats':>12s} "
+          f"{'peak RSS growth MiB':>20s} {'privatize s':>11s} {'noise overhead / step':>22s}")
+    for name in variants:
+        med = statistics.median(times[name])
+        row = {"variant": name, "median_s": med, "ratio": med / base, "held_floats": held[name](),
+               "goal_floats": goal_floats.get(name), "rss_growth_mib": rss[name],
+               "times": times[name], "privatize_s": statistics.median(noise_times[name]),
+               "noise_overhead": (statistics.median(noise_times[name]) - base_noise) / base}
+        rows.append(row)
+        goal = f"{row['goal_floats']:,}" if row["goal_floats"] else "-"
+        print(f"{name:24s} {med:9.3f} {med / base:10.3f} {row['held_floats']:14,d} {goal:>12s} "
+              f"{rss[name]:20.0f} {row['privatize_s']:11.3f} {100 * row['noise_overhead']:21.1f}%")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"d": d, "batch": args.batch, "tokens": args.tokens, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
