@@ -2,7 +2,7 @@
 planted bugs: table (markdown) + JSON + PNG.
 
     OMP_NUM_THREADS=1 python benchmarks/audit.py [--quick] [--out benchmarks/results/audit.json]
-        [--figure docs/figures/audit_bounds.png]
+        [--figure docs/figures/audit_bounds.png] [--from-json]
 
 Settings (the same for every run; scaled to ~10-15 minutes of one CPU core): m = 50,000 Dirac gradient
 canaries in a 448 x 448 linear layer, 1,000 ordinary examples, q = 0.075 (expected batch 1,950), 100 steps,
@@ -49,7 +49,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/audit.json")
     parser.add_argument("--figure", default="docs/figures/audit_bounds.png")
+    parser.add_argument("--from-json", action="store_true", help="only redraw the table and figure from --out")
     args = parser.parse_args()
+    if args.from_json:
+        saved = json.loads(Path(args.out).read_text())
+        print_table(saved["runs"])
+        plot(saved["runs"], saved["meta"], args.figure)
+        return
     base = settings(args.quick)
     available = set(installed_plugins())
     runs = []
@@ -127,10 +133,11 @@ def plot(runs: list[dict], meta: dict, path: str) -> None:
         ax.set_xlabel("claimed ε (target)")
         ax.set_xticks(list(EPSILONS))
     axes[0][0].set_ylabel("audited lower bound on ε (95 %)")
-    axes[0][-1].legend(fontsize=7, loc="upper left")
+    handles, labels = axes[0][0].get_legend_handles_labels()  # the first panel (gaussian) has every series
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     s = meta["settings"]
     fig.suptitle(f"One-run audit: m = {s['canaries']} canaries, {s['steps']} steps, δ = {s['delta']:g}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"\nfigure: {path}")
