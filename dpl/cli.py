@@ -1,28 +1,199 @@
-"""The ``dpl`` command: LightningCLI (``fit``, ``validate``, ``test``) plus ``dpl plugins``."""
+"""The ``dpl`` command: LightningCLI (``fit``, ``validate``, ``test``) plus dpl's own commands (:data:`COMMANDS`:
+``dpl plugins``, ...)."""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import logging
 import os
+import re
+import shutil
 import sys
+import typing
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from dpl.data.base import DPDataModule
-from dpl.errors import DPLError
+from dpl.errors import ConfigError, DPLError
 from dpl.modules.base import DPModule
+
+DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-SGD (Poisson sampling, per-example\n"
+               "clipping, calibrated noise, PRV accounting) on Lightning; private-training methods plug in as hooks.")
+
+#: dpl's commands besides Lightning's (fit, validate, test, predict): name -> (one-line help, "module:function").
+#: The function gets the remaining arguments (list of str) and returns an exit code (or None for 0).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.cli:plugins_command"),
+    "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
+              "(docs/audit.md)", "dpl.audit:audit_command"),
+}
+
+MODEL_CLASSES = "DPClassificationModule, DPGenerationModule"
+DATA_CLASSES = "ClassificationDataModule, QuickstartDataModule, E2EDataModule, DARTDataModule, JSONLDataModule"
+_ARGV: list[str] = []
+
+
+def _epilog() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"  {name.ljust(width)}  {text}" for name, (text, _) in COMMANDS.items()]
+    return ("other commands:\n" + "\n".join(lines) + "\n\nExample: dpl fit --config configs/quickstart.yaml  "
+            "(docs: README.md, docs/configuration.md)")
+
+
+_SUBCOMMAND_EPILOG = (
+    "Model and data options depend on the class chosen by the config (model.class_path, data.class_path). "
+    "See them with --model.help CLASS ({models}) and --data.help CLASS ({data}), e.g. "
+    "dpl fit --model.help DPClassificationModule; or print a config with every option resolved: "
+    "dpl fit --config configs/quickstart.yaml --print_config")
+
+
+def _parser_kwargs() -> dict[str, Any]:
+    import argparse
+
+    from jsonargparse import DefaultHelpFormatter
+
+    class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    sub = {"epilog": _SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES)}
+    return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
+            "fit": sub, "validate": sub, "test": sub, "predict": sub}
+
+
+class DPLArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose errors are one ``dpl: error:`` line (a mistyped option names the closest valid
+    one) instead of the usage text and the nested union errors. ``DPL_DEBUG=1`` shows the original."""
+
+    def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
+        if not self.exit_on_error or os.environ.get("DPL_DEBUG"):
+            super().error(message, ex)
+        print(f"dpl: error: {summarize_parse_error(message, _ARGV, self)}", file=sys.stderr)
+        self.exit(2)
 
 
 class DPLightningCLI(LightningCLI):
-    """LightningCLI that validates the privacy setup before the trainer writes anything."""
+    """LightningCLI that validates the privacy setup before the trainer writes anything, saves ``last.ckpt``,
+    shows plain progress lines when stdout is not a terminal, and removes a run directory it created when the
+    run fails before any checkpoint was written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", DPLArgumentParser)
+        kwargs.setdefault("parser_kwargs", _parser_kwargs())
+        super().__init__(*args, **kwargs)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if config.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
+            from dpl.progress import default_progress_bar
+
+            callbacks = [*callbacks, default_progress_bar()]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
+            if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
+                callback.save_last = True
+        return trainer
 
     def before_fit(self) -> None:
         # Load and check the data, build the model, check plugins and calibrate sigma before fit starts, so a
         # bad input fails with one line and leaves no half-written run behind.
+        self._check_ckpt_path()
         self.datamodule.prepare_data()
         self.datamodule.setup("fit")
         self.model.ensure_model(self.datamodule)
         self.model.prepare_privacy(self.datamodule.num_train_examples, self.trainer)
+        self._check_val_check_interval()
+        self.model.defer_fit_summary = True  # printed by after_fit, below the finished progress bar
+
+    def after_fit(self) -> None:
+        summary = getattr(self.model, "fit_summary", None)
+        if summary and self.trainer.is_global_zero:
+            print(summary, flush=True)
+
+    def before_validate(self) -> None:
+        self._check_ckpt_path()
+
+    def before_test(self) -> None:
+        self._check_ckpt_path()
+
+    def before_predict(self) -> None:
+        self._check_ckpt_path()
+
+    def _check_ckpt_path(self) -> None:
+        value = self.config_init[self.subcommand].get("ckpt_path")
+        if value is None or value in ("last", "best", "hpc", "registry") or "://" in str(value):
+            return
+        path = Path(value)
+        if not path.exists():
+            raise ConfigError(f"checkpoint {str(value)!r} not found (a run saves checkpoints/last.ckpt in its "
+                              f"log folder)")
+        if not path.is_file():
+            raise ConfigError(f"checkpoint {str(value)!r} is not a file")
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if not (zipfile.is_zipfile(path) or head[:1] == b"\x80"):  # torch.save: a zip archive (or legacy pickle)
+            raise ConfigError(f"checkpoint {str(value)!r} is not a readable checkpoint (empty, truncated or not "
+                              f"written by dpl)")
+
+    def _check_val_check_interval(self) -> None:
+        trainer, model = self.trainer, self.model
+        interval = getattr(trainer, "val_check_interval", None)
+        steps = getattr(model, "steps_per_epoch", 0)
+        if (isinstance(interval, int) and not isinstance(interval, bool) and steps
+                and trainer.check_val_every_n_epoch is not None and interval > steps):
+            raise ConfigError(f"trainer.val_check_interval ({interval}) is more than one epoch ({steps} steps: "
+                              f"N={model.num_train_examples} // B={model.privacy.batch_size}); set "
+                              f"trainer.check_val_every_n_epoch null to validate every {interval} steps across "
+                              f"epochs, or lower val_check_interval")
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        new_dirs = _missing_dirs(_run_dir(self.trainer))
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception:
+            _remove_partial_run(new_dirs)
+            raise
+
+
+def _run_dir(trainer: Any) -> Path | None:
+    try:
+        location = trainer.log_dir or trainer.default_root_dir
+    except Exception:  # noqa: BLE001 - a logger without a log folder
+        location = trainer.default_root_dir
+    return Path(location).absolute() if location else None
+
+
+def _missing_dirs(path: Path | None) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet (deepest first)."""
+    missing = []
+    while path is not None and not path.exists() and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_partial_run(new_dirs: list[Path]) -> None:
+    """After a failed run: remove the run folder this run created (config.yaml, logs) unless it holds a
+    checkpoint, then the parent folders it created if they are empty."""
+    if not new_dirs or not new_dirs[0].exists():
+        return
+    if any(new_dirs[0].rglob("*.ckpt")):
+        return
+    shutil.rmtree(new_dirs[0], ignore_errors=True)
+    for folder in new_dirs[1:]:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def print_plugins() -> None:
@@ -39,21 +210,57 @@ def print_plugins() -> None:
         print("  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3])
 
 
+def plugins_command(argv: list[str]) -> int:
+    """``dpl plugins``: list the installed plugins."""
+    if argv:
+        if argv[0] in ("-h", "--help"):
+            print(f"usage: dpl plugins\n\n{COMMANDS['plugins'][0]}")
+            return 0
+        print(f"dpl: error: dpl plugins takes no arguments (got {' '.join(argv)})", file=sys.stderr)
+        return 2
+    print_plugins()
+    return 0
+
+
+def _run_command(name: str, argv: list[str]) -> None:
+    module, _, function = COMMANDS[name][1].partition(":")
+    code = getattr(importlib.import_module(module), function)(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def _quiet() -> None:
+    """Silence the messages that do not matter to a dpl user (the ones about privacy stay)."""
+    for pattern in (r".*`tensorboardX` has been removed as a dependency", r".*`is_gradient_checkpointing` is deprecated",
+                    r".*LeafSpec.*deprecated"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+    def no_tips(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\U0001f4a1 Tip:")
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(no_tips)
+    if not (sys.stderr.isatty() and sys.stdout.isatty()):  # no carriage-return bars in logs
+        try:
+            import datasets
+            import transformers
+
+            datasets.disable_progress_bars()
+            transformers.utils.logging.disable_progress_bar()
+        except Exception:  # noqa: BLE001 - optional
+            pass
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``dpl``; ``args`` defaults to the command line."""
-    argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["plugins"]:
-        print_plugins()
-        return
-    if argv[:1] == ["audit"]:
-        from dpl.audit import audit_command
-
-        code = audit_command(argv[1:])
-        if code:
-            raise SystemExit(code)
+    argv = sys.argv[1:] if args is None else list(args)
+    _ARGV[:] = argv
+    if argv[:1] and argv[0] in COMMANDS:
+        _run_command(argv[0], argv[1:])
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _quiet()
     try:
         DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
                        save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
@@ -63,6 +270,106 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"dpl: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+# ------------------------------------------------------------------------------------ parse errors
+
+
+def summarize_parse_error(message: str, argv: list[str], parser: Any = None) -> str:
+    """One line for a jsonargparse error: a mistyped option is named with the closest valid one."""
+    text = str(message)
+    text = text.replace('Parser key "config": ', "--config: ")
+    unknown = re.search(r"unrecognized arguments:\s*(\S+)", text, re.IGNORECASE)
+    if unknown:
+        bad = unknown.group(1).split("=")[0]
+        options = list(getattr(parser, "_option_string_actions", {}) or {})
+        return _unknown_option(bad, None, options)
+    leaf = re.search(r"(?:Option|Key) '([^']+)' is not accepted", text)
+    group = re.search(r'Parser key "([^"]+)"', text)
+    if leaf and group:
+        nested = re.findall(r"NestedArg\(key='([^']+)'", text)
+        key = nested[-1] if nested else leaf.group(1)
+        classes = re.findall(r"Problem with given class_path '([\w.]+)'", text)
+        candidates = _init_keys(classes[0]) if classes else []
+        typed = _typed_option(group.group(1), key, argv)
+        return _unknown_option(typed, (group.group(1), key, candidates), [])
+    if re.search(r'expected "subcommand"', text):
+        return f"expected a command: fit, validate, test, predict, {', '.join(COMMANDS)} (see dpl --help)"
+    if "arguments are required" in text and (".model" in text or ".data" in text):
+        return f"{text.strip()} (give a config: dpl fit --config configs/quickstart.yaml)"
+    keys = re.findall(r'Parser key "([^"]+)"', text)
+    expected = [t for t in re.findall(r"Expected a <class '([^']+)'>", text) if t != "NoneType"]
+    given = [g for g in re.findall(r"Given value: (.*)", text) if not g.startswith("NestedArg(")]
+    if expected and keys and keys != ["config"]:
+        got = f", got {given[0]!r}" if given else ""
+        return f"{'.'.join(keys)}: expected {' or '.join(dict.fromkeys(expected))}{got}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    noise = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>",
+             "Problem with given class_path")
+    meaningful = [ln.lstrip("- ") for ln in lines if not ln.startswith(noise) and not ln.startswith("Parser key")]
+    where = ".".join(keys)
+    if meaningful:
+        detail = meaningful[-1] if keys else meaningful[0]
+        return (f"{where}: {detail}" if where else detail) + _debug_hint(len(lines) > 1)
+    return (lines[0] if lines else "invalid arguments") + _debug_hint(len(lines) > 1)
+
+
+def _debug_hint(more: bool) -> str:
+    return " (DPL_DEBUG=1 shows the full message)" if more else ""
+
+
+def _typed_option(group: str, key: str, argv: list[str]) -> str:
+    """The option as the user wrote it (``--model.privacy.x`` or ``--model.init_args.privacy.x``)."""
+    for token in argv:
+        name = token.split("=")[0]
+        if name.startswith(f"--{group}.") and name.replace(".init_args.", ".").endswith("." + key):
+            return name
+    return f"{group}.{key}"  # from a config file
+
+
+def _unknown_option(typed: str, nested: tuple[str, str, list[str]] | None, options: list[str]) -> str:
+    if nested is None:
+        match = difflib.get_close_matches(typed, [o for o in options if o.startswith("--")], n=1, cutoff=0.6)
+        hint = f"; did you mean {match[0]}?" if match else "; see dpl fit --help"
+        return f"unknown option {typed}{hint}"
+    group, key, candidates = nested
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if match:
+        prefix = typed[: len(typed) - len(key)] if typed.endswith(key) else f"{group}."
+        hint = f"; did you mean {prefix}{match[0]}?"
+    else:
+        hint = f"; see --{group}.help CLASS"
+    return f"unknown option {typed}{hint}"
+
+
+def _init_keys(class_path: str, depth: int = 0) -> list[str]:
+    """Dotted names of a class's init arguments, recursing into dpl's own classes (e.g. ``privacy.batch_size``)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    return _class_keys(cls, depth)
+
+
+def _class_keys(cls: type, depth: int) -> list[str]:
+    try:
+        params = inspect.signature(cls.__init__).parameters
+        hints = typing.get_type_hints(cls.__init__)
+    except (TypeError, ValueError, NameError):
+        return []
+    keys = []
+    for pname, param in params.items():
+        if pname == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        keys.append(pname)
+        hint = hints.get(pname)
+        options = typing.get_args(hint) or (hint,)
+        for option in options:
+            if (depth < 2 and inspect.isclass(option) and option.__module__.startswith("dpl")
+                    and option is not cls):
+                keys += [f"{pname}.{k}" for k in _class_keys(option, depth + 1)]
+    return keys
 
 
 def _dpl_error_in(exc: BaseException | None) -> DPLError | None:

@@ -322,8 +322,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT, help=f"output folder (default: {OUT})")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--train-size", type=int, default=TRAIN_SIZE)
+    parser.add_argument("--validation-size", type=int, default=VALIDATION_SIZE)
     args = parser.parse_args()
-    splits = generate(seed=args.seed)
+    splits = generate(seed=args.seed, train_size=args.train_size, validation_size=args.validation_size)
     write(args.out, splits)
     for name, rows in splits.items():
         counts = {label: sum(1 for _, y in rows if y == label) for label in LABELS.values()}

@@ -232,7 +232,10 @@ class SplitData:
 
 
 def load_split(name: str, path: Path, columns: list[str], cache_dir: str | None = None) -> SplitData:
-    """Read one file with ``datasets`` after checking it; ``columns`` must all be present."""
+    """Read one file into an in-memory ``datasets.Dataset`` after checking it; ``columns`` must all be present.
+
+    Nothing is written to disk: private rows never land in the shared ``datasets`` cache (``cache_dir`` is
+    accepted for compatibility and unused)."""
     import datasets
 
     if not path.is_file():
@@ -247,22 +250,25 @@ def load_split(name: str, path: Path, columns: list[str], cache_dir: str | None 
             _check_not_empty(name, path, len(lines))
             features = datasets.Features({c: datasets.Value("string") for c in header})
             # keep_default_na=False: a text "NA" or "None" stays a string; all columns are read as strings
-            # so labels compare exactly as written.
-            dataset = datasets.load_dataset("csv", data_files={"data": str(path)}, split="data", delimiter=delimiter,
-                                            keep_default_na=False, features=features, cache_dir=cache_dir)
+            # so labels compare exactly as written. Read into memory: no copy of private rows in a cache.
+            import pandas as pd
+
+            frame = pd.read_csv(path, sep=delimiter, dtype=str, keep_default_na=False, encoding="utf-8-sig",
+                                skip_blank_lines=True)
+            dataset = datasets.Dataset.from_pandas(frame, features=features, preserve_index=False)
         elif fmt == "json":
             lines = scan_json(path)
             _check_not_empty(name, path, len(lines))
             if not any(lines):
                 lines = None
-            dataset = datasets.load_dataset("json", data_files={"data": str(path)}, split="data",
-                                            cache_dir=cache_dir)
+            rows = _json_rows(path)
+            keys = list(dict.fromkeys(k for row in rows for k in row))
+            dataset = datasets.Dataset.from_dict({k: [row.get(k) for row in rows] for k in keys})
         else:
             import pyarrow.parquet as pq
 
             _check_not_empty(name, path, pq.read_metadata(path).num_rows)
-            dataset = datasets.load_dataset("parquet", data_files={"data": str(path)}, split="data",
-                                            cache_dir=cache_dir)
+            dataset = datasets.Dataset(pq.read_table(path))
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets/pyarrow errors are many and cryptic: one line instead
@@ -274,6 +280,21 @@ def load_split(name: str, path: Path, columns: list[str], cache_dir: str | None 
         _check_columns(path, dataset.column_names, columns)
     _check_not_empty(name, path, len(dataset))
     return SplitData(name=name, path=path, dataset=dataset, lines=lines)
+
+
+def _json_rows(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON array or JSON-lines file (already checked by :func:`scan_json`)."""
+    text = path.read_text(encoding="utf-8-sig")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        return json.loads(text)
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        if isinstance(data, dict):
+            return [data]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _check_not_empty(name: str, path: Path, rows: int) -> None:
@@ -344,7 +365,7 @@ class ClassificationDataModule(DPDataModule):
         max_train_examples: keep only the first N training rows (quick runs); the label set still comes from
             the whole file.
         max_eval_examples: keep only the first N validation / test rows.
-        cache_dir: cache folder for ``datasets`` (default: its usual cache).
+        cache_dir: unused (kept for compatibility): the data is held in memory, never in a ``datasets`` cache.
     """
 
     def __init__(self, tokenizer: str, data_dir: str | None = None, train_file: str | None = None,
@@ -564,7 +585,7 @@ class ClassificationDataModule(DPDataModule):
                                    self.max_length, self.text_column, self.text_pair_column, self.label_column,
                                    sorted(self.label_map.items()), split.label_names, self._input_keys])
         return dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                           new_fingerprint=fingerprint, desc=f"Tokenizing {split.name}")
+                           new_fingerprint=fingerprint, desc=f"Tokenizing {split.name}", keep_in_memory=True)
 
     # ------------------------------------------------------------------------------------------ batches
 

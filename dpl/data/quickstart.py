@@ -32,7 +32,7 @@ class QuickstartDataModule(ClassificationDataModule):
         num_workers: DataLoader worker processes.
         max_train_examples: keep only the first N training rows.
         max_eval_examples: keep only the first N validation rows.
-        cache_dir: cache folder for ``datasets`` (default: its usual cache).
+        cache_dir: unused (kept for compatibility): the data is held in memory, never in a ``datasets`` cache.
     """
 
     def __init__(self, tokenizer: str = MINILM, data_dir: str | None = None, max_length: int = 64,

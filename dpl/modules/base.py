@@ -291,10 +291,11 @@ class DPModule(L.LightningModule):
         eps = self.epsilon_after(self.steps_done)
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val")}
         shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
-        if self.trainer.is_global_zero:
-            print(f"dpl: trained {self.steps_done} private steps; privacy spent (epsilon={eps:.3f}, "
-                  f"delta={self.delta:.3g}); sigma={self.noise_multiplier:.4f}, C={self.privacy.max_grad_norm:g}"
-                  + (f"; {shown}" if shown else ""))
+        self.fit_summary = (f"dpl: trained {self.steps_done} private steps; privacy spent (epsilon={eps:.3f}, "
+                            f"delta={self.delta:.3g}); sigma={self.noise_multiplier:.4f}, "
+                            f"C={self.privacy.max_grad_norm:g}" + (f"; {shown}" if shown else ""))
+        if self.trainer.is_global_zero and not getattr(self, "defer_fit_summary", False):  # the CLI prints it last
+            print(self.fit_summary)
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def _named_stateful(self) -> list[tuple[str, Any]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,6 +18,8 @@ from dpl.errors import ConfigError
 from dpl.modules.base import DPModule
 from dpl.privacy import PrivacyConfig
 from dpl.utils import resolve_path
+
+log = logging.getLogger("dpl")
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -106,9 +110,12 @@ class DPClassificationModule(DPModule):
         num_labels = self._num_labels()
         location = resolve_path(self.model_location)
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(location, num_labels=num_labels)
+            with _transformers_errors_only():  # the load report is replaced by the lines below
+                model, info = AutoModelForSequenceClassification.from_pretrained(location, num_labels=num_labels,
+                                                                                  output_loading_info=True)
         except OSError as exc:
             raise ConfigError(f"cannot load model {self.model_location!r}: {str(exc).splitlines()[0]}") from exc
+        _report_loading(self.model_location, info)
         if model.config.pad_token_id is None:
             tokenizer = getattr(self.datamodule, "tokenizer", None)
             pad = getattr(tokenizer, "pad_token_id", None)
@@ -152,3 +159,37 @@ class DPClassificationModule(DPModule):
         self.log("test_f1", self.val_f1.compute())
         self.val_accuracy.reset()
         self.val_f1.reset()
+
+
+HEAD_PREFIXES = ("classifier.", "score.")
+
+
+class _transformers_errors_only:
+    """Context manager: transformers logs errors only (its load report lists the new head as MISSING)."""
+
+    def __enter__(self) -> None:
+        from transformers.utils import logging as hf_logging
+
+        self._level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self._level)
+
+
+def _report_loading(location: str, info: dict[str, Any]) -> None:
+    """One dpl line for the new classification head; a warning for anything else missing or mismatched."""
+    missing = list(info.get("missing_keys") or [])
+    head = [k for k in missing if k.startswith(HEAD_PREFIXES)]
+    other = [k for k in missing if k not in head]
+    if head:
+        log.info("dpl: new classification head %s (not in %s): initialised randomly, trained under DP",
+                 ", ".join(sorted(head)), location)
+    mismatched = [k if isinstance(k, str) else str(k[0]) for k in (info.get("mismatched_keys") or [])]
+    if other or mismatched:
+        shown = sorted(other + mismatched)
+        more = f", ... ({len(shown)} in all)" if len(shown) > 8 else ""
+        warnings.warn(f"model {location!r}: weights missing from the checkpoint or of another shape, initialised "
+                      f"randomly: {', '.join(shown[:8])}{more}", stacklevel=2)
