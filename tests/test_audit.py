@@ -193,3 +193,13 @@ def test_audit_configs_parse(config):
     args = parser.parse_args(["--config", str(base), "--config", str(config)])
     cfg = AuditConfig(**{k: args[k] for k in AuditConfig.__dataclass_fields__})
     cfg.validate()
+
+
+@pytest.mark.skipif("ftrl" not in __import__("dpl.plugin_manager").plugin_manager.installed_plugins(),
+                    reason="ftrl plugin not installed")
+@pytest.mark.parametrize("bug", ["none", "weak_noise"])
+def test_a_plugin_with_its_own_mechanism_is_audited_the_same_way(bug):
+    # ftrl brings its own sampler (shuffled fixed-size batches), noise and accounting: all through the hooks.
+    result = run_audit(AuditConfig(**FAST, plugins={"ftrl": {}}, score="sum", inject=bug))
+    assert result.mechanism == "ftrl"
+    assert result.violation == (bug != "none"), result.report()
