@@ -3,6 +3,7 @@
 from dpl.modules.base import DPModule
 from dpl.modules.classification import DPClassificationModule, FinetuneOptions, LoraOptions
 from dpl.modules.generation import DPGenerationModule, GenerationOptions
+from dpl.modules.prompt import DPPromptClassificationModule
 
-__all__ = ["DPModule", "DPClassificationModule", "DPGenerationModule", "FinetuneOptions", "GenerationOptions",
-           "LoraOptions"]
+__all__ = ["DPModule", "DPClassificationModule", "DPGenerationModule", "DPPromptClassificationModule",
+           "FinetuneOptions", "GenerationOptions", "LoraOptions"]
