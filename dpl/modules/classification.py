@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
-from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score
 
 from dpl.errors import ConfigError
 from dpl.modules.base import DPModule
@@ -79,6 +79,10 @@ class DPClassificationModule(DPModule):
         model: local folder, hub id, or ``pkg://<package>/<path>`` of a pretrained model.
         num_labels: number of classes; default: read from the data module (``num_labels``).
         finetuning: full fine-tuning or LoRA, and frozen parameters.
+        per_class_metrics: also log the accuracy of every class on the evaluation split,
+            ``<split>_acc_class/<label>`` (the label names come from the data module).
+        class_groups: groups of labels (``{group: [label, ...]}``, e.g. by training frequency): log the accuracy
+            over the evaluation examples of each group, ``<split>_acc_group/<group>``.
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.modules.base.DPModule`.
     """
 
@@ -88,9 +92,13 @@ class DPClassificationModule(DPModule):
                  finetuning: FinetuneOptions | None = None, privacy: PrivacyConfig | None = None,
                  plugins: dict[str, dict[str, Any] | None] | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW,
-                 lr_scheduler: LRSchedulerCallable | None = None) -> None:
+                 lr_scheduler: LRSchedulerCallable | None = None, per_class_metrics: bool = False,
+                 class_groups: dict[str, list[str]] | None = None) -> None:
         super().__init__(privacy=privacy, plugins=plugins, optimizer=optimizer, lr_scheduler=lr_scheduler)
         self.model_location = model
+        self.per_class_metrics = per_class_metrics
+        self.class_groups = class_groups
+        self.val_confusion: MulticlassConfusionMatrix | None = None
         self.num_labels = num_labels
         self.finetuning = finetuning if finetuning is not None else FinetuneOptions()
         self.val_accuracy: MulticlassAccuracy | None = None
@@ -125,7 +133,37 @@ class DPClassificationModule(DPModule):
         metric_args = {"num_classes": num_labels}
         self.val_accuracy = MulticlassAccuracy(**metric_args, average="micro")
         self.val_f1 = MulticlassF1Score(**metric_args, average="macro")
+        if self.per_class_metrics or self.class_groups:
+            self._label_names()  # unknown labels in class_groups fail now, not after training
+            self.val_confusion = MulticlassConfusionMatrix(**metric_args)
         return model
+
+    def _label_names(self) -> list[str]:
+        """Class id -> label name (from the data module's ``id2label``; the id itself without one)."""
+        id2label = getattr(self.datamodule, "id2label", None) or {}
+        names = [str(id2label.get(i, i)) for i in range(self._num_labels())]
+        unknown = [label for labels in (self.class_groups or {}).values() for label in labels if label not in names]
+        if unknown:
+            raise ConfigError(f"model.class_groups: label {unknown[0]!r} is not a class of the data")
+        return names
+
+    def _log_class_metrics(self, prefix: str) -> None:
+        if self.val_confusion is None:
+            return
+        confusion = self.val_confusion.compute()
+        correct, support = confusion.diagonal().float(), confusion.sum(dim=1).float()
+        names = self._label_names()
+        if self.per_class_metrics:
+            for i, name in enumerate(names):
+                if support[i] > 0:
+                    self.log(f"{prefix}_acc_class/{name}", correct[i] / support[i])
+        index = {name: i for i, name in enumerate(names)}
+        for group, labels in (self.class_groups or {}).items():
+            ids = [index[label] for label in labels]
+            total = support[ids].sum()
+            if total > 0:
+                self.log(f"{prefix}_acc_group/{group}", correct[ids].sum() / total)
+        self.val_confusion.reset()
 
     def forward(self, batch: dict[str, Any]) -> Tensor:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
@@ -140,6 +178,8 @@ class DPClassificationModule(DPModule):
         preds = logits.argmax(-1)
         self.val_accuracy.to(preds.device).update(preds, batch["labels"])
         self.val_f1.to(preds.device).update(preds, batch["labels"])
+        if self.val_confusion is not None:
+            self.val_confusion.to(preds.device).update(preds, batch["labels"])
         self.log(f"{prefix}_loss", loss, prog_bar=False, batch_size=len(preds))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -151,12 +191,14 @@ class DPClassificationModule(DPModule):
     def on_validation_epoch_end(self) -> None:
         self.log("val_acc", self.val_accuracy.compute(), prog_bar=True)
         self.log("val_f1", self.val_f1.compute())
+        self._log_class_metrics("val")
         self.val_accuracy.reset()
         self.val_f1.reset()
 
     def on_test_epoch_end(self) -> None:
         self.log("test_acc", self.val_accuracy.compute())
         self.log("test_f1", self.val_f1.compute())
+        self._log_class_metrics("test")
         self.val_accuracy.reset()
         self.val_f1.reset()
 
