@@ -90,10 +90,11 @@ def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
     ``momentum=0``; ``maximize`` flips the sign. No ``.grad`` is allocated. The optimizer's ``step()`` is then
     called with no gradient set - a no-op for SGD - so that step hooks and LR schedulers see a step.
     """
-    reason = streaming_refusal(optimizer)
+    inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps the torch one
+    reason = streaming_refusal(inner)
     if reason is not None:
         raise ConfigError(reason)
-    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    groups = {id(p): group for group in inner.param_groups for p in group["params"]}
     optimizer.zero_grad(set_to_none=True)
     for name, param in trainable.items():
         group = groups.get(id(param))
@@ -117,7 +118,10 @@ def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
 def apply_direction(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn.Parameter],
                     direction: Mapping[str, Tensor]) -> None:
     """Apply one update: a :class:`StreamingDirection` in place (:func:`apply_streaming`); any other mapping is
-    written into each trainable parameter's ``.grad`` and the optimizer takes one step."""
+    written into each trainable parameter's ``.grad`` and the optimizer takes one step.
+
+    ``optimizer`` may be Lightning's ``LightningOptimizer``: its ``step()`` is what advances the trainer's
+    ``global_step`` (and so ``max_steps``) under manual optimization, so dpl always steps through it."""
     if isinstance(direction, StreamingDirection):
         apply_streaming(optimizer, trainable, direction)
         return

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import Sampler
 
 from dpl import checkpoint as ckpt_io
+from dpl import distributed
 from dpl.errors import ConfigError, PrivacyWarning
 from dpl.mechanism import Mechanism
 from dpl.noise import NoiseSource, SecureNormal
@@ -102,6 +103,7 @@ class DPModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.ensure_model(self.trainer.datamodule)
+        distributed.keep_dpl_batch_sampler(self.trainer)  # DDP: dpl shards its own batches
         if stage == "fit":
             install_sidecar_io(self.trainer)
             self.prepare_privacy(self.trainer.datamodule.num_train_examples, self.trainer)
@@ -159,9 +161,7 @@ class DPModule(L.LightningModule):
             raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
                               f"({num_examples} examples)")
         trainer = trainer if trainer is not None else self.trainer
-        if trainer.world_size > 1:
-            raise ConfigError("multi-process training (DDP) is not supported yet: noise and sampling would be "
-                              "drawn per process")
+        distributed.check_strategy(trainer)
         self._check_precision(trainer)
         self.num_train_examples = num_examples
         self.steps_per_epoch = max(1, num_examples // cfg.batch_size)
@@ -228,8 +228,9 @@ class DPModule(L.LightningModule):
     def make_batch_sampler(self, num_examples: int) -> Sampler:
         """The training batch sampler (called by :class:`~dpl.data.DPDataModule`)."""
         self.prepare_privacy(num_examples)
-        return self.mechanism.batch_sampler(num_examples, self.steps_per_epoch, self._sampler_generator,
-                                            start_step=self.steps_done)
+        return distributed.shard_batch_sampler(  # DDP: this rank's share of the global batch
+            self.mechanism.batch_sampler(num_examples, self.steps_per_epoch, self._sampler_generator,
+                                         start_step=self.steps_done))
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(list(self.trainable.values()))
@@ -249,6 +250,7 @@ class DPModule(L.LightningModule):
                                              and self._noise_generator.device != device):
             self._noise_generator = self._new_noise_source(device)
         self._apply_secret_state()
+        distributed.sync_run_state(self)  # DDP: every rank takes rank 0's generators and plugin secrets
 
     # --- the private step -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -256,8 +258,8 @@ class DPModule(L.LightningModule):
         if budget is not None and self.epsilon_after(self.steps_done + 1) > budget * (1 + 1e-9):
             self._stop_for_budget(budget)
             return
-        optimizer = self.optimizers()
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
+        wrapped = self.optimizers()  # LightningOptimizer: stepping it advances trainer.global_step
+        optimizer = getattr(wrapped, "optimizer", wrapped)
         public_seed = int(torch.randint(0, 2 ** 62, (1,), generator=self._public_generator))
         ctx = StepContext(model=self.model, trainable=self.trainable, per_example_loss=self.per_example_loss,
                           max_grad_norm=self.privacy.max_grad_norm, noise_multiplier=self.noise_multiplier,
@@ -265,14 +267,15 @@ class DPModule(L.LightningModule):
                           noise_generator=self._noise_generator, log=self._log_metric, public_seed=public_seed,
                           optimizer=optimizer)
         direction = private_step(self.plugin_manager.hook, ctx, batch, self.privacy.physical_batch_size,
-                                 mechanism=self.mechanism.name)
+                                 reduce_sum=distributed.gradient_reducer(), mechanism=self.mechanism.name)
         del batch, ctx
-        apply_direction(optimizer, self.trainable, direction)
+        apply_direction(wrapped, self.trainable, direction)
         del direction
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
         self.steps_done += 1
+        distributed.after_step(self)  # DDP: check the replicas still agree (first, every 100th, last step)
         every = self.privacy.log_epsilon_every_n_steps
         if self.steps_done % every == 0 or self.steps_done == self.planned_steps or self.steps_done == 1:
             self.log("epsilon", self.epsilon_after(self.steps_done), prog_bar=True, on_step=True, on_epoch=False)
@@ -356,6 +359,7 @@ class DPModule(L.LightningModule):
         self._resumed_without_secret = self._pending_secret is None
         if self._noise_generator is not None:  # on_fit_start already ran (strategies restoring after setup)
             self._apply_secret_state()
+            distributed.sync_run_state(self)
 
     def _check_resume_plan(self, state: dict[str, Any]) -> None:
         """Refuse (unless ``privacy.force_resume``) a resume whose privacy settings differ from the checkpoint's;

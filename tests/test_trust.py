@@ -1,0 +1,529 @@
+"""Issue "trust": secrets stay out of checkpoints, non-finite examples, entropy, safe and exact resume, the
+budget guard, layers that mix examples, planned steps, soft guards, precision, delta."""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import save_tiny_bert, write_sentiment_tsv
+from torch import nn
+from torch.utils.data import Dataset
+
+from dpl.checkpoint import SECRET_KEY, secret_path
+from dpl.data import ClassificationDataModule
+from dpl.data.base import DPDataModule
+from dpl.errors import ConfigError, PluginError, PrivacyWarning
+from dpl.gradients import GradientSum, PrivateGradient
+from dpl.hookspecs import hookimpl
+from dpl.modules import DPClassificationModule
+from dpl.modules.base import DPModule
+from dpl.noise import SecureNormal, normal
+from dpl.per_example import PerExampleClipper
+from dpl.plugin_manager import create_plugin_manager
+from dpl.privacy import PrivacyConfig
+from dpl.sampling import secure_generator
+from dpl.step import StepContext, private_step
+
+# ---------------------------------------------------------------------------------------------------------
+# a tiny float-feature task (fast, and lets a test put NaN / BatchNorm in the model)
+
+
+class VectorData(Dataset):
+    def __init__(self, n: int = 64, dim: int = 6, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=gen)
+        self.y = (self.x[:, 0] > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class VectorDataModule(DPDataModule):
+    def __init__(self, n: int = 64) -> None:
+        super().__init__(eval_batch_size=32)
+        self.n = n
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set, self.val_set = VectorData(self.n), VectorData(16, seed=1)
+
+    def collate(self, examples):
+        if not examples:
+            return {"x": torch.zeros(0, 6), "labels": torch.zeros(0, dtype=torch.long)}
+        return {"x": torch.stack([e["x"] for e in examples]), "labels": torch.stack([e["labels"] for e in examples])}
+
+
+class VectorModule(DPModule):
+    task = "classification"
+
+    def __init__(self, batch_norm: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.batch_norm = batch_norm
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        layers = [nn.Linear(6, 8)] + ([nn.BatchNorm1d(8)] if self.batch_norm else []) + [nn.Tanh(), nn.Linear(8, 2)]
+        return nn.Sequential(*layers)
+
+    def per_example_loss(self, batch):
+        return F.cross_entropy(self.model(batch["x"]), batch["labels"], reduction="none")
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.per_example_loss(batch).mean())
+
+
+def _trainer(tmp_path, max_steps, callbacks=(), **kwargs):
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                     default_root_dir=str(tmp_path), callbacks=list(callbacks), **kwargs)
+
+
+def _vector_module(**privacy):
+    defaults = dict(noise_multiplier=1.0, batch_size=8, physical_batch_size=8, seed=3)
+    defaults.update(privacy)
+    return VectorModule(privacy=PrivacyConfig(**defaults), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+class SaveAndStopAt(L.Callback):
+    """Writes a checkpoint after ``step`` private steps and stops (an interrupted run)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.steps_done == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+def _params(module):
+    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. checkpoints carry no secret
+
+
+def _all_leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _all_leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _all_leaves(v)
+    else:
+        yield obj
+
+
+def test_checkpoint_alone_does_not_reveal_noise_or_batches(tmp_path):
+    module, data = _vector_module(seed=None), VectorDataModule()
+    path = tmp_path / "run.ckpt"
+    _trainer(tmp_path, 4).fit(module, datamodule=data)
+    _trainer_for_save = module.trainer
+    _trainer_for_save.save_checkpoint(path)
+    noise_state = module._noise_generator.get_state()
+    sampler_state = module._sampler_generator.get_state()
+    next_noise = torch.randn(50, generator=module._noise_generator)
+    next_batch = torch.rand(64, generator=module._sampler_generator)
+
+    checkpoint = torch.load(path, weights_only=False)
+    assert SECRET_KEY not in checkpoint
+    leaves = list(_all_leaves(checkpoint))
+    for leaf in leaves:  # no generator state (or anything equal to one) in the checkpoint
+        if torch.is_tensor(leaf) and leaf.dtype == torch.uint8:
+            assert not torch.equal(leaf, noise_state) and not torch.equal(leaf, sampler_state)
+    # An attacker tries every tensor that looks like a generator state and every integer as a seed.
+    candidates = []
+    for leaf in leaves:
+        if torch.is_tensor(leaf) and leaf.dtype == torch.uint8 and leaf.numel() == noise_state.numel():
+            g = torch.Generator()
+            g.set_state(leaf)
+            candidates.append(g)
+        if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf >= 0:
+            candidates.append(torch.Generator().manual_seed(leaf))
+    for g in candidates:
+        state = g.get_state()
+        assert not torch.equal(torch.randn(50, generator=g), next_noise)
+        g.set_state(state)
+        assert not torch.equal(torch.rand(64, generator=g), next_batch)
+
+    # The secret sidecar is owner-only and does hold what resuming needs.
+    sidecar = secret_path(path)
+    assert stat.S_IMODE(os.stat(sidecar).st_mode) == 0o600
+    secret = torch.load(sidecar, weights_only=True)
+    torch.testing.assert_close(secret["noise_rng"], noise_state)
+
+
+def test_weights_only_checkpoint_has_no_sidecar_and_no_secret(tmp_path):
+    module, data = _vector_module(), VectorDataModule()
+    trainer = _trainer(tmp_path, 2)
+    trainer.fit(module, datamodule=data)
+    path = tmp_path / "weights.ckpt"
+    trainer.save_checkpoint(path, weights_only=True)
+    assert not secret_path(path).exists()
+    assert SECRET_KEY not in torch.load(path, weights_only=False)
+
+
+def test_checkpoint_io_without_sidecar_support_gets_no_secret(tmp_path):
+    """A trainer whose checkpoint IO is not dpl's (someone replaced it) must not receive the secrets."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    module, data = _vector_module(), VectorDataModule()
+    trainer = _trainer(tmp_path, 1)
+    trainer.fit(module, datamodule=data)
+    trainer.strategy.checkpoint_io = TorchCheckpointIO()
+    checkpoint = {"optimizer_states": []}
+    module.on_save_checkpoint(checkpoint)
+    assert SECRET_KEY not in checkpoint
+
+
+def test_corrupt_truncated_and_mismatched_checkpoints_fail_with_one_line(tmp_path):
+    module, data = _vector_module(), VectorDataModule()
+    trainer = _trainer(tmp_path, 2)
+    trainer.fit(module, datamodule=data)
+    good = tmp_path / "good.ckpt"
+    trainer.save_checkpoint(good)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    other = tmp_path / "other.ckpt"
+    trainer.save_checkpoint(other)
+    mismatched = tmp_path / "mismatched.ckpt"
+    mismatched.write_bytes(good.read_bytes())
+    secret_path(mismatched).write_bytes(secret_path(other).read_bytes())
+    os.chmod(secret_path(mismatched), 0o600)
+    for path, message in [(truncated, "corrupt or truncated"), (garbage, "corrupt or truncated"),
+                          (tmp_path / "missing.ckpt", "does not exist"), (mismatched, "does not belong")]:
+        resumed = _vector_module()
+        with pytest.raises(ConfigError, match=message) as info:
+            _trainer(tmp_path, 4).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
+        assert "\n" not in str(info.value)
+
+
+def test_sidecar_readable_by_others_is_refused(tmp_path):
+    module, data = _vector_module(), VectorDataModule()
+    trainer = _trainer(tmp_path, 2)
+    trainer.fit(module, datamodule=data)
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    os.chmod(secret_path(path), 0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        _trainer(tmp_path, 4).fit(_vector_module(), datamodule=VectorDataModule(), ckpt_path=str(path))
+
+
+def test_resume_without_sidecar_uses_fresh_entropy(tmp_path):
+    module, data = _vector_module(seed=None), VectorDataModule()
+    trainer = _trainer(tmp_path, 2)
+    trainer.fit(module, datamodule=data)
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    next_noise = torch.randn(20, generator=module._noise_generator)
+    secret_path(path).unlink()
+    resumed = _vector_module(seed=None)
+    _trainer(tmp_path, 2).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert resumed.steps_done == 2
+    assert not torch.equal(torch.randn(20, generator=resumed._noise_generator), next_noise)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. a non-finite example contributes exactly zero
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), 1e30, float("inf")])
+def test_non_finite_example_contributes_zero(bad_value):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(5, 6)
+    y = torch.tensor([0, 1, 0, 1, 1])
+    clipper = PerExampleClipper(model)
+
+    def clipped(inputs, labels):
+        with clipper.record(inputs.shape[0]):
+            losses = F.cross_entropy(model(inputs), labels, reduction="none")
+        return clipper.clipped_sum(losses, 1.0)[0]
+
+    bad = x.clone()
+    bad[2, 3] = bad_value
+    with_bad = clipped(bad, y)
+    keep = torch.tensor([0, 1, 3, 4])
+    without = clipped(x[keep], y[keep])
+    for name in without:
+        assert torch.isfinite(with_bad[name]).all(), name
+        torch.testing.assert_close(with_bad[name], without[name], atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. entropy
+
+
+def test_secure_generator_fills_the_whole_state_from_os_entropy():
+    gen = secure_generator()
+    words = gen.get_state()[24:24 + 624 * 8].view(torch.int64)
+    # manual_seed(s) makes words[1:] a function of words[0] = s (32 bits): not so here.
+    reseeded = torch.Generator().manual_seed(int(words[0]))
+    assert not torch.equal(reseeded.get_state()[24:24 + 624 * 8].view(torch.int64)[1:], words[1:])
+    other = secure_generator().get_state()[24:24 + 624 * 8].view(torch.int64)
+    assert (words != other).float().mean() > 0.99  # 624 independent 32-bit words
+    assert int(words.max()) < 2 ** 32 and int(words.min()) >= 0
+    a, b = secure_generator(), secure_generator()
+    assert not torch.equal(torch.randn(16, generator=a), torch.randn(16, generator=b))
+
+
+def test_secure_noise_is_standard_normal_and_not_a_torch_generator():
+    source = SecureNormal()
+    draws = normal((400_000,), source)
+    assert draws.dtype == torch.float32
+    assert abs(draws.mean().item()) < 5 / math.sqrt(4e5)
+    assert draws.std().item() == pytest.approx(1.0, rel=0.01)
+    # tails as a Gaussian's: P(|z| > 3) = 0.0027
+    assert (draws.abs() > 3).float().mean().item() == pytest.approx(0.0027, rel=0.15)
+    with pytest.raises(TypeError):
+        torch.randn(3, generator=source)
+
+
+def test_secure_noise_trains_and_has_no_secret_state(tmp_path):
+    module = _vector_module(seed=None, secure_noise=True)
+    trainer = _trainer(tmp_path, 2)
+    trainer.fit(module, datamodule=VectorDataModule())
+    path = tmp_path / "secure.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(secret_path(path), weights_only=True)["noise_rng"] is None
+    with pytest.raises(ConfigError, match="cannot be seeded"):
+        PrivacyConfig(secure_noise=True, seed=1).validate()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4./5. resume and the budget guard
+
+
+def test_resume_is_bit_exact_with_a_seed(tmp_path):
+    full = _vector_module(target_epsilon=3.0, noise_multiplier=None)
+    _trainer(tmp_path / "a", 10).fit(full, datamodule=VectorDataModule())  # 8 steps per epoch: crosses an epoch
+    path = tmp_path / "five.ckpt"
+    first = _vector_module(target_epsilon=3.0, noise_multiplier=None)
+    _trainer(tmp_path / "b", 10, callbacks=[SaveAndStopAt(5, path)]).fit(first, datamodule=VectorDataModule())
+    assert first.steps_done == 5
+    resumed = _vector_module(target_epsilon=3.0, noise_multiplier=None)
+    _trainer(tmp_path / "c", 10).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert resumed.steps_done == full.steps_done == 10
+    for name, value in _params(full).items():
+        assert torch.equal(value, _params(resumed)[name]), name
+    assert resumed.epsilon_after(10) == full.epsilon_after(10)
+    assert torch.equal(torch.randn(8, generator=resumed._noise_generator),
+                       torch.randn(8, generator=full._noise_generator))
+
+
+def test_resume_with_changed_plan_is_refused_then_composed_when_forced(tmp_path):
+    first = _vector_module(target_epsilon=2.0, noise_multiplier=None, seed=None)
+    trainer = _trainer(tmp_path, 5)
+    trainer.fit(first, datamodule=VectorDataModule())
+    path = tmp_path / "five.ckpt"
+    trainer.save_checkpoint(path)
+    eps5 = first.epsilon_after(5)
+    assert eps5 <= 2.0
+
+    refused = _vector_module(target_epsilon=2.0, noise_multiplier=None, seed=None)
+    with pytest.raises(ConfigError, match="force_resume") as info:
+        _trainer(tmp_path, 10).fit(refused, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert "sigma" in str(info.value) and "\n" not in str(info.value)
+
+    forced = _vector_module(target_epsilon=2.0, noise_multiplier=None, seed=None, force_resume=True)
+    _trainer(tmp_path, 10).fit(forced, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert forced.steps_done == 10
+    total = forced.epsilon_after(10)
+    assert eps5 < total <= 2.0 * (1 + 1e-9)  # composed over both parts, within the target, never reset
+    assert forced.noise_multiplier > first.noise_multiplier  # the second part had less budget left
+    # an independent composition of the two segments gives the same number
+    from dpl.accounting import PoissonGaussianAccountant
+
+    acc = PoissonGaussianAccountant()
+    acc.step(first.noise_multiplier, 8 / 64, 5)
+    acc.step(forced.noise_multiplier, 8 / 64, 5)
+    assert total == pytest.approx(acc.epsilon(forced.delta), rel=1e-9)
+
+
+def test_resume_with_changed_clip_or_delta_is_refused(tmp_path):
+    first = _vector_module()
+    trainer = _trainer(tmp_path, 3)
+    trainer.fit(first, datamodule=VectorDataModule())
+    path = tmp_path / "three.ckpt"
+    trainer.save_checkpoint(path)
+    for change, word in [({"max_grad_norm": 2.0}, "C 1 -> 2"), ({"target_delta": 1e-4}, "delta"),
+                         ({"batch_size": 16}, "q = ")]:
+        with pytest.raises(ConfigError, match=word):
+            _trainer(tmp_path, 6).fit(_vector_module(**change), datamodule=VectorDataModule(), ckpt_path=str(path))
+
+
+def test_plan_exceeding_the_budget_is_refused():
+    module = _vector_module(noise_multiplier=0.8, max_epsilon=1.0)
+    trainer = SimpleNamespace(world_size=1, max_steps=50, max_epochs=None, limit_train_batches=1.0, precision="32")
+    module.ensure_model()
+    with pytest.raises(ConfigError, match="max_epsilon"):
+        module.prepare_privacy(64, trainer)
+
+
+def test_budget_guard_stops_before_exceeding_after_a_resume(tmp_path):
+    """Part one at sigma 0.6; the forced resume at sigma 1.5 fits the budget on its own, not composed."""
+    first = _vector_module(noise_multiplier=0.6, seed=None)
+    trainer = _trainer(tmp_path, 4)
+    trainer.fit(first, datamodule=VectorDataModule())
+    path = tmp_path / "four.ckpt"
+    trainer.save_checkpoint(path)
+    eps4 = first.epsilon_after(4)
+    from dpl.mechanism import PoissonGaussian
+
+    mech = PoissonGaussian(8 / 64)
+    budget = mech.epsilon_of_segments([(0.6, 4), (1.5, 2)], first.delta) * 1.001  # room for 2 more steps only
+    assert mech.epsilon(1.5, first.delta, 12) < budget  # a fresh plan of 12 steps at 1.5 passes the setup check
+    resumed = _vector_module(noise_multiplier=1.5, seed=None, force_resume=True, max_epsilon=budget)
+    ckpt_dir = tmp_path / "guard"
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)
+    _trainer(tmp_path, 12, callbacks=[saver]).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert resumed.stopped_by_budget
+    assert resumed.steps_done == 6
+    assert eps4 < resumed.epsilon_after(6) <= budget
+    assert resumed.epsilon_after(7) > budget
+    assert (ckpt_dir / "last.ckpt").exists()  # stopped cleanly: the checkpoint is written
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 6.-10. setup refusals and warnings
+
+
+def test_batch_norm_is_refused(tmp_path):
+    module = VectorModule(batch_norm=True, privacy=PrivacyConfig(noise_multiplier=1.0, batch_size=8))
+    with pytest.raises(ConfigError, match="normalizes over the batch"):
+        _trainer(tmp_path, 2).fit(module, datamodule=VectorDataModule())
+
+
+def _fake_trainer(**kw):
+    base = dict(world_size=1, max_steps=-1, max_epochs=None, limit_train_batches=1.0, precision="32-true")
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_planned_steps_are_the_steps_that_run(caplog):
+    assert DPModule.planned_total_steps(_fake_trainer(max_steps=200, max_epochs=1), 50) == 50
+    assert "training stops after 50 steps" in caplog.text
+    assert DPModule.planned_total_steps(_fake_trainer(max_steps=30, max_epochs=2), 50) == 30
+    assert DPModule.planned_total_steps(_fake_trainer(max_epochs=3, limit_train_batches=10), 50) == 30
+    assert DPModule.planned_total_steps(_fake_trainer(max_epochs=2, limit_train_batches=0.5), 50) == 50
+    with pytest.raises(ConfigError):
+        DPModule.planned_total_steps(_fake_trainer(), 50)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true", "16"])
+def test_float16_is_refused(precision):
+    module = _vector_module()
+    module.ensure_model()
+    with pytest.raises(ConfigError, match="bf16"):
+        module.prepare_privacy(64, _fake_trainer(max_steps=4, precision=precision))
+
+
+def test_bf16_is_accepted():
+    module = _vector_module()
+    module.ensure_model()
+    module.prepare_privacy(64, _fake_trainer(max_steps=4, precision="bf16-mixed"))
+
+
+def test_large_delta_warns_and_default_delta_does_not():
+    module = _vector_module(target_delta=1e-2, seed=None)
+    module.ensure_model()
+    with pytest.warns(PrivacyWarning, match="N \\* delta"):
+        module.prepare_privacy(64, _fake_trainer(max_steps=4))
+    module = _vector_module(seed=None)
+    module.ensure_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyWarning)
+        module.prepare_privacy(64, _fake_trainer(max_steps=4))
+    assert module.delta * 64 == pytest.approx(0.1)
+
+
+class _LeakyPostProcess:
+    """Tries to reach the noise generator and the data from post_process."""
+
+    seen: dict = {}
+
+    @hookimpl
+    def post_process(self, ctx, gradient):
+        _LeakyPostProcess.seen = {"noise_generator": hasattr(ctx, "noise_generator"),
+                                  "per_example_loss": hasattr(ctx, "per_example_loss"),
+                                  "model": hasattr(ctx, "model")}
+
+
+def test_post_processing_hooks_get_no_generator_and_no_data():
+    pm = create_plugin_manager()
+    pm.register(_LeakyPostProcess(), name="leaky")
+    model = nn.Linear(3, 2)
+    ctx = StepContext(model=model, trainable=dict(model.named_parameters()),
+                      per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
+                      max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2, step=0,
+                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+    private_step(pm.hook, ctx, {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])}, 2, mechanism="gaussian")
+    assert _LeakyPostProcess.seen == {"noise_generator": False, "per_example_loss": False, "model": False}
+
+
+class _RoguePrivatize:
+    @hookimpl
+    def privatize(self, ctx, gradient_sum):
+        return PrivateGradient({k: v.clone() for k, v in gradient_sum.values.items()}, noise_std=0.0,
+                               mechanism="rogue", expected_batch_size=1.0, step=ctx.step)
+
+
+def test_privatize_without_its_mechanism_is_refused(tmp_path):
+    pm = create_plugin_manager()
+    pm.register(_RoguePrivatize(), name="rogue")
+    model = nn.Linear(3, 2)
+    ctx = StepContext(model=model, trainable=dict(model.named_parameters()),
+                      per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
+                      max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2, step=0,
+                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+    with pytest.raises(PluginError, match="configure_mechanism"):
+        private_step(pm.hook, ctx, {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])}, 2, mechanism="gaussian")
+    module = _vector_module()
+    module.plugin_manager.register(_RoguePrivatize(), name="rogue")
+    from dpl import plugin_manager
+
+    original = plugin_manager.replaced_hooks
+    module.ensure_model()
+    try:
+        import dpl.modules.base as base
+
+        base.replaced_hooks = lambda pm: frozenset({"privatize"})
+        with pytest.raises(ConfigError, match="without configure_mechanism"):
+            module.prepare_privacy(64, _fake_trainer(max_steps=4))
+    finally:
+        base.replaced_hooks = original
+
+
+def test_partial_sums_are_wiped_after_privatize():
+    kept = []
+
+    class Keep:
+        @hookimpl(wrapper=True)
+        def estimate_gradient(self, ctx, batch):
+            result = yield
+            kept.append(result)
+            return result
+
+    pm = create_plugin_manager()
+    pm.register(Keep(), name="keep")
+    model = nn.Linear(3, 2)
+    ctx = StepContext(model=model, trainable=dict(model.named_parameters()),
+                      per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
+                      max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, step=0,
+                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+    private_step(pm.hook, ctx, {"x": torch.randn(5, 3), "y": torch.tensor([0, 1, 0, 1, 1])}, 2)
+    assert len(kept) == 3 and all(isinstance(k, GradientSum) and k.wiped for k in kept)
