@@ -60,8 +60,14 @@ class DPDataModule(L.LightningDataModule):
     def _eval_loader(self, dataset: Dataset | None) -> DataLoader:
         if dataset is None:
             raise ValueError(f"{type(self).__name__} has no such split configured")
-        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, collate_fn=self.collate,
-                          num_workers=self.num_workers)
+        sampler = None
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1 and len(dataset) >= trainer.world_size:
+            from dpl.distributed import ShardSampler  # DDP: each rank evaluates its shard (no padding duplicates)
+
+            sampler = ShardSampler(len(dataset), trainer.global_rank, trainer.world_size)
+        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, sampler=sampler,
+                          collate_fn=self.collate, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader(self.val_set)
