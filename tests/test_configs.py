@@ -11,7 +11,8 @@ from dpl.modules.base import DPModule
 ROOT = Path(__file__).resolve().parents[1]
 TASK_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "finetuning"
                       and p.parent.name != "plugins" and p.parent.name != "optimizers"
-                      and p.parent.name != "audit")  # dpl audit configs: tests/test_audit.py
+                      and p.parent.name != "audit"  # dpl audit configs: tests/test_audit.py
+                      and p.parent.name != "strategies")  # fragments needing processes/GPUs: tests/test_ddp.py
 
 
 def _parse(*configs: Path):

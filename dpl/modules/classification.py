@@ -180,7 +180,7 @@ class DPClassificationModule(DPModule):
         self.val_f1.to(preds.device).update(preds, batch["labels"])
         if self.val_confusion is not None:
             self.val_confusion.to(preds.device).update(preds, batch["labels"])
-        self.log(f"{prefix}_loss", loss, prog_bar=False, batch_size=len(preds))
+        self.log(f"{prefix}_loss", loss, prog_bar=False, batch_size=len(preds), sync_dist=True)  # DDP: mean over ranks
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch, "val")

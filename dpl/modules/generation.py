@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
+from dpl.distributed import gather_objects
 from dpl.errors import ConfigError
 from dpl.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
 from dpl.modules.base import DPModule
@@ -187,6 +188,7 @@ class DPGenerationModule(DPModule):
 
     def _finish(self, split: str) -> None:
         outputs, self._outputs = self._outputs, []
+        outputs = gather_objects(outputs)  # DDP: every rank scores all predictions (metrics do not decompose)
         if not outputs or self.trainer.sanity_checking:
             return
         scores = compute_metrics([o["prediction"] for o in outputs], [o["references"] for o in outputs],
