@@ -336,5 +336,11 @@ def test_unsupported_strategy_is_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="FSDP needs >= 2 CUDA GPUs (none here)")
-def test_fsdp_gpu():  # pragma: no cover - GPU only
-    pytest.skip("FSDP: designed in docs/scaling.md, not implemented (dpl refuses strategy fsdp)")
+def test_fsdp_gpu_refused_until_implemented(tmp_path):  # pragma: no cover - GPU only
+    """FSDP is designed (docs/scaling.md) but not implemented: dpl must refuse it at setup, not train wrongly."""
+    module = VectorModule(privacy=PrivacyConfig(noise_multiplier=0.5, batch_size=16, seed=1))
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=2, accelerator="gpu", devices=2, strategy="fsdp",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=str(tmp_path), use_distributed_sampler=False)
+    with pytest.raises(ConfigError, match="sharded parameters"):
+        module.prepare_privacy(160, trainer)
