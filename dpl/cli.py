@@ -128,8 +128,22 @@ class DPLightningCLI(LightningCLI):
     def before_predict(self) -> None:
         self._check_ckpt_path()
 
-    def _check_ckpt_path(self) -> None:
-        value = self.config_init[self.subcommand].get("ckpt_path")
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads the checkpoint here (before any hook), for hyperparameters: check it first, and make a
+        # checkpoint torch cannot read a one-line error.
+        if not self.config.get("subcommand"):
+            return
+        value = self.config[self.config.subcommand].get("ckpt_path")
+        self._check_ckpt_path(value)
+        try:
+            super()._parse_ckpt_path()
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"checkpoint {str(value)!r} is not a readable checkpoint ({first})") from exc
+
+    def _check_ckpt_path(self, value: Any = ...) -> None:
+        if value is ...:
+            value = self.config_init[self.subcommand].get("ckpt_path")
         if value is None or value in ("last", "best", "hpc", "registry") or "://" in str(value):
             return
         path = Path(value)
@@ -229,17 +243,18 @@ def _run_command(name: str, argv: list[str]) -> None:
         raise SystemExit(code)
 
 
+def _no_tips(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("\U0001f4a1 Tip:")  # Lightning's advertisements for its cloud
+
+
 def _quiet() -> None:
     """Silence the messages that do not matter to a dpl user (the ones about privacy stay)."""
     for pattern in (r".*`tensorboardX` has been removed as a dependency", r".*`is_gradient_checkpointing` is deprecated",
                     r".*LeafSpec.*deprecated"):
         warnings.filterwarnings("ignore", message=pattern)
 
-    def no_tips(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("\U0001f4a1 Tip:")
-
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(no_tips)
+        logging.getLogger(name).addFilter(_no_tips)  # the same function object: added once
     if not (sys.stderr.isatty() and sys.stdout.isatty()):  # no carriage-return bars in logs
         try:
             import datasets

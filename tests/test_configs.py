@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "finetuning"
                       and p.parent.name != "plugins" and p.parent.name != "optimizers"
                       and p.parent.name != "audit"  # dpl audit configs: tests/test_audit.py
-                      and p.parent.name != "strategies")  # fragments needing processes/GPUs: tests/test_ddp.py
+                      and p.parent.name != "strategies"  # fragments needing processes/GPUs: tests/test_ddp.py
+                      and p.name != "smoke.yaml")  # a fragment (composed below)
 
 
 def _parse(*configs: Path):
@@ -28,7 +29,7 @@ def test_task_config_parses(config):
     assert isinstance(cli.datamodule, DPDataModule)
 
 
-FRAGMENTS = sorted(p for folder in ("finetuning", "plugins", "optimizers") for p in (ROOT / "configs" / folder).glob("*.yaml"))
+FRAGMENTS = sorted(p for folder in ("finetuning", "plugins", "optimizers") for p in (ROOT / "configs" / folder).glob("*.yaml")) + [ROOT / "configs" / "smoke.yaml"]
 
 
 @pytest.mark.parametrize("fragment", FRAGMENTS, ids=lambda p: p.name)

@@ -1,0 +1,300 @@
+"""Every config in configs/ and every documented `dpl` command runs: README.md, docs/**/*.md (fenced bash blocks) and
+the commands in the configs' header comments, each for two steps on a tiny model and tiny data.
+
+Commands run as written, in a scratch folder that mirrors the repository layout (`configs/` linked, tiny data at
+`../shared/data/...`); only these arguments are appended: a tiny model and tokenizer, `--trainer.max_steps 2` and
+small evaluation limits (generation: 4 new tokens). Placeholder folders (`path/to/folder`, `path/to/dart`, ...) are
+replaced by tiny data of the format the command's data module reads. A fragment config (no model/data class) runs
+composed as its header comment says, else with configs/quickstart.yaml. GPU-only configs are skipped on CPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
+
+from dpl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+STEPS = "2"
+
+
+# ------------------------------------------------------------------------------------------- discovery
+
+
+def _split_commands(text: str) -> list[str]:
+    """`dpl ...` commands in a shell snippet (continuation lines joined, `&&` / `;` chains split)."""
+    text = text.replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        for part in re.split(r"&&|;", line):
+            part = part.strip()
+            if part.startswith("dpl "):
+                commands.append(" ".join(shlex.split(part, comments=True)))
+    return commands
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    found = []
+    for path in DOCS:
+        for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", path.read_text(), flags=re.S):
+            found += [(str(path.relative_to(ROOT)), c) for c in _split_commands(block)]
+    for path in CONFIGS:
+        header = "\n".join(line.lstrip("#").strip() for line in path.read_text().splitlines()
+                           if line.startswith("#"))
+        found += [(str(path.relative_to(ROOT)), c) for c in _split_commands(header)]
+    return found
+
+
+def _is_fragment(config: dict) -> bool:
+    return not (isinstance(config.get("model"), dict) and "class_path" in config["model"])
+
+
+def config_commands(documented: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A command for each config not already run by a documented command."""
+    covered = set()
+    for _, command in documented:
+        args = shlex.split(command)
+        covered |= {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")}
+    found = []
+    for path in CONFIGS:
+        rel = str(path.relative_to(ROOT))
+        if rel in covered:
+            continue
+        config = yaml.safe_load(path.read_text()) or {}
+        if rel.startswith("configs/audit/"):
+            found.append((rel, f"dpl audit --config {rel}"))
+        elif _is_fragment(config):
+            found.append((rel, f"dpl fit --config configs/quickstart.yaml --config {rel}"))
+        else:
+            found.append((rel, f"dpl fit --config {rel}"))
+    return found
+
+
+DOCUMENTED = doc_commands()
+_FIRST: dict[str, tuple[str, str]] = {}
+for _source, _command in DOCUMENTED + config_commands(DOCUMENTED):
+    _FIRST.setdefault(_command, (_source, _command))  # each distinct command once, named by its first source
+ALL = list(_FIRST.values())
+
+
+# ------------------------------------------------------------------------------------------ tiny world
+
+
+def _write_csv(path: Path, rows: list[list[str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        csv.writer(f, lineterminator="\n").writerows(rows)
+
+
+def _e2e_rows(n_mrs: int, refs: int = 2, offset: int = 0) -> list[list[str]]:
+    names = ["aromi", "alimentum", "cotto", "wildwood"]
+    rows = [["mr", "ref"]]
+    for i in range(offset, offset + n_mrs):
+        name, food = names[i % 4], ["italian", "french"][i // 4 % 2]
+        mr = f"name[{name}], food[{food}], area[{['city centre', 'riverside'][i // 8 % 2]}], table[{i}]"
+        rows += [[mr, f"{name} serves {food} food in the {'city' if i % 2 else 'riverside'} ."] for _ in range(refs)]
+    return rows
+
+
+def _dart(n: int) -> list[dict]:
+    return [{"tripleset": [["cafe", "food", "italian"], ["cafe", "area", ["city", "riverside"][i % 2]]],
+             "subtree_was_extended": False,
+             "annotations": [{"source": "e2e", "text": f"the cafe serves italian food {i} ."}]} for i in range(n)]
+
+
+def _jsonl(path: Path, n: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"prompt": f"name : {['aromi', 'cotto'][i % 2]} , food : italian",
+                         "completion": " the restaurant serves italian food ."}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _classification_dir(folder: Path, text: str = "sentence", label: str = "label", rows: int = 1100) -> Path:
+    for split, n, seed in (("train", rows, 0), ("validation", 40, 1)):
+        path = write_sentiment_tsv(folder / f"{split}.tsv", rows=n, seed=seed)
+        lines = Path(path).read_text().splitlines()
+        Path(path).write_text("\n".join([f"{text}\t{label}", *lines[1:]]) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A scratch checkout: work/ (cwd; configs/ linked), shared/data/{sst2,e2e} and tiny models."""
+    tmp = tmp_path_factory.mktemp("documented")
+    work = tmp / "work"
+    work.mkdir()
+    (work / "configs").symlink_to(ROOT / "configs")
+    models = {"bert": save_tiny_bert(tmp / "models" / "bert"),
+              "llama": save_tiny_llama_lm(tmp / "models" / "llama", tie=True)}
+    _classification_dir(tmp / "shared" / "data" / "sst2")
+    _write_csv(tmp / "shared" / "data" / "e2e" / "devset.csv", _e2e_rows(60))
+    e2e = tmp / "data" / "e2e"
+    _write_csv(e2e / "trainset.csv", _e2e_rows(40))
+    _write_csv(e2e / "devset.csv", _e2e_rows(4, offset=40))
+    _write_csv(e2e / "testset_w_refs.csv", _e2e_rows(4, offset=44))
+    dart = tmp / "data" / "dart"
+    dart.mkdir(parents=True)
+    for split, n in (("train", 80), ("dev", 4), ("test", 4)):
+        (dart / f"dart-v1.1.1-full-{split}.json").write_text(json.dumps(_dart(n)))
+    _jsonl(tmp / "data" / "jsonl" / "train.jsonl", 80)
+    _jsonl(tmp / "data" / "jsonl" / "validation.jsonl", 6)
+    return {"tmp": tmp, "work": work, "models": models, "e2e": e2e, "dart": dart, "jsonl": tmp / "data" / "jsonl"}
+
+
+# ------------------------------------------------------------------------------------------- running
+
+
+def _configs_of(args: list[str]) -> list[Path]:
+    return [Path(args[i + 1]) for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
+
+
+def _merged(paths: list[Path], work: Path) -> dict:
+    merged: dict = {}
+    for path in paths:
+        _merge(merged, yaml.safe_load((work / path).read_text()) or {})
+    return merged
+
+
+def _merge(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _class_of(args: list[str], merged: dict, group: str) -> str:
+    for i, a in enumerate(args[:-1]):
+        if a == f"--{group}" and not args[i + 1].endswith((".yaml", ".yml")):
+            return args[i + 1]
+    return str((merged.get(group) or {}).get("class_path", ""))
+
+
+def _gpu_only(merged: dict) -> str | None:
+    trainer = merged.get("trainer") or {}
+    strategy = str(trainer.get("strategy", "")).lower()
+    if str(trainer.get("accelerator", "")).lower() in ("gpu", "cuda") or "fsdp" in strategy:
+        return f"needs a GPU (accelerator={trainer.get('accelerator')}, strategy={trainer.get('strategy')})"
+    return None
+
+
+def _option(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args[:-1]):
+        if a == name:
+            return args[i + 1]
+    return None
+
+
+def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
+    """The argument list to run (placeholders replaced, tiny overrides appended), or a reason to skip."""
+    args = shlex.split(command)[1:]
+    work = world["work"]
+    configs = _configs_of(args)
+    missing = [str(c) for c in configs if not (work / c).exists()]
+    if missing:
+        return [], f"__missing__ {missing}"
+    if args[0] in ("plugins",):
+        return args, None
+    if args[0] == "audit":
+        return args + ["--steps", "3", "--canaries", "20", "--examples", "20", "--batch_size", "4"], None
+    merged = _merged(configs, work)
+    gpu = _gpu_only(merged)
+    if gpu and not torch.cuda.is_available():
+        return [], gpu
+    model_class, data_class = _class_of(args, merged, "model"), _class_of(args, merged, "data")
+    generation = any(k in data_class for k in ("E2E", "DART", "JSONL", "Generation"))
+    kind = next((k for k in ("E2E", "DART", "JSONL") if k in data_class), "classification")
+    for i, a in enumerate(args):
+        if a.startswith("path/to/"):
+            if kind == "classification":
+                text = _option(args, "--data.text_column") or "sentence"
+                label = _option(args, "--data.label_column") or "label"
+                args[i] = str(_classification_dir(world["tmp"] / "data" / f"cls_{text}_{label}", text, label))
+            else:
+                args[i] = str(world[kind.lower()])
+        elif "/.../" in a:
+            head, tail = a.split("/.../")
+            found = sorted((work / head).glob(f"**/{tail}"))
+            if not found and head.startswith("runs/quickstart"):  # run alone: train the quickstart first
+                fit, _ = prepare("dpl fit --config configs/quickstart.yaml", world)
+                cwd = Path.cwd()
+                try:
+                    import os
+
+                    os.chdir(work)
+                    main(fit)
+                finally:
+                    os.chdir(cwd)
+                found = sorted((work / head).glob(f"**/{tail}"))
+            assert found, f"{a}: no such file after the runs before it"
+            args[i] = str(found[-1])
+    if kind in ("DART", "JSONL") and _option(args, "--data.data_dir") is None \
+            and not (merged.get("data", {}).get("init_args") or {}).get("data_dir"):
+        args += ["--data.init_args.data_dir", str(world[kind.lower()])]
+    model = world["models"]["llama" if generation else "bert"]
+    if args[0] == "fit" and "--print_config" not in args:  # max_time: a loop that ignores max_steps still ends
+        args += ["--trainer.max_steps", STEPS, "--trainer.max_time", "00:00:02:00"]
+    if "--print_config" not in args:
+        args += ["--model.init_args.model", model, "--data.init_args.tokenizer", model,
+                 "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2"]
+        if generation or "Generation" in model_class:
+            args += ["--model.init_args.generation.max_new_tokens", "4"]
+    return args, None
+
+
+def _id(item: tuple[str, str]) -> str:
+    source, command = item
+    return f"{source}: {command}"[:150]
+
+
+@pytest.mark.parametrize("source,command", ALL, ids=[_id(c) for c in ALL])
+def test_documented_command_runs(source, command, world, monkeypatch, capsys):
+    args, skip = prepare(command, world)
+    if skip and skip.startswith("__missing__"):
+        if "gradnorm.yaml" in skip:  # docs/writing-plugins.md: the example plugin's own config
+            pytest.skip("the example plugin package of docs/writing-plugins.md is not installed")
+        pytest.fail(f"{source}: `{command}` names a config that does not exist: {skip[12:]}")
+    if skip:
+        pytest.skip(skip)
+    monkeypatch.chdir(world["work"])
+    code = 0
+    try:
+        main(args)
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    assert code == 0 or (args[0] == "audit" and code == 1), f"`{command}` exited {code}:\n{err[-3000:]}"
+    if args[0] == "fit" and "--print_config" not in args:
+        lines = [line for line in out.splitlines() if line.strip()]
+        assert lines and lines[-1].startswith("dpl: trained "), f"no final summary line:\n{out[-2000:]}"
+        assert lines[-1].startswith(f"dpl: trained {STEPS} private steps"), lines[-1]  # max_steps was honoured
+        assert "\x1b[" not in out and "\r" not in out, "terminal control codes in redirected output"
+    if args[0] == "validate":
+        assert "val_" in out
+
+
+def test_every_config_is_covered():
+    run = {c for _, command in ALL for c in _configs_of(shlex.split(command))}
+    assert {str(p.relative_to(ROOT)) for p in CONFIGS} <= {str(c) for c in run}
+
+
+def test_readme_quickstart_is_among_the_commands():
+    assert ("README.md", "dpl fit --config configs/quickstart.yaml") in DOCUMENTED
+    assert any("last.ckpt" in c for _, c in DOCUMENTED)  # the resume example of docs/configuration.md
+
+
+if __name__ == "__main__":  # list what runs
+    for item in ALL:
+        print(_id(item), file=sys.stdout)

@@ -1,0 +1,158 @@
+"""What a new user meets first: help, one-line errors, progress output, last.ckpt, no noise, nothing left behind."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import WORDS, save_tiny_bert, write_sentiment_tsv
+
+from dpl.cli import main
+from dpl.progress import PlainProgress, _epoch_description, default_progress_bar
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("first_run")
+    model = save_tiny_bert(tmp / "model")
+    headless = tmp / "headless"  # a pretrained encoder without a classification head (the usual case)
+    shutil.copytree(model, headless)
+    from transformers import BertModel
+
+    BertModel.from_pretrained(model).save_pretrained(headless)
+    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=64)
+    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=16, seed=1)
+    return tmp, model, str(headless)
+
+
+def _args(tiny, root, *extra, model=None):
+    tmp, default_model, _ = tiny
+    model = model or default_model
+    return ["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
+            "--model.privacy.target_epsilon", "4", "--model.privacy.batch_size", "16",
+            "--model.privacy.physical_batch_size", "16", "--data", "dpl.data.ClassificationDataModule",
+            "--data.tokenizer", default_model, "--data.data_dir", str(tmp / "data"), "--data.max_length", "16",
+            "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
+            *extra]
+
+
+def _fails(args, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dpl: error:")]
+    assert len(errors) == 1, err
+    assert "Traceback" not in err and "usage:" not in err, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("option,suggestion", [
+    ("--model.privacy.target_epsilonn", "--model.privacy.target_epsilon"),
+    ("--model.init_args.privacy.max_grad_nrom", "--model.init_args.privacy.max_grad_norm"),
+    ("--data.max_lenght", "--data.max_length"),
+    ("--trainer.max_stepz", "--trainer.max_steps"),
+])
+def test_mistyped_option_is_one_line_with_the_closest_option(tiny, tmp_path, capsys, option, suggestion):
+    line = _fails(_args(tiny, tmp_path / "runs", option, "3"), capsys)
+    assert f"unknown option {option}; did you mean {suggestion}?" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_wrong_type_is_one_line(tiny, tmp_path, capsys):
+    line = _fails(_args(tiny, tmp_path / "runs", "--model.privacy.target_epsilon", "abc"), capsys)
+    assert "model.privacy.target_epsilon: expected float, got 'abc'" in line
+
+
+def test_help_shows_dpl_and_its_commands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.count("differentially private") >= 1 and "Lightning Trainer command line tool" not in out
+    assert "plugins" in out and "fit" in out
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    assert "--model.help" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,pattern", [(None, "not found"), (b"", "not a readable checkpoint"),
+                                             (b"PK\x03\x04 truncated", "not a readable checkpoint")])
+def test_bad_ckpt_path_is_one_line(tiny, tmp_path, capsys, content, pattern):
+    path = tmp_path / "last.ckpt"
+    if content is not None:
+        path.write_bytes(content)
+    line = _fails(_args(tiny, tmp_path / "runs", "--ckpt_path", str(path)), capsys)
+    assert pattern in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_failure_after_the_trainer_started_leaves_no_run_folder(tiny, tmp_path):
+    root = tmp_path / "runs"
+    args = _args(tiny, root, "--trainer.val_check_interval", "1", "--trainer.callbacks+=EarlyStopping",
+                 "--trainer.callbacks.monitor", "no_such_metric", "--trainer.logger", "CSVLogger",
+                 "--trainer.logger.save_dir", str(root))
+    with pytest.raises(RuntimeError, match="no_such_metric"):
+        main(args)
+    assert not list(root.rglob("config.yaml")) if root.exists() else True
+    assert not root.exists() or not any(root.iterdir()), list(root.rglob("*"))
+
+
+def test_run_output_last_ckpt_and_no_noise(tiny, tmp_path, capsys, caplog):
+    _, _, headless = tiny
+    root = tmp_path / "runs"
+    with caplog.at_level("INFO"):
+        main(_args(tiny, root, "--trainer.val_check_interval", "3", "--trainer.check_val_every_n_epoch", "null",
+                   model=headless))
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1].startswith("dpl: trained 3 private steps"), out  # the summary is the last thing shown
+    assert any(line.startswith("dpl: step 1/3") for line in lines), out  # plain progress lines, not a bar
+    assert any(line.startswith("dpl: step 3/3") and "epsilon" in line and "examples/s" in line for line in lines)
+    assert "\x1b[" not in out + err and "\r" not in out
+    everything = out + err + caplog.text
+    for noise in ("tensorboardX", "Tip:", "LOAD REPORT", "MISSING", "is_gradient_checkpointing", "LeafSpec",
+                  "v_num"):
+        assert noise not in everything, noise
+    assert caplog.text.count("new classification head classifier.bias, classifier.weight") == 1
+    assert len(list(root.rglob("checkpoints/last.ckpt"))) == 1
+
+
+def test_epoch_description_without_max_epochs():
+    assert _epoch_description(SimpleNamespace(max_epochs=-1), 1) == "Epoch 1"
+    assert _epoch_description(SimpleNamespace(max_epochs=None), 0) == "Epoch 0"
+    assert _epoch_description(SimpleNamespace(max_epochs=3), 1) == "Epoch 1/2"
+
+
+def test_plain_progress_off_terminal():
+    class Pipe:
+        def isatty(self):
+            return False
+
+    assert isinstance(default_progress_bar(Pipe()), PlainProgress)
+
+
+def test_classification_data_stays_out_of_the_datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    from dpl.data import ClassificationDataModule
+
+    cache = tmp_path / "hf-datasets"
+    cache.mkdir()
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    model = save_tiny_bert(tmp_path / "model")
+    data = tmp_path / "data"
+    write_sentiment_tsv(data / "train.tsv", rows=32)
+    write_sentiment_tsv(data / "validation.tsv", rows=8, seed=1)
+    (data / "test.jsonl").write_text("".join(f'{{"sentence": "the {w} secret-row-{i}", "label": "positive"}}\n'
+                                             for i, w in enumerate(WORDS)))
+    module = ClassificationDataModule(tokenizer=model, data_dir=str(data), max_length=16)
+    module.setup(None)
+    for split in (module.train_set, module.val_set, module.test_set):
+        assert len(split) > 0 and split.cache_files == []
+    assert not any(cache.rglob("*")), list(cache.rglob("*"))
+    assert not any(Path(p).is_file() and b"secret-row" in Path(p).read_bytes()
+                   for p in tmp_path.rglob("*") if Path(p).parent != data and Path(p).is_file())
