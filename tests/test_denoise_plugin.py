@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import random_batch, save_tiny_bert, tiny_bert, write_sentiment_tsv
 
-from dpl.errors import ConfigError, PrivacyViolation
+from dpl.errors import ConfigError, PrivacyViolation, PrivacyWarning
 from dpl.gradients import GradientSum, PrivateGradient
 from dpl.hookspecs import hookimpl
 from dpl.plugin_manager import create_plugin_manager, replaced_hooks
@@ -118,7 +118,7 @@ def test_diagnostics_are_off_by_default_and_log_nothing_nonprivate():
 
 
 def test_diagnostics_warn_at_setup():
-    with pytest.warns(UserWarning, match="non-private diagnostics enabled: logged values read the clean gradient "
+    with pytest.warns(PrivacyWarning, match="non-private diagnostics enabled: logged values read the clean gradient "
                                          "and are not covered by the privacy guarantee"):
         DenoisePlugin(nonprivate_diagnostics=True).validate_setup(setup=_setup(tiny_bert(), ["denoise"]))
 

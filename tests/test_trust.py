@@ -527,3 +527,49 @@ def test_partial_sums_are_wiped_after_privatize():
                       noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
     private_step(pm.hook, ctx, {"x": torch.randn(5, 3), "y": torch.tensor([0, 1, 0, 1, 1])}, 2)
     assert len(kept) == 3 and all(isinstance(k, GradientSum) and k.wiped for k in kept)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a run killed with SIGKILL resumes from its last checkpoint
+
+
+def test_sigkill_mid_training_then_resume_from_last_checkpoint(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt_dir = tmp_path / "ckpt"
+    args = ["--model", "test_trust.VectorModule", "--model.privacy.noise_multiplier", "1.0",
+            "--model.privacy.batch_size", "8", "--data", "test_trust.VectorDataModule",
+            "--trainer.max_steps", "150", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+            "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.every_n_train_steps", "1",
+            "--trainer.callbacks.save_last", "true"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", "import sys; from dpl.cli import main; main(sys.argv[1:])", "fit", *args]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    last = ckpt_dir / "last.ckpt"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if last.exists() and torch.load(last, weights_only=False)["dpl"]["steps_done"] >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # A write cut by the kill can leave a temporary file; it is never the checkpoint, and a secret one is
+    # owner-only from its creation.
+    for leftover in ckpt_dir.glob(".*.secret.*.tmp"):
+        assert stat.S_IMODE(os.stat(leftover).st_mode) == 0o600
+    steps_before = torch.load(last, weights_only=False)["dpl"]["steps_done"]
+    assert 3 <= steps_before < 150
+    resumed = subprocess.run([*command, "--ckpt_path", str(last)], env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    from dpl.accounting import epsilon_for
+
+    expected = epsilon_for(1.0, 8 / 64, 150, 0.1 / 64)
+    assert f"trained 150 private steps; privacy spent (epsilon={expected:.3f}" in resumed.stdout

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from dpl.errors import ConfigError
+from dpl.errors import ConfigError, PrivacyWarning
 from dpl.gradients import GradientSum, PrivateGradient
 from dpl.hookspecs import hookimpl
 from dpl.step import RunSetup, StepContext
@@ -97,7 +97,7 @@ class DenoisePlugin:
         if not matrices:
             raise ConfigError(f"denoise: no trainable 2-D parameter matches {self.patterns}")
         if self.nonprivate_diagnostics:
-            warnings.warn(NONPRIVATE_WARNING, UserWarning, stacklevel=2)
+            warnings.warn(NONPRIVATE_WARNING, PrivacyWarning, stacklevel=2)
 
     @hookimpl(wrapper=True)
     def privatize(self, ctx: StepContext, gradient_sum: GradientSum) -> Generator[None, PrivateGradient | None,
