@@ -292,7 +292,8 @@ class DPModule(L.LightningModule):
 
     def on_fit_end(self) -> None:
         eps = self.epsilon_after(self.steps_done)
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val")}
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()
+                   if k.startswith("val") and "/" not in k}  # per-class / per-group values stay in the logs
         shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
         self.fit_summary = (f"dpl: trained {self.steps_done} private steps; privacy spent (epsilon={eps:.3f}, "
                             f"delta={self.delta:.3g}); sigma={self.noise_multiplier:.4f}, "
