@@ -146,8 +146,7 @@ def run(out: Path, devices: int, steps: int = 4, plugins=None, optimizer=None, c
     settings.update(privacy)
     module = VectorModule(privacy=PrivacyConfig(**settings), plugins=plugins, zero_loss=zero_loss, width=width,
                           optimizer=optimizer or functools.partial(torch.optim.SGD, lr=0.5))
-    # max_epochs=1 + limit_train_batches: dpl steps the raw optimizer, so trainer.global_step (max_steps) may
-    # not advance; the epoch limit stops the run either way
+    # one epoch of `steps` logical batches (n / batch_size = 10 per epoch)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, accelerator="cpu", devices=devices,
                         strategy="ddp_fork" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
