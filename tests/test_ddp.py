@@ -190,22 +190,6 @@ OPTIONAL_PLUGINS = {"denoise": {"denoise": {}}, "adambc": {"adambc": {"gamma": 1
 CASES = ["default", *OPTIONAL_PLUGINS]
 
 
-def _lift_world_size_refusal(monkeypatch, name: str) -> None:
-    """Let a plugin that refuses ``world_size > 1`` in ``validate_setup`` see one process (the forked ranks
-    inherit the patch): shows whether dpl's DDP design covers it without a special case."""
-    from dpl.plugin_manager import load_plugin
-
-    cls = type(load_plugin(name))
-    original = cls.validate_setup
-
-    def validate_setup(self, setup):
-        import dataclasses
-
-        return original(self, dataclasses.replace(setup, world_size=1))
-
-    monkeypatch.setattr(cls, "validate_setup", validate_setup)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_equal_one(tmp_path, monkeypatch, case):
     plugins = None
@@ -213,8 +197,6 @@ def test_two_processes_equal_one(tmp_path, monkeypatch, case):
         if case not in installed_plugins():
             pytest.skip(f"plugin {case} is not installed (dpl plugins)")
         plugins = OPTIONAL_PLUGINS[case]
-    if case == "ftrl":  # ftrl refuses multi-process runs itself (its validate_setup); see docs/scaling.md
-        _lift_world_size_refusal(monkeypatch, "ftrl")
     one = run(tmp_path / "one", 1, plugins=plugins)[0]
     two = run(tmp_path / "two", 2, plugins=plugins)
     # the two ranks saw disjoint shards whose union is the single process's batch, step by step

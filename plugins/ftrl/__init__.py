@@ -93,8 +93,6 @@ class FTRLPlugin:
     # --- setup ----------------------------------------------------------------------------------------
     @hookimpl
     def validate_setup(self, setup: RunSetup) -> None:
-        if setup.world_size > 1:
-            raise ConfigError("ftrl: multi-process training is not supported (one noise stream, one sampler)")
         if self.noise == "nu_ftrl" and self.memory == "regenerate" and setup.secure_noise:
             raise ConfigError("ftrl: memory: regenerate replays past noise from generator states, which "
                               "privacy.secure_noise (OS CSPRNG) cannot do; use memory: keep or another noise family")
