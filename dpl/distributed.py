@@ -196,7 +196,7 @@ def all_reduce_gradient_sum(gradient_sum: GradientSum, bucket_bytes: int = BUCKE
     like = next(iter(values.values()), None)
     count = torch.tensor([gradient_sum.count], dtype=torch.int64, device=_comm_device(like))
     dist.all_reduce(count, op=dist.ReduceOp.SUM)
-    gradient_sum._count = int(count.item())  # the global number of examples in the logical batch
+    gradient_sum.set_count(int(count.item()))  # the global number of examples in the logical batch
 
 
 def gradient_reducer():

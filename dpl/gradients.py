@@ -47,6 +47,11 @@ class GradientSum:
         self._count += other.count
         return self
 
+    def set_count(self, count: int) -> None:
+        """Replace the example count (multi-process training: the all-reduced global count)."""
+        self.values  # noqa: B018 - same guard
+        self._count = int(count)
+
     def wipe(self) -> None:
         """Drop the tensors; any later access raises."""
         self._values = None
