@@ -63,7 +63,9 @@ def _parser_kwargs() -> dict[str, Any]:
     class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
-    sub = {"epilog": _SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES)}
+    import textwrap
+
+    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES), 79)}
     return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
             "fit": sub, "validate": sub, "test": sub, "predict": sub}
 

@@ -117,6 +117,8 @@ STARS = {POS: ["Five stars.", "Four stars.", "5 out of 5.", "4 out of 5.", "Ten 
 
 
 class Generator:
+    simple_weight = 8.0  # weight of plain statements among the templates
+
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
@@ -256,7 +258,7 @@ class Generator:
     def sentence(self, y: int) -> str:
         domain = DOMAINS[self.pick(list(DOMAINS))]
         templates: list[tuple[Callable[[dict, int], str], float]] = [
-            (self.simple, 8.0), (self.negated, 2.0), (self.contrast, 2.0), (self.although, 1.2),
+            (self.simple, self.simple_weight), (self.negated, 2.0), (self.contrast, 2.0), (self.although, 1.2),
             (self.like, 1.2), (self.expectation, 1.0), (self.could_have_been, 0.8), (self.only_thing, 0.6),
             (self.comparison, 0.8), (self.nothing, 0.6), (self.exclamation, 2.0), (self.verdict, 2.0),
             (self.others, 1.0), (self.wanted, 0.8), (self.question, 0.5), (self.not_only, 0.7), (self.idiom, 0.8)]
@@ -287,9 +289,10 @@ def _cap(text: str) -> str:
 
 
 def generate(seed: int = SEED, train_size: int = TRAIN_SIZE, validation_size: int = VALIDATION_SIZE,
-             noise: float = NOISE) -> dict[str, list[tuple[str, str]]]:
+             noise: float = NOISE, simple_weight: float = Generator.simple_weight) -> dict[str, list[tuple[str, str]]]:
     """Both splits as lists of (sentence, label); unique sentences, none shared between the splits."""
     gen = Generator(seed)
+    gen.simple_weight = simple_weight
     seen: set[str] = set()
     splits = {}
     for name, size in (("train", train_size), ("validation", validation_size)):
@@ -324,8 +327,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--train-size", type=int, default=TRAIN_SIZE)
     parser.add_argument("--validation-size", type=int, default=VALIDATION_SIZE)
+    parser.add_argument("--simple-weight", type=float, default=Generator.simple_weight,
+                        help="template weight of plain statements (the other templates weigh 18.6 together)")
     args = parser.parse_args()
-    splits = generate(seed=args.seed, train_size=args.train_size, validation_size=args.validation_size)
+    splits = generate(seed=args.seed, train_size=args.train_size, validation_size=args.validation_size,
+                      simple_weight=args.simple_weight)
     write(args.out, splits)
     for name, rows in splits.items():
         counts = {label: sum(1 for _, y in rows if y == label) for label in LABELS.values()}
