@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -213,6 +215,12 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     gpu = _gpu_only(merged)
     if gpu and not torch.cuda.is_available():
         return [], gpu
+    nodes = _option(args, "--trainer.num_nodes") or str((merged.get("trainer") or {}).get("num_nodes", 1))
+    if nodes.isdigit() and int(nodes) > 1:
+        return [], f"needs {nodes} machines (trainer.num_nodes {nodes})"
+    devices = _option(args, "--trainer.devices")
+    if devices and devices.isdigit() and int(devices) > 2 and torch.cuda.device_count() < int(devices):
+        args[args.index("--trainer.devices") + 1] = "2"  # as many CPU processes as this machine can host
     model_class, data_class = _class_of(args, merged, "model"), _class_of(args, merged, "data")
     generation = any(k in data_class for k in ("E2E", "DART", "JSONL", "Generation"))
     kind = next((k for k in ("E2E", "DART", "JSONL") if k in data_class), "classification")
@@ -231,8 +239,6 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
                 fit, _ = prepare("dpl fit --config configs/quickstart.yaml", world)
                 cwd = Path.cwd()
                 try:
-                    import os
-
                     os.chdir(work)
                     main(fit)
                 finally:
@@ -254,6 +260,15 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     return args, None
 
 
+def _multi_process(args: list[str], world: dict) -> bool:
+    if args[0] not in ("fit", "validate", "test"):
+        return False
+    merged = _merged(_configs_of(args), world["work"])
+    strategy = str(_option(args, "--trainer.strategy") or (merged.get("trainer") or {}).get("strategy", ""))
+    devices = str(_option(args, "--trainer.devices") or (merged.get("trainer") or {}).get("devices", "1"))
+    return "ddp" in strategy.lower() or (devices.isdigit() and int(devices) > 1)
+
+
 def _id(item: tuple[str, str]) -> str:
     source, command = item
     return f"{source}: {command}"[:150]
@@ -270,11 +285,17 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
         pytest.skip(skip)
     monkeypatch.chdir(world["work"])
     code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
+    if _multi_process(args, world):  # DDP re-launches the command line: run it as a user would, in a process
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], capture_output=True, text=True,
+                                cwd=world["work"], env=env, timeout=600)
+        code, out, err = result.returncode, result.stdout, result.stderr
+    else:
+        try:
+            main(args)
+        except SystemExit as exc:
+            code = exc.code or 0
+        out, err = capsys.readouterr()
     assert code == 0 or (args[0] == "audit" and code == 1), f"`{command}` exited {code}:\n{err[-3000:]}"
     if args[0] == "fit" and "--print_config" not in args:
         lines = [line for line in out.splitlines() if line.strip()]
