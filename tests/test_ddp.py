@@ -152,7 +152,15 @@ def run(out: Path, devices: int, steps: int = 4, plugins=None, optimizer=None, c
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=None if validate else 0, default_root_dir=str(out),
                         callbacks=[Recorder(out / "ranks"), *callbacks])
-    trainer.fit(module, IndexedData(n), ckpt_path=ckpt_path)
+    # Forking a process whose OpenMP pool has worker threads (earlier tests ran torch ops on 2 threads) makes the
+    # children hang in their first parallel region: fork with one intra-op thread.
+    threads = torch.get_num_threads()
+    if devices > 1:
+        torch.set_num_threads(1)
+    try:
+        trainer.fit(module, IndexedData(n), ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
     return [torch.load(out / "ranks" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
