@@ -3,6 +3,7 @@
 # clipping), each a plain `dpl fit`; prints val_acc, wall-clock and CPU time (user + sys) of every run.
 #   bash benchmarks/quickstart.sh            # R = 3
 #   R=1 bash benchmarks/quickstart.sh -- --trainer.max_epochs 1   # extra dpl arguments after --
+#   PARALLEL=1 bash benchmarks/quickstart.sh                      # the runs side by side
 # Wall-clock depends on the machine's load; CPU time much less so (report both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,5 +20,11 @@ run() {
   local eps; eps=$(grep -o 'epsilon=[0-9.inf]*' "$OUT/$name.log" | tail -1)
   printf "%-12s %-14s %-16s wall %6.1f s  cpu %6.1f s\n" "$name" "$eps" "$summary" "$wall" "$(echo "$user + $sys" | bc)"
 }
-for i in $(seq 1 "$R"); do run "dp_$i" "$@"; done
-run "nonprivate" --model.init_args.privacy.noise_multiplier 0 "$@"
+if [ -n "${PARALLEL:-}" ]; then  # all runs at once (same CPU time, less wall-clock on an idle multi-core machine)
+  for i in $(seq 1 "$R"); do run "dp_$i" "$@" & done
+  run "nonprivate" --model.init_args.privacy.noise_multiplier 0 "$@" &
+  wait
+else
+  for i in $(seq 1 "$R"); do run "dp_$i" "$@"; done
+  run "nonprivate" --model.init_args.privacy.noise_multiplier 0 "$@"
+fi

@@ -246,6 +246,12 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
                 found = sorted((work / head).glob(f"**/{tail}"))
             assert found, f"{a}: no such file after the runs before it"
             args[i] = str(found[-1])
+    init = (merged.get("data") or {}).get("init_args") or {}
+    shared = _option(args, "--data.data_dir") or str(init.get("data_dir") or "")
+    if kind == "classification" and shared.startswith("../shared/data/") and not (work / shared).exists():
+        text = _option(args, "--data.text_column") or init.get("text_column") or "sentence"
+        label = _option(args, "--data.label_column") or init.get("label_column") or "label"
+        _classification_dir((work / shared).resolve(), text, label)  # a tiny stand-in for the real data set
     if kind in ("DART", "JSONL") and _option(args, "--data.data_dir") is None \
             and not (merged.get("data", {}).get("init_args") or {}).get("data_dir"):
         args += ["--data.init_args.data_dir", str(world[kind.lower()])]
