@@ -62,7 +62,7 @@ class DPDataModule(L.LightningDataModule):
             raise ValueError(f"{type(self).__name__} has no such split configured")
         sampler = None
         trainer = self.trainer
-        if trainer is not None and trainer.world_size > 1 and len(dataset) >= trainer.world_size:
+        if trainer is not None and getattr(trainer, "world_size", 1) > 1 and len(dataset) >= trainer.world_size:
             from dpl.distributed import ShardSampler  # DDP: each rank evaluates its shard (no padding duplicates)
 
             sampler = ShardSampler(len(dataset), trainer.global_rank, trainer.world_size)

@@ -348,6 +348,8 @@ class DPModule(L.LightningModule):
         if state.get("version") != 2:
             raise ConfigError("this checkpoint was written by an older dpl whose checkpoints carried secrets; "
                               "it cannot be resumed safely")
+        if self.mechanism is None:  # validate / test / predict: the weights are all that is needed
+            return
         self._check_resume_plan(state)
         self.steps_done = int(state["steps_done"])
         if state.get("public_rng") is not None and self._public_generator is not None:
