@@ -46,6 +46,8 @@ def new_secret_id() -> str:
 def _write_atomic(data: bytes, path: Path, mode: int) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder, created with ``mode``."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer killed mid-write
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)

@@ -109,3 +109,75 @@ def save_tiny_llama_lm(folder, tie: bool = True) -> str:
     tokenizer.save_pretrained(folder)
     tiny_llama_lm(vocab_size=len(vocab), tie=tie).save_pretrained(folder)
     return str(folder)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a tiny float-feature task for fast end-to-end runs of the private loop (no tokenizer, no transformer)
+
+from pathlib import Path  # noqa: E402
+
+import lightning as L  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from dpl.data.base import DPDataModule  # noqa: E402
+from dpl.modules.base import DPModule  # noqa: E402
+
+
+class VectorData(Dataset):
+    def __init__(self, n: int = 64, dim: int = 6, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=gen)
+        self.y = (self.x[:, 0] > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class VectorDataModule(DPDataModule):
+    def __init__(self, n: int = 64) -> None:
+        super().__init__(eval_batch_size=32)
+        self.n = n
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set, self.val_set = VectorData(self.n), VectorData(16, seed=1)
+
+    def collate(self, examples):
+        if not examples:
+            return {"x": torch.zeros(0, 6), "labels": torch.zeros(0, dtype=torch.long)}
+        return {"x": torch.stack([e["x"] for e in examples]), "labels": torch.stack([e["labels"] for e in examples])}
+
+
+class VectorModule(DPModule):
+    task = "classification"
+
+    def __init__(self, batch_norm: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.batch_norm = batch_norm
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        layers = [nn.Linear(6, 8)] + ([nn.BatchNorm1d(8)] if self.batch_norm else []) + [nn.Tanh(), nn.Linear(8, 2)]
+        return nn.Sequential(*layers)
+
+    def per_example_loss(self, batch):
+        return F.cross_entropy(self.model(batch["x"]), batch["labels"], reduction="none")
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.per_example_loss(batch).mean())
+
+
+class SaveAndStopAt(L.Callback):
+    """Writes a checkpoint after ``step`` private steps and stops (an interrupted run)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.steps_done == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True

@@ -15,14 +15,12 @@ import pytest
 import scipy.linalg
 import torch
 import torch.nn.functional as F
+from helpers import SaveAndStopAt, VectorDataModule, VectorModule
 from scipy import optimize, stats
 from torch import nn
-from torch.utils.data import Dataset
 
-from dpl.data.base import DPDataModule
 from dpl.errors import ConfigError
 from dpl.gradients import GradientSum
-from dpl.modules.base import DPModule
 from dpl.plugin_manager import create_plugin_manager
 from dpl.privacy import PrivacyConfig
 from dpl.step import RunSetup, StepContext, private_step
@@ -403,54 +401,6 @@ def test_dpl_fit_with_the_config_fragment(tmp_path, capsys):
     assert len(stds) == 12 and len(set(stds)) > 1
 
 
-class _VectorData(Dataset):
-    def __init__(self, n: int = 64, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 6, generator=gen)
-        self.y = (self.x[:, 0] > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class _VectorDataModule(DPDataModule):
-    def __init__(self) -> None:
-        super().__init__(eval_batch_size=32)
-
-    def setup(self, stage: str | None = None) -> None:
-        self.train_set, self.val_set = _VectorData(), _VectorData(16, seed=1)
-
-    def collate(self, examples):
-        return {"x": torch.stack([e["x"] for e in examples]), "labels": torch.stack([e["labels"] for e in examples])}
-
-
-class _VectorModule(DPModule):
-    task = "classification"
-
-    def build_model(self) -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-
-    def per_example_loss(self, batch):
-        return F.cross_entropy(self.model(batch["x"]), batch["labels"], reduction="none")
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.per_example_loss(batch).mean())
-
-
-class _SaveAndStopAt(L.Callback):
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.steps_done == self.step:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
-
-
 class _Recorder(L.Callback):
     def __init__(self) -> None:
         self.batches = []
@@ -460,15 +410,15 @@ class _Recorder(L.Callback):
 
 
 def _fit(tmp, family, ckpt=None, stop_at=None, seed=3):
-    module = _VectorModule(privacy=PrivacyConfig(target_epsilon=3.0, batch_size=8, physical_batch_size=8, seed=seed),
+    module = VectorModule(privacy=PrivacyConfig(target_epsilon=3.0, batch_size=8, physical_batch_size=8, seed=seed),
                            plugins={"ftrl": {"noise": family, "nbuf": 2, "bands": 3}},
                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     recorder = _Recorder()
-    callbacks = [recorder] + ([_SaveAndStopAt(stop_at[0], stop_at[1])] if stop_at else [])
+    callbacks = [recorder] + ([SaveAndStopAt(stop_at[0], stop_at[1])] if stop_at else [])
     trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         default_root_dir=str(tmp), callbacks=callbacks)
-    trainer.fit(module, datamodule=_VectorDataModule(), ckpt_path=None if ckpt is None else str(ckpt))
+    trainer.fit(module, datamodule=VectorDataModule(), ckpt_path=None if ckpt is None else str(ckpt))
     return module, recorder.batches
 
 

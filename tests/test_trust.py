@@ -14,17 +14,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import save_tiny_bert, write_sentiment_tsv
+from helpers import SaveAndStopAt, VectorDataModule, VectorModule  # the SIGKILL test uses test_trust.Vector* paths
 from torch import nn
-from torch.utils.data import Dataset
 
 from dpl.checkpoint import SECRET_KEY, secret_path
-from dpl.data import ClassificationDataModule
-from dpl.data.base import DPDataModule
 from dpl.errors import ConfigError, PluginError, PrivacyWarning
 from dpl.gradients import GradientSum, PrivateGradient
 from dpl.hookspecs import hookimpl
-from dpl.modules import DPClassificationModule
 from dpl.modules.base import DPModule
 from dpl.noise import SecureNormal, normal
 from dpl.per_example import PerExampleClipper
@@ -37,52 +33,6 @@ from dpl.step import StepContext, private_step
 # a tiny float-feature task (fast, and lets a test put NaN / BatchNorm in the model)
 
 
-class VectorData(Dataset):
-    def __init__(self, n: int = 64, dim: int = 6, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, dim, generator=gen)
-        self.y = (self.x[:, 0] > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class VectorDataModule(DPDataModule):
-    def __init__(self, n: int = 64) -> None:
-        super().__init__(eval_batch_size=32)
-        self.n = n
-
-    def setup(self, stage: str | None = None) -> None:
-        self.train_set, self.val_set = VectorData(self.n), VectorData(16, seed=1)
-
-    def collate(self, examples):
-        if not examples:
-            return {"x": torch.zeros(0, 6), "labels": torch.zeros(0, dtype=torch.long)}
-        return {"x": torch.stack([e["x"] for e in examples]), "labels": torch.stack([e["labels"] for e in examples])}
-
-
-class VectorModule(DPModule):
-    task = "classification"
-
-    def __init__(self, batch_norm: bool = False, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.batch_norm = batch_norm
-
-    def build_model(self) -> nn.Module:
-        torch.manual_seed(0)
-        layers = [nn.Linear(6, 8)] + ([nn.BatchNorm1d(8)] if self.batch_norm else []) + [nn.Tanh(), nn.Linear(8, 2)]
-        return nn.Sequential(*layers)
-
-    def per_example_loss(self, batch):
-        return F.cross_entropy(self.model(batch["x"]), batch["labels"], reduction="none")
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.per_example_loss(batch).mean())
-
-
 def _trainer(tmp_path, max_steps, callbacks=(), **kwargs):
     return L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -93,18 +43,6 @@ def _vector_module(**privacy):
     defaults = dict(noise_multiplier=1.0, batch_size=8, physical_batch_size=8, seed=3)
     defaults.update(privacy)
     return VectorModule(privacy=PrivacyConfig(**defaults), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-
-
-class SaveAndStopAt(L.Callback):
-    """Writes a checkpoint after ``step`` private steps and stops (an interrupted run)."""
-
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.steps_done == self.step:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
 
 
 def _params(module):
