@@ -18,6 +18,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SaveAndStopAt
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -122,16 +123,6 @@ class Recorder(L.Callback):
             "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics
             else None, "noise": repr(pl_module._noise_generator),
         }, self.out / f"rank{trainer.global_rank}.pt")
-
-
-class SaveAt(L.Callback):
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.steps_done == self.step:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
 
 
 @pytest.fixture(autouse=True)
@@ -267,7 +258,7 @@ def test_validation_is_sharded_and_synchronized(tmp_path):
 def test_checkpoint_resume_under_ddp(tmp_path):
     straight = run(tmp_path / "straight", 2, steps=6)
     ckpt = tmp_path / "half.ckpt"
-    run(tmp_path / "first", 2, steps=6, callbacks=[SaveAt(3, ckpt)])
+    run(tmp_path / "first", 2, steps=6, callbacks=[SaveAndStopAt(3, ckpt)])
     assert ckpt.is_file() and secret_path(ckpt).is_file()
     assert stat.S_IMODE(secret_path(ckpt).stat().st_mode) == 0o600
     assert "dpl_secret" not in torch.load(ckpt, weights_only=False)

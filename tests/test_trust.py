@@ -389,6 +389,15 @@ def test_large_delta_warns_and_default_delta_does_not():
     assert module.delta * 64 == pytest.approx(0.1)
 
 
+def _linear_ctx(expected_batch_size: int) -> StepContext:
+    """A step context over a 3 -> 2 linear model (inputs ``x``, labels ``y``)."""
+    model = nn.Linear(3, 2)
+    return StepContext(model=model, trainable=dict(model.named_parameters()),
+                       per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
+                       max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=expected_batch_size, step=0,
+                       noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+
+
 class _LeakyPostProcess:
     """Tries to reach the noise generator and the data from post_process."""
 
@@ -404,11 +413,7 @@ class _LeakyPostProcess:
 def test_post_processing_hooks_get_no_generator_and_no_data():
     pm = create_plugin_manager()
     pm.register(_LeakyPostProcess(), name="leaky")
-    model = nn.Linear(3, 2)
-    ctx = StepContext(model=model, trainable=dict(model.named_parameters()),
-                      per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
-                      max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2, step=0,
-                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+    ctx = _linear_ctx(expected_batch_size=2)
     private_step(pm.hook, ctx, {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])}, 2, mechanism="gaussian")
     assert _LeakyPostProcess.seen == {"noise_generator": False, "per_example_loss": False, "model": False}
 
@@ -423,11 +428,7 @@ class _RoguePrivatize:
 def test_privatize_without_its_mechanism_is_refused(tmp_path):
     pm = create_plugin_manager()
     pm.register(_RoguePrivatize(), name="rogue")
-    model = nn.Linear(3, 2)
-    ctx = StepContext(model=model, trainable=dict(model.named_parameters()),
-                      per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
-                      max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2, step=0,
-                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+    ctx = _linear_ctx(expected_batch_size=2)
     with pytest.raises(PluginError, match="configure_mechanism"):
         private_step(pm.hook, ctx, {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])}, 2, mechanism="gaussian")
     module = _vector_module()
@@ -458,11 +459,7 @@ def test_partial_sums_are_wiped_after_privatize():
 
     pm = create_plugin_manager()
     pm.register(Keep(), name="keep")
-    model = nn.Linear(3, 2)
-    ctx = StepContext(model=model, trainable=dict(model.named_parameters()),
-                      per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
-                      max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, step=0,
-                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+    ctx = _linear_ctx(expected_batch_size=4)
     private_step(pm.hook, ctx, {"x": torch.randn(5, 3), "y": torch.tensor([0, 1, 0, 1, 1])}, 2)
     assert len(kept) == 3 and all(isinstance(k, GradientSum) and k.wiped for k in kept)
 
