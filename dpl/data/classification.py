@@ -13,6 +13,7 @@ import json
 import logging
 import numbers
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -570,20 +571,25 @@ class ClassificationDataModule(DPDataModule):
         self.val_set = self._encoded.get("validation", self.val_set)
         self.test_set = self._encoded.get("test", self.test_set)
 
+    def _encoder(self, split: SplitData) -> tuple[Callable[[dict[str, list]], dict[str, list]], list[Any]]:
+        """The batched function that encodes ``split``'s rows, and what its output depends on besides the rows,
+        the tokenizer and the label map (for the fingerprint). Subclasses that render text differently override it."""
+        fn = partial(_encode, tokenizer=self.tokenizer, text_column=self.text_column,
+                     pair_column=self.text_pair_column, label_column=self.label_column, label_map=self.label_map,
+                     label_names=split.label_names, max_length=self.max_length, keep=self._input_keys)
+        return fn, ["dpl-classification-v1", self.text_column, self.text_pair_column]
+
     def _tokenize(self, split: SplitData) -> Any:
         from datasets.fingerprint import Hasher
 
-        tokenizer = self.tokenizer
         dataset = split.dataset
         limit = self.max_train_examples if split.name == "train" else self.max_eval_examples
         if limit is not None and limit < len(dataset):
             dataset = dataset.select(range(limit))
-        fn = partial(_encode, tokenizer=tokenizer, text_column=self.text_column,
-                     pair_column=self.text_pair_column, label_column=self.label_column, label_map=self.label_map,
-                     label_names=split.label_names, max_length=self.max_length, keep=self._input_keys)
-        fingerprint = Hasher.hash(["dpl-classification-v1", dataset._fingerprint, _tokenizer_fingerprint(tokenizer),
-                                   self.max_length, self.text_column, self.text_pair_column, self.label_column,
-                                   sorted(self.label_map.items()), split.label_names, self._input_keys])
+        fn, depends_on = self._encoder(split)
+        fingerprint = Hasher.hash([*depends_on, dataset._fingerprint, _tokenizer_fingerprint(self.tokenizer),
+                                   self.max_length, self.label_column, sorted(self.label_map.items()),
+                                   split.label_names, self._input_keys])
         return dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
                            new_fingerprint=fingerprint, desc=f"Tokenizing {split.name}", keep_in_memory=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from dpl.data.classification import ClassificationDataModule, SplitData, _tokenizer_fingerprint, label_key
+from dpl.data.classification import ClassificationDataModule, SplitData, label_key
 from dpl.errors import DataError
 
 MASK = "[MASK]"
@@ -90,19 +90,8 @@ class PromptClassificationDataModule(ClassificationDataModule):
             raise DataError(f"tokenizer {self.tokenizer_location!r} has no mask token: prompts need a masked LM")
         return tokenizer
 
-    def _tokenize(self, split: SplitData) -> Any:
-        from datasets.fingerprint import Hasher
-
-        tokenizer = self.tokenizer
-        dataset = split.dataset
-        limit = self.max_train_examples if split.name == "train" else self.max_eval_examples
-        if limit is not None and limit < len(dataset):
-            dataset = dataset.select(range(limit))
-        fn = partial(_encode_prompt, tokenizer=tokenizer, template=self.template, text_column=self.text_column,
+    def _encoder(self, split: SplitData) -> tuple[Any, list[Any]]:
+        fn = partial(_encode_prompt, tokenizer=self.tokenizer, template=self.template, text_column=self.text_column,
                      label_column=self.label_column, label_map=self.label_map, label_names=split.label_names,
                      max_length=self.max_length, keep=self._input_keys)
-        fingerprint = Hasher.hash(["dpl-prompt-v1", dataset._fingerprint, _tokenizer_fingerprint(tokenizer),
-                                   self.max_length, self.template, self.text_column, self.label_column,
-                                   sorted(self.label_map.items()), split.label_names, self._input_keys])
-        return dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                           new_fingerprint=fingerprint, desc=f"Rendering prompts ({split.name})", keep_in_memory=True)
+        return fn, ["dpl-prompt-v1", self.template, self.text_column]

@@ -195,7 +195,7 @@ class DPModule(L.LightningModule):
         else:
             self.noise_multiplier = self.mechanism.calibrate(cfg.target_epsilon, self.delta, self.planned_steps)
         budget = cfg.budget
-        if budget is not None and self.noise_multiplier > 0:
+        if budget is not None:  # sigma = 0 spends epsilon = inf: refused
             planned = self.final_epsilon()
             if planned > budget * (1 + 1e-9):
                 raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
@@ -254,14 +254,14 @@ class DPModule(L.LightningModule):
 
     # --- the private step -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        budget = self.privacy.budget
-        if budget is not None and self.epsilon_after(self.steps_done + 1) > budget * (1 + 1e-9):
-            self._stop_for_budget(budget)
+        if self._would_exceed_budget():
+            self._stop_for_budget(self.privacy.budget)
             return
         wrapped = self.optimizers()  # LightningOptimizer: stepping it advances trainer.global_step
         optimizer = getattr(wrapped, "optimizer", wrapped)
+        trainable = self.trainable
         public_seed = int(torch.randint(0, 2 ** 62, (1,), generator=self._public_generator))
-        ctx = StepContext(model=self.model, trainable=self.trainable, per_example_loss=self.per_example_loss,
+        ctx = StepContext(model=self.model, trainable=trainable, per_example_loss=self.per_example_loss,
                           max_grad_norm=self.privacy.max_grad_norm, noise_multiplier=self.noise_multiplier,
                           expected_batch_size=self.privacy.batch_size, step=self.steps_done,
                           noise_generator=self._noise_generator, log=self._log_metric, public_seed=public_seed,
@@ -269,7 +269,7 @@ class DPModule(L.LightningModule):
         direction = private_step(self.plugin_manager.hook, ctx, batch, self.privacy.physical_batch_size,
                                  reduce_sum=distributed.gradient_reducer(), mechanism=self.mechanism.name)
         del batch, ctx
-        apply_direction(wrapped, self.trainable, direction)
+        apply_direction(wrapped, trainable, direction)
         del direction
         scheduler = self.lr_schedulers()
         if scheduler is not None:
@@ -279,6 +279,14 @@ class DPModule(L.LightningModule):
         every = self.privacy.log_epsilon_every_n_steps
         if self.steps_done % every == 0 or self.steps_done == self.planned_steps or self.steps_done == 1:
             self.log("epsilon", self.epsilon_after(self.steps_done), prog_bar=True, on_step=True, on_epoch=False)
+
+    def _would_exceed_budget(self) -> bool:
+        """Whether the next step would spend more than the budget. Within a plan that setup checked against the
+        budget (no resumed history), epsilon is monotone in the steps, so no accountant evaluation is needed."""
+        budget = self.privacy.budget
+        if budget is None or (not self.history and self.steps_done + 1 <= self.planned_steps):
+            return False
+        return self.epsilon_after(self.steps_done + 1) > budget * (1 + 1e-9)
 
     def _stop_for_budget(self, budget: float) -> None:
         if not self.stopped_by_budget:
