@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -63,13 +63,50 @@ def apply_finetuning(model: nn.Module, options: FinetuneOptions, task_type: str)
             raise ConfigError(f"LoRA: {exc}") from exc
     elif options.method != "full":
         raise ConfigError(f"finetuning.method must be 'full' or 'lora', got {options.method!r}")
-    for pattern in options.freeze:
+    freeze_parameters(model, options.freeze)
+    return model
+
+
+def freeze_parameters(model: nn.Module, patterns: list[str]) -> None:
+    """Freeze the parameters whose names match one of the glob ``patterns`` (each must match one)."""
+    for pattern in patterns:
         matched = [p for n, p in model.named_parameters() if fnmatch.fnmatch(n, pattern)]
         if not matched:
             raise ConfigError(f"finetuning.freeze pattern {pattern!r} matches no parameter")
         for p in matched:
             p.requires_grad_(False)
-    return model
+
+
+class MeanPoolClassifier(nn.Module):
+    """``encoder`` -> mean of the last hidden states over the real tokens (``attention_mask``) -> dropout ->
+    a new linear head. The encoder is any transformers base model returning ``last_hidden_state``."""
+
+    def __init__(self, encoder: nn.Module, hidden_size: int, num_labels: int, dropout: float = 0.1,
+                 init_std: float = 0.02) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(hidden_size, num_labels)
+        nn.init.normal_(self.classifier.weight, std=init_std)  # as transformers initialises its heads
+        nn.init.zeros_(self.classifier.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> Any:
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        hidden = self.encoder(**inputs).last_hidden_state
+        return SequenceClassifierOutput(logits=self.classifier(self.dropout(mean_pool(hidden, attention_mask))))
+
+
+def mean_pool(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Mean of ``hidden`` (batch, positions, features) over the positions where ``attention_mask`` is 1."""
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
 
 
 class DPClassificationModule(DPModule):
@@ -83,6 +120,11 @@ class DPClassificationModule(DPModule):
             ``<split>_acc_class/<label>`` (the label names come from the data module).
         class_groups: groups of labels (``{group: [label, ...]}``, e.g. by training frequency): log the accuracy
             over the evaluation examples of each group, ``<split>_acc_group/<group>``.
+        pooling: what the classification head reads. ``model``: the model's own sequence-classification head
+            (``AutoModelForSequenceClassification``; for BERT the pooler on the first token). ``mean``: the mean
+            of the last hidden states over the real tokens (padding masked out), then dropout and a new linear
+            head (:class:`MeanPoolClassifier`) - how sentence-embedding checkpoints such as all-MiniLM-L6-v2
+            were trained. Parameter names then start with ``encoder.`` (the base model) and ``classifier.``.
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.modules.base.DPModule`.
     """
 
@@ -93,8 +135,12 @@ class DPClassificationModule(DPModule):
                  plugins: dict[str, dict[str, Any] | None] | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW,
                  lr_scheduler: LRSchedulerCallable | None = None, per_class_metrics: bool = False,
-                 class_groups: dict[str, list[str]] | None = None) -> None:
+                 class_groups: dict[str, list[str]] | None = None,
+                 pooling: Literal["model", "mean"] = "model") -> None:
         super().__init__(privacy=privacy, plugins=plugins, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        if pooling not in ("model", "mean"):
+            raise ConfigError(f"model.pooling must be 'model' or 'mean', got {pooling!r}")
+        self.pooling = pooling
         self.model_location = model
         self.per_class_metrics = per_class_metrics
         self.class_groups = class_groups
@@ -113,10 +159,47 @@ class DPClassificationModule(DPModule):
         return self.num_labels
 
     def build_model(self) -> nn.Module:
-        from transformers import AutoModelForSequenceClassification
-
         num_labels = self._num_labels()
         location = resolve_path(self.model_location)
+        if self.pooling == "mean":
+            model = self._build_mean_pooled(location, num_labels)
+        else:
+            model = self._build_model_head(location, num_labels)
+        model.train()  # from_pretrained returns eval mode
+        metric_args = {"num_classes": num_labels}
+        self.val_accuracy = MulticlassAccuracy(**metric_args, average="micro")
+        self.val_f1 = MulticlassF1Score(**metric_args, average="macro")
+        if self.per_class_metrics or self.class_groups:
+            self._label_names()  # unknown labels in class_groups fail now, not after training
+            self.val_confusion = MulticlassConfusionMatrix(**metric_args)
+        return model
+
+    def _build_mean_pooled(self, location: str, num_labels: int) -> nn.Module:
+        from transformers import AutoModel
+
+        try:
+            with _transformers_errors_only():
+                encoder, info = AutoModel.from_pretrained(location, output_loading_info=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot load model {self.model_location!r}: {str(exc).splitlines()[0]}") from exc
+        _report_loading(self.model_location, info)
+        if getattr(encoder, "pooler", None) is not None:
+            encoder.pooler = None  # unused with mean pooling: not trained, not clipped
+        config = encoder.config
+        hidden = getattr(config, "hidden_size", None) or config.get_text_config().hidden_size
+        dropout = getattr(config, "hidden_dropout_prob", None)
+        dropout = 0.1 if dropout is None else float(dropout)
+        encoder = apply_finetuning(encoder, replace(self.finetuning, freeze=[]), "FEATURE_EXTRACTION")
+        model = MeanPoolClassifier(encoder, hidden, num_labels, dropout=dropout,
+                                   init_std=float(getattr(config, "initializer_range", 0.02)))
+        log.info("dpl: new classification head classifier.bias, classifier.weight on the mean of %s's last hidden "
+                 "states: initialised randomly, trained under DP", self.model_location)
+        freeze_parameters(model, self.finetuning.freeze)
+        return model
+
+    def _build_model_head(self, location: str, num_labels: int) -> nn.Module:
+        from transformers import AutoModelForSequenceClassification
+
         try:
             with _transformers_errors_only():  # the load report is replaced by the lines below
                 model, info = AutoModelForSequenceClassification.from_pretrained(location, num_labels=num_labels,
@@ -128,15 +211,7 @@ class DPClassificationModule(DPModule):
             tokenizer = getattr(self.datamodule, "tokenizer", None)
             pad = getattr(tokenizer, "pad_token_id", None)
             model.config.pad_token_id = pad if pad is not None else getattr(model.config, "eos_token_id", None)
-        model = apply_finetuning(model, self.finetuning, "SEQ_CLS")
-        model.train()  # from_pretrained returns eval mode
-        metric_args = {"num_classes": num_labels}
-        self.val_accuracy = MulticlassAccuracy(**metric_args, average="micro")
-        self.val_f1 = MulticlassF1Score(**metric_args, average="macro")
-        if self.per_class_metrics or self.class_groups:
-            self._label_names()  # unknown labels in class_groups fail now, not after training
-            self.val_confusion = MulticlassConfusionMatrix(**metric_args)
-        return model
+        return apply_finetuning(model, self.finetuning, "SEQ_CLS")
 
     def _label_names(self) -> list[str]:
         """Class id -> label name (from the data module's ``id2label``; the id itself without one)."""
