@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -83,7 +83,7 @@ class DPLArgumentParser(LightningArgumentParser):
 
 class DPLightningCLI(LightningCLI):
     """LightningCLI that validates the privacy setup before the trainer writes anything, saves ``last.ckpt``,
-    shows plain progress lines when stdout is not a terminal, and removes a run directory it created when the
+    shows plain progress lines and a one-line model summary when stdout is not a terminal, and removes a run directory it created when the
     run fails before any checkpoint was written."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -99,6 +99,14 @@ class DPLightningCLI(LightningCLI):
             from dpl.progress import default_progress_bar
 
             callbacks = [*callbacks, default_progress_bar()]
+        if config.get("enable_model_summary") is not False and not any(
+                isinstance(c, ModelSummary) for c in [*given, *callbacks]):
+            from dpl.progress import default_model_summary
+
+            summary = default_model_summary()  # off a terminal: one plain line, not the box-drawn table
+            if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
+                callbacks = [*callbacks, summary]
+                config = {**config, "enable_model_summary": False}
         trainer = super()._instantiate_trainer(config, callbacks)
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:

@@ -13,8 +13,10 @@ import time
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
 
 try:  # Lightning's default bar when rich is installed
     from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE, RichProgressBar
@@ -170,6 +172,37 @@ class PlainProgress(ProgressBar):
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return _visible(super().get_metrics(trainer, pl_module))
+
+
+class PlainModelSummary(ModelSummary):
+    """The model summary off a terminal: one plain line (parameters, trainable parameters, size) instead of
+    Lightning's box-drawn table."""
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__(max_depth=1)
+        self.stream = stream
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+        params = list(pl_module.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        model = getattr(pl_module, "model", None)
+        name = type(model).__name__ if isinstance(model, nn.Module) else type(pl_module).__name__
+        stream = self.stream if self.stream is not None else sys.stdout
+        stream.write(f"dpl: model {name}: {get_human_readable_count(total).strip()} parameters, "
+                     f"{get_human_readable_count(trainable).strip()} trainable\n")
+        stream.flush()
+
+
+def default_model_summary(stream: Any = None) -> ModelSummary | None:
+    """The model summary for this process: ``None`` (Lightning's table) on a terminal, else
+    :class:`PlainModelSummary`."""
+    stream = stream if stream is not None else sys.stdout
+    return None if hasattr(stream, "isatty") and stream.isatty() else PlainModelSummary()
 
 
 def default_progress_bar(stream: Any = None) -> ProgressBar:
