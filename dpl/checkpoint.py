@@ -83,6 +83,26 @@ def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any]:
     return checkpoint
 
 
+def attach_secret(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+    """Read ``<path>.secret`` (if present) into ``checkpoint[SECRET_KEY]`` after checking that it is owner-only and
+    belongs to this checkpoint (one-line ``ConfigError`` otherwise)."""
+    sidecar = secret_path(path)
+    if not sidecar.is_file():
+        return
+    mode = sidecar.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{sidecar} is readable by others (mode {oct(mode & 0o777)}): it holds the "
+                          f"run's noise secrets; chmod 600 it")
+    try:
+        secret = torch.load(sidecar, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(f"secret sidecar {sidecar} is corrupt or truncated ({type(exc).__name__})") from None
+    expected = (checkpoint.get("dpl") or {}).get("secret_id")
+    if not isinstance(secret, dict) or secret.get("secret_id") != expected:
+        raise ConfigError(f"secret sidecar {sidecar} does not belong to checkpoint {path}")
+    checkpoint[SECRET_KEY] = secret
+
+
 class SidecarCheckpointIO(CheckpointIO):
     """Writes secret state to an owner-only sidecar, never into the checkpoint; all writes are atomic.
 
@@ -116,20 +136,7 @@ class SidecarCheckpointIO(CheckpointIO):
         if not self._is_local(path):
             return self.inner.load_checkpoint(path, map_location=map_location)
         checkpoint = load_checkpoint_file(path)
-        sidecar = secret_path(path)
-        if sidecar.is_file():
-            mode = sidecar.stat().st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise ConfigError(f"{sidecar} is readable by others (mode {oct(mode & 0o777)}): it holds the "
-                                  f"run's noise secrets; chmod 600 it")
-            try:
-                secret = torch.load(sidecar, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise ConfigError(f"secret sidecar {sidecar} is corrupt or truncated ({type(exc).__name__})") from None
-            expected = (checkpoint.get("dpl") or {}).get("secret_id")
-            if not isinstance(secret, dict) or secret.get("secret_id") != expected:
-                raise ConfigError(f"secret sidecar {sidecar} does not belong to checkpoint {path}")
-            checkpoint[SECRET_KEY] = secret
+        attach_secret(checkpoint, path)
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from dpl.errors import ConfigError
 from dpl.gradients import GradientSum
@@ -85,13 +85,24 @@ def check_strategy(trainer: L.Trainer) -> None:
         return
     from lightning.pytorch.strategies import DDPStrategy
 
+    from dpl.fsdp import DPFSDPStrategy
+
     strategy = trainer.strategy
     name = type(strategy).__name__
+    if isinstance(strategy, DPFSDPStrategy):
+        return
     if "FSDP" in name or "ModelParallel" in name:
-        raise ConfigError(f"strategy {name} (sharded parameters) is not supported yet: per-example clipping of "
-                          "sharded parameters is designed in docs/scaling.md but not implemented; use strategy ddp")
+        raise ConfigError(f"strategy {name} (sharded parameters) is not supported: for FSDP use dpl's "
+                          "dpl.fsdp.DPFSDPStrategy (configs/strategies/fsdp.yaml)")
     if not isinstance(strategy, DDPStrategy) or "DeepSpeed" in name or "XLA" in name:
         raise ConfigError(f"strategy {name} is not supported by dpl; use strategy ddp (configs/strategies/ddp.yaml)")
+
+
+def shards_parameters(trainer: L.Trainer) -> bool:
+    """Whether the trainer shards the parameters over its ranks (dpl's FSDP strategy)."""
+    from dpl.fsdp import DPFSDPStrategy
+
+    return trainer.world_size > 1 and isinstance(getattr(trainer, "strategy", None), DPFSDPStrategy)
 
 
 def keep_dpl_batch_sampler(trainer: L.Trainer) -> None:
@@ -114,6 +125,10 @@ def keep_dpl_batch_sampler(trainer: L.Trainer) -> None:
 
 
 # --- sampling -----------------------------------------------------------------------------------------------
+#: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
+PADDING_KEY = "dpl_padding"
+
+
 class ShardedBatchSampler(Sampler[list[int]]):
     """This rank's share of the global logical batches drawn by ``inner`` (any batch sampler yielding index
     lists over the whole training set): the indices ``i`` with ``i % world_size == rank``.
@@ -121,14 +136,24 @@ class ShardedBatchSampler(Sampler[list[int]]):
     Every rank holds the same generator state, so ``inner`` yields the same global batch on every rank; the
     shards are disjoint and their union is the global batch. A rank's share may be empty (it then contributes a
     zero sum and still joins the all-reduce). Every rank yields ``len(inner)`` batches.
+
+    With ``pad_to = num_examples`` (FSDP, whose forward and backward are collectives: every rank must run as many
+    micro-batches as the others) every shard is padded to the largest shard of that global batch with *fillers*,
+    yielded as ``num_examples + i`` for a member ``i`` of the global batch (:class:`PaddedDataset` maps them back
+    and flags them); a filler's gradient is weighted zero, so the clipped sum is that of the shard alone.
     """
 
-    def __init__(self, inner: Sampler, rank: int, world_size: int) -> None:
+    def __init__(self, inner: Sampler, rank: int, world_size: int, pad_to: int | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.inner = inner
         self.rank = rank
         self.world_size = world_size
+        self.pad_to = pad_to
+
+    @property
+    def pads(self) -> bool:
+        return self.pad_to is not None
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -136,13 +161,73 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         rank, world = self.rank, self.world_size
         for batch in self.inner:
-            yield [int(i) for i in batch if int(i) % world == rank]
+            batch = [int(i) for i in batch]
+            mine = [i for i in batch if i % world == rank]
+            if self.pad_to is not None and batch:
+                largest = max(sum(1 for i in batch if i % world == r) for r in range(world))
+                fillers = mine or batch  # a filler repeats an example of the batch (weighted zero)
+                mine = mine + [self.pad_to + fillers[k % len(fillers)] for k in range(largest - len(mine))]
+            yield mine
 
 
-def shard_batch_sampler(sampler: Sampler) -> Sampler:
-    """``sampler`` itself in one process; its :class:`ShardedBatchSampler` for this rank under DDP."""
+class PaddedDataset(Dataset):
+    """``dataset`` indexed as by :class:`ShardedBatchSampler` with ``pad_to = len(dataset)``: index ``i`` is example
+    ``i``, index ``len(dataset) + i`` is example ``i`` as a filler. Items are ``(example, is_filler)``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.size = len(dataset)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[Any, bool]:
+        if index >= self.size:
+            return self.dataset[index - self.size], True
+        return self.dataset[index], False
+
+
+class PaddedCollate:
+    """Collates ``(example, is_filler)`` items with ``collate`` and adds the flags under :data:`PADDING_KEY`."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[tuple[Any, bool]]) -> dict[str, Any]:
+        batch = self.collate([example for example, _ in items])
+        batch[PADDING_KEY] = torch.tensor([flag for _, flag in items], dtype=torch.bool)
+        return batch
+
+
+def shard_batch_sampler(sampler: Sampler, num_examples: int | None = None, pad: bool = False) -> Sampler:
+    """``sampler`` itself in one process; its :class:`ShardedBatchSampler` for this rank under DDP (``pad``: FSDP,
+    every shard padded to the largest with fillers)."""
     rank, world = rank_and_world()
-    return sampler if world == 1 else ShardedBatchSampler(sampler, rank, world)
+    if world == 1:
+        return sampler
+    return ShardedBatchSampler(sampler, rank, world, pad_to=num_examples if pad else None)
+
+
+class BalancedShardBatchSampler(Sampler[list[int]]):
+    """Evaluation under FSDP: this rank's indices ``i % world_size == rank`` in order, cut into the same number of
+    batches on every rank (FSDP's forward is a collective), each of at most ``batch_size`` examples."""
+
+    def __init__(self, num_examples: int, rank: int, world_size: int, batch_size: int) -> None:
+        self.indices = list(range(rank, num_examples, world_size))
+        largest = len(range(0, num_examples, world_size))
+        self.num_batches = -(-largest // batch_size)
+        if len(self.indices) < self.num_batches:
+            raise ConfigError("FSDP evaluation: every rank must run the same number of batches; set "
+                              "data.eval_batch_size >= 2")
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n, k = len(self.indices), self.num_batches
+        bounds = [n * j // k for j in range(k + 1)]
+        for j in range(k):
+            yield self.indices[bounds[j]:bounds[j + 1]]
 
 
 class ShardSampler(Sampler[int]):
@@ -263,8 +348,12 @@ def sync_run_state(module: Any) -> None:
 def _fingerprints(module: Any) -> tuple[Tensor, Tensor]:
     """float64 fingerprints of the trainable parameters (per parameter: sum, sum of squares, size) and of the
     generator states, comparable across ranks."""
+    from dpl.fsdp import is_sharded
+
     params = []
     for param in module.trainable.values():
+        if is_sharded(param):  # FSDP: each shard exists on one rank only, there is no replica to compare
+            continue
         p = param.detach().double()
         params += [p.sum(), p.square().sum(), torch.tensor(float(p.numel()), dtype=torch.float64, device=p.device)]
     gens = [torch.zeros((), dtype=torch.float64)]
@@ -272,7 +361,8 @@ def _fingerprints(module: Any) -> tuple[Tensor, Tensor]:
         if isinstance(gen, torch.Generator):
             state = gen.get_state().double()
             gens.append((state * torch.arange(1, state.numel() + 1, dtype=torch.float64)).sum())
-    return torch.stack([v.cpu() for v in params]), torch.stack(gens)
+    params = torch.stack([v.cpu() for v in params]) if params else torch.zeros(0, dtype=torch.float64)
+    return params, torch.stack(gens)
 
 
 def state_fingerprint(module: Any) -> Tensor:
@@ -291,6 +381,8 @@ def check_replicas_agree(module: Any, drift: float = 1e-5) -> None:
     if not is_distributed():
         return
     import torch.distributed as dist
+
+    from dpl.fsdp import is_sharded
 
     params, gens = _fingerprints(module)
     mine = torch.cat([params, gens]).to(_comm_device())
@@ -317,6 +409,8 @@ def check_replicas_agree(module: Any, drift: float = 1e-5) -> None:
     if resync:  # every rank reached the same decision (same gathered values)
         with torch.no_grad():
             for param in module.trainable.values():
+                if is_sharded(param):
+                    continue
                 buffer = param.data.to(_comm_device(param.data))
                 dist.broadcast(buffer, src=0)
                 if buffer is not param.data:

@@ -37,11 +37,16 @@ from dpl.errors import ConfigError
 @dataclass
 class _Record:
     module: nn.Module
-    kind: str  # "linear" | "embedding" | "generic"
-    params: dict[str, nn.Parameter]  # local name -> parameter (trainable only)
-    full_names: dict[str, str]  # local name -> name in the model
+    kind: str  # "linear" | "embedding" | "layer_norm" | "generic"
+    full_names: dict[str, str]  # local name -> name in the model (trainable parameters only)
     inputs: list[Tensor] = field(default_factory=list)
     outputs: list[Tensor] = field(default_factory=list)
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        """Local name -> the module's current parameter object (read on use: FSDP replaces parameters with
+        sharded ones after the clipper is built; shapes are the full ones either way)."""
+        return {local: getattr(self.module, local) for local in self.full_names}
 
 
 def _kind(module: nn.Module) -> str:
@@ -87,7 +92,7 @@ class PerExampleClipper:
                                       "parameters is not supported")
                 owners[id(p)] = full
             full_names = {n: names[id(p)] for n, p in params.items()}
-            self.records.append(_Record(module, _kind(module), params, full_names))
+            self.records.append(_Record(module, _kind(module), full_names))
         self._batch_size = 0
         self._recording = False
         self._handles = []
@@ -95,6 +100,12 @@ class PerExampleClipper:
             self._handles.append(rec.module.register_forward_pre_hook(self._make_pre_hook(rec)))
             self._handles.append(rec.module.register_forward_hook(self._make_hook(rec)))
         self.parameter_names: list[str] = [n for rec in self.records for n in rec.full_names.values()]
+
+    def parameter_free_refusals(self) -> list[str]:
+        """Modules whose per-example gradients need the parameter values (``torch.func`` path): they cannot run on
+        sharded parameters (FSDP). Linear, Embedding and LayerNorm need only activations."""
+        return [f"{type(rec.module).__name__} ({next(iter(rec.full_names.values()))})" for rec in self.records
+                if rec.kind == "generic"]
 
     def remove(self) -> None:
         """Remove the hooks from the model."""
@@ -148,8 +159,10 @@ class PerExampleClipper:
                 for rec in self.records for local, p in rec.params.items()
                 for full in [rec.full_names[local]]}
 
-    def clipped_sum(self, losses: Tensor, max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
-        """Clip each example's gradient of ``losses[i]`` to ``max_norm`` and sum over the batch."""
+    def clipped_sum(self, losses: Tensor, max_norm: float,
+                    exclude: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
+        """Clip each example's gradient of ``losses[i]`` to ``max_norm`` and sum over the batch; examples flagged
+        in ``exclude`` (bool per example: FSDP's fillers) contribute exactly zero."""
         if losses.dim() != 1 or losses.shape[0] != self._batch_size:
             raise ValueError(f"expected per-example losses of shape ({self._batch_size},), got {tuple(losses.shape)}")
         active = [rec for rec in self.records if rec.outputs]
@@ -173,6 +186,8 @@ class PerExampleClipper:
         # An example whose gradient is not finite (NaN/inf input, overflow) contributes exactly zero: otherwise
         # one record would turn the whole release into NaN (0 * inf = NaN), an event of unbounded privacy loss.
         finite = torch.isfinite(norms)
+        if exclude is not None:
+            finite = finite & ~exclude.to(device=finite.device, dtype=torch.bool)
         keep = None if bool(finite.all()) else finite
         if keep is not None:
             factors = torch.where(keep, factors, torch.zeros_like(factors))

@@ -33,6 +33,7 @@ class RunSetup:
     world_size: int = 1
     optimizer_factory: Any = None  # the configured optimizer callable (plugins may refuse some optimizers)
     secure_noise: bool = False  # noise from the OS CSPRNG (dpl.noise.SecureNormal): it cannot be replayed
+    sharded: bool = False  # parameters sharded over the ranks (FSDP, dpl.fsdp): hooks see full-size tensors
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dpl.errors import ConfigError
+from dpl.fsdp import as_gradient_of
 
 
 class StreamingDirection(Mapping):
@@ -127,5 +128,5 @@ def apply_direction(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
         return
     optimizer.zero_grad(set_to_none=True)
     for name, param in trainable.items():
-        param.grad = direction[name].to(param.dtype)
+        param.grad = as_gradient_of(param, direction[name])  # FSDP: this rank's slice of the direction
     optimizer.step()

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from dpl.distributed import PADDING_KEY
 from dpl.errors import ConfigError
 from dpl.gradients import GradientSum
 from dpl.hookspecs import hookimpl
@@ -29,19 +30,30 @@ class ClipPlugin:
     @hookimpl(trylast=True)
     def validate_setup(self, setup: RunSetup) -> None:
         if "estimate_gradient" in setup.replaced_hooks:
+            if setup.sharded:
+                raise ConfigError("FSDP: only dpl's default estimate_gradient aligns the ranks' forward passes and "
+                                  "weighs FSDP's filler examples zero; a plugin replacing it needs strategy ddp")
             return  # another estimator replaces this one
         clipper = self._clipper_for(setup.model)
         missing = set(setup.trainable) - set(clipper.parameter_names)
         if missing:
             raise ConfigError(f"no per-example gradient for trainable parameters {sorted(missing)[:3]}")
+        if setup.sharded:
+            generic = clipper.parameter_free_refusals()
+            if generic:
+                raise ConfigError(f"FSDP: per-example gradients of {generic[0]} need its parameter values, which FSDP "
+                                  "shards (only Linear, Embedding and LayerNorm work from activations alone); freeze "
+                                  "its parameters (finetuning.freeze) or use strategy ddp")
 
     @hookimpl(trylast=True)
     def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]) -> GradientSum:
         clipper = self._clipper_for(ctx.model)
+        batch = dict(batch)
+        fillers = batch.pop(PADDING_KEY, None)  # FSDP: zero-weight examples that align the ranks' passes
         size = batch_size_of(batch)
         if size == 0:
             return GradientSum(clipper.zero_sums(), 0)
         with clipper.record(size):
             losses = ctx.per_example_loss(batch)
-        sums, _norms = clipper.clipped_sum(losses, ctx.max_grad_norm)
-        return GradientSum(sums, size)
+        sums, _norms = clipper.clipped_sum(losses, ctx.max_grad_norm, exclude=fillers)
+        return GradientSum(sums, size - (int(fillers.sum()) if fillers is not None else 0))

@@ -3,7 +3,6 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 
 from __future__ import annotations
 
-import torch
 
 from dpl.gradients import GradientSum, PrivateGradient
 from dpl.hookspecs import hookimpl

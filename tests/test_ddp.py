@@ -4,7 +4,7 @@ Two CPU processes (gloo, Lightning's ``ddp_fork``: the forked ranks share this p
 costs about a second) against one process on the same data, seed and global batch: the same parameters (to
 float tolerance) for the default mechanism and each installed plugin, the same global batches, the same epsilon,
 the single-process noise std, no DDP gradient hook firing, identical ranks without a seed, secure noise,
-checkpoint/resume under DDP; FSDP is GPU-only (skipped here).
+checkpoint/resume under DDP. FSDP: tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -90,6 +90,13 @@ class VectorModule(DPModule):
         self.log("val_loss", self.per_example_loss(batch).mean(), sync_dist=True, batch_size=len(batch["idx"]))
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value (FSDP: gathered from the shards; a collective every rank runs)."""
+    from dpl.fsdp import is_sharded
+
+    return param.full_tensor() if is_sharded(param) else param
+
+
 class Recorder(L.Callback):
     """Writes what each rank saw and ended with to ``<out>/rank<r>.pt``."""
 
@@ -106,7 +113,7 @@ class Recorder(L.Callback):
         self.accumulated += 1
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.batches.append(batch["idx"].tolist())
+        self.batches.append(batch["idx"].tolist() if "idx" in batch else batch["labels"].tolist())
 
     def on_train_end(self, trainer, pl_module):
         from dpl.distributed import state_fingerprint
@@ -114,12 +121,12 @@ class Recorder(L.Callback):
         self.out.mkdir(parents=True, exist_ok=True)
         wrapped = trainer.strategy.model
         torch.save({
-            "params": {n: p.detach().clone() for n, p in pl_module.model.named_parameters()},
+            "params": {n: _full(p).detach().clone() for n, p in pl_module.model.named_parameters()},
             "epsilon": pl_module.epsilon_after(pl_module.steps_done), "steps": pl_module.steps_done,
             "sigma": pl_module.noise_multiplier, "rate": pl_module.mechanism.state_dict().get("sample_rate"),
             "batches": self.batches, "accumulated": self.accumulated, "world": trainer.world_size,
             "ddp": type(wrapped).__name__,
-            "fingerprint": state_fingerprint(pl_module), "val_seen": pl_module.val_seen,
+            "fingerprint": state_fingerprint(pl_module), "val_seen": getattr(pl_module, "val_seen", None),
             "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics
             else None, "noise": repr(pl_module._noise_generator),
         }, self.out / f"rank{trainer.global_rank}.pt")
@@ -312,15 +319,3 @@ def test_unsupported_strategy_is_refused():
     with pytest.raises(ConfigError, match="sharded parameters"):
         check_strategy(SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
     check_strategy(SimpleNamespace(world_size=1, strategy=FSDPStrategy()))  # one process: nothing to refuse
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="FSDP needs >= 2 CUDA GPUs (none here)")
-def test_fsdp_gpu_refused_until_implemented(tmp_path):  # pragma: no cover - GPU only
-    """FSDP is designed (docs/scaling.md) but not implemented: dpl must refuse it at setup, not train wrongly."""
-    module = VectorModule(privacy=PrivacyConfig(noise_multiplier=0.5, batch_size=16, seed=1))
-    trainer = L.Trainer(max_epochs=1, limit_train_batches=2, accelerator="gpu", devices=2, strategy="fsdp",
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        default_root_dir=str(tmp_path), use_distributed_sampler=False)
-    with pytest.raises(ConfigError, match="sharded parameters"):
-        module.prepare_privacy(160, trainer)

@@ -186,8 +186,7 @@ def _class_of(args: list[str], merged: dict, group: str) -> str:
 
 def _gpu_only(merged: dict) -> str | None:
     trainer = merged.get("trainer") or {}
-    strategy = str(trainer.get("strategy", "")).lower()
-    if str(trainer.get("accelerator", "")).lower() in ("gpu", "cuda") or "fsdp" in strategy:
+    if str(trainer.get("accelerator", "")).lower() in ("gpu", "cuda"):
         return f"needs a GPU (accelerator={trainer.get('accelerator')}, strategy={trainer.get('strategy')})"
     return None
 

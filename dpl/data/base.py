@@ -54,6 +54,11 @@ class DPDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         module = self.trainer.lightning_module
         batch_sampler = module.make_batch_sampler(len(self.train_set))
+        if getattr(batch_sampler, "pads", False):  # FSDP: shards padded with zero-weight fillers
+            from dpl.distributed import PaddedCollate, PaddedDataset
+
+            return DataLoader(PaddedDataset(self.train_set), batch_sampler=batch_sampler,
+                              collate_fn=PaddedCollate(self.collate), num_workers=self.num_workers)
         return DataLoader(self.train_set, batch_sampler=batch_sampler, collate_fn=self.collate,
                           num_workers=self.num_workers)
 
@@ -62,6 +67,14 @@ class DPDataModule(L.LightningDataModule):
             raise ValueError(f"{type(self).__name__} has no such split configured")
         sampler = None
         trainer = self.trainer
+        from dpl.distributed import shards_parameters
+
+        if trainer is not None and len(dataset) >= trainer.world_size and shards_parameters(trainer):
+            from dpl.distributed import BalancedShardBatchSampler  # FSDP: the same number of batches on every rank
+
+            batches = BalancedShardBatchSampler(len(dataset), trainer.global_rank, trainer.world_size,
+                                                self.eval_batch_size)
+            return DataLoader(dataset, batch_sampler=batches, collate_fn=self.collate, num_workers=self.num_workers)
         if trainer is not None and getattr(trainer, "world_size", 1) > 1 and len(dataset) >= trainer.world_size:
             from dpl.distributed import ShardSampler  # DDP: each rank evaluates its shard (no padding duplicates)
 

@@ -22,6 +22,7 @@ from torch.utils.data import Sampler
 from dpl import checkpoint as ckpt_io
 from dpl import distributed
 from dpl.errors import ConfigError, PrivacyWarning
+from dpl.fsdp import full_parameters
 from dpl.mechanism import Mechanism
 from dpl.noise import NoiseSource, SecureNormal
 from dpl.plugin_manager import active_plugin_names, create_plugin_manager, replaced_hooks
@@ -108,6 +109,13 @@ class DPModule(L.LightningModule):
             install_sidecar_io(self.trainer)
             self.prepare_privacy(self.trainer.datamodule.num_train_examples, self.trainer)
 
+    def configure_model(self) -> None:
+        """Build the model; under dpl's FSDP strategy (:class:`~dpl.fsdp.DPFSDPStrategy`) also shard it."""
+        self.ensure_model(self.trainer.datamodule)
+        shard = getattr(self.trainer.strategy, "shard_module", None)
+        if shard is not None:
+            shard(self.model)
+
     @staticmethod
     def planned_total_steps(trainer: L.Trainer, steps_per_epoch: int) -> int:
         """The number of steps the trainer will really run: the smallest of ``max_steps`` and ``max_epochs``
@@ -185,7 +193,8 @@ class DPModule(L.LightningModule):
                          sampling_rate=cfg.batch_size / num_examples, accountant=cfg.accountant,
                          optimizer_name=getattr(self.optimizer_factory, "__name__", type(self.optimizer_factory).__name__),
                          task=self.task, replaced_hooks=replaced, seed=cfg.seed, world_size=trainer.world_size,
-                         optimizer_factory=self.optimizer_factory, secure_noise=cfg.secure_noise)
+                         optimizer_factory=self.optimizer_factory, secure_noise=cfg.secure_noise,
+                         sharded=distributed.shards_parameters(trainer))
         hook.validate_setup(setup=setup)
         self.mechanism = hook.configure_mechanism(setup=setup)
         if self.mechanism is None:
@@ -228,9 +237,10 @@ class DPModule(L.LightningModule):
     def make_batch_sampler(self, num_examples: int) -> Sampler:
         """The training batch sampler (called by :class:`~dpl.data.DPDataModule`)."""
         self.prepare_privacy(num_examples)
-        return distributed.shard_batch_sampler(  # DDP: this rank's share of the global batch
+        return distributed.shard_batch_sampler(  # DDP: this rank's share of the global batch (FSDP: padded)
             self.mechanism.batch_sampler(num_examples, self.steps_per_epoch, self._sampler_generator,
-                                         start_step=self.steps_done))
+                                         start_step=self.steps_done),
+            num_examples, pad=distributed.shards_parameters(self.trainer))
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(list(self.trainable.values()))
@@ -261,7 +271,7 @@ class DPModule(L.LightningModule):
         optimizer = getattr(wrapped, "optimizer", wrapped)
         trainable = self.trainable
         public_seed = int(torch.randint(0, 2 ** 62, (1,), generator=self._public_generator))
-        ctx = StepContext(model=self.model, trainable=trainable, per_example_loss=self.per_example_loss,
+        ctx = StepContext(model=self.model, trainable=full_parameters(trainable), per_example_loss=self.per_example_loss,
                           max_grad_norm=self.privacy.max_grad_norm, noise_multiplier=self.noise_multiplier,
                           expected_batch_size=self.privacy.batch_size, step=self.steps_done,
                           noise_generator=self._noise_generator, log=self._log_metric, public_seed=public_seed,

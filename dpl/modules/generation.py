@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
+from dpl import distributed
 from dpl.distributed import gather_objects
 from dpl.errors import ConfigError
 from dpl.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
@@ -171,7 +172,8 @@ class DPGenerationModule(DPModule):
         output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                      max_new_tokens=options.max_new_tokens, num_beams=options.num_beams,
                                      do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                                     eos_token_id=tokenizer.eos_token_id)
+                                     eos_token_id=tokenizer.eos_token_id,
+                                     synced_gpus=distributed.shards_parameters(self.trainer) if self._trainer else False)
         new_tokens = output[:, input_ids.shape[1]:]
         return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 

@@ -86,6 +86,10 @@ class DPZeroPlugin:
         for name in setup.plugin_names:
             if name in NEEDS_GRADIENT_MATRIX:
                 raise ConfigError(f"dpzero cannot be combined with {name!r}: {NEEDS_GRADIENT_MATRIX[name]}")
+        if setup.sharded:
+            raise ConfigError("dpzero perturbs every parameter in place by a direction drawn per full tensor; "
+                              "sharded parameters (FSDP) are not supported: use strategy ddp (dpzero keeps no "
+                              "gradient or optimizer state to shard)")
         if "privatize" in setup.replaced_hooks:
             raise ConfigError("dpzero releases one scalar per step and is accounted as the default Gaussian "
                               "mechanism; a plugin replacing privatize is not supported with it")

@@ -1,0 +1,184 @@
+"""Sharded parameters (FSDP) with the privacy guarantee of one process.
+
+:class:`DPFSDPStrategy` is Lightning's ``ModelParallelStrategy`` (PyTorch's FSDP2, ``fully_shard``: every parameter
+a ``DTensor`` sharded on its first dimension over the ranks) set up for dpl:
+
+* **Sharding**: ``DPModule.configure_model`` calls :meth:`DPFSDPStrategy.shard_module`, which applies
+  ``fully_shard`` to every block of every ``nn.ModuleList`` (the transformer layers) and then to the whole model.
+  A parameter's full value exists only while its block runs forward or backward.
+* **Clipping**: dpl's engine (:mod:`dpl.per_example`) needs no parameter: it records each layer's input and output
+  gradient through the sharded model (FSDP gathers a block's parameters for its forward and backward) and forms
+  each example's norm and the clipped sum from them. Every rank computes the full-size clipped sum of its own
+  examples, and the sums are all-reduced before ``privatize`` - exactly as under DDP (:mod:`dpl.distributed`).
+* **Noise, plugins**: every rank holds the same noise generator and the same all-reduced sum, so ``privatize``,
+  ``post_process`` and ``precondition`` run on full-size tensors, identically on every rank, with no plugin
+  knowing about shards (denoise sees whole matrices, ftrl whole buffers). Plugins that read parameter *values*
+  get them through :class:`FullParameters` (gathered on first access, in the same order on every rank).
+* **Update**: each rank keeps its own slice of the released direction as the gradient of its parameter shard
+  (:func:`as_gradient_of`) and the optimizer steps on the shards: parameters and optimizer state stay sharded.
+* **Checkpoints**: a single full checkpoint gathered on rank 0 (``save_distributed_checkpoint=False``), written by
+  dpl's :class:`~dpl.checkpoint.SidecarCheckpointIO`: the public ``.ckpt`` plus the owner-only ``.secret`` sidecar.
+
+What this does not save: the gradient (clipped sum and release) is full size on every rank, as under DDP; only
+parameters and optimizer state are sharded (see docs/scaling.md for the memory per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor, nn
+
+from dpl import checkpoint as ckpt_io
+from dpl.errors import ConfigError
+
+try:
+    from torch.distributed.constants import default_pg_timeout
+except ImportError:  # pragma: no cover
+    default_pg_timeout = timedelta(minutes=30)
+
+
+def _dtensor_type():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_sharded(param: Tensor) -> bool:
+    """Whether ``param`` is a sharded (``DTensor``) parameter."""
+    return isinstance(param, _dtensor_type())
+
+
+class DPFSDPStrategy(ModelParallelStrategy):
+    """FSDP (``fully_shard``) over all ranks for dpl's private training (``configs/strategies/fsdp.yaml``).
+
+    Args:
+        start_method: ``popen`` (Lightning re-launches the command for every rank, as ``strategy: ddp``), or
+            ``fork`` / ``spawn`` (processes started from this one, e.g. in notebooks and tests).
+        reshard_after_forward: free each block's gathered parameters after its forward (FSDP's default; less
+            memory, one more all-gather in backward).
+        process_group_backend: ``nccl`` (GPUs) / ``gloo`` (CPU); default: by device.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "dpl_fsdp"
+
+    def __init__(self, start_method: Literal["popen", "fork", "spawn"] = "popen", reshard_after_forward: bool = True,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        if start_method not in ("popen", "fork", "spawn"):
+            raise ValueError(f"start_method must be popen, fork or spawn, got {start_method!r}")
+        self.start_method = start_method
+        self.reshard_after_forward = reshard_after_forward
+
+    def _configure_launcher(self) -> None:
+        if self.start_method == "popen":
+            super()._configure_launcher()
+            return
+        self._launcher = _launcher(self, self.start_method)
+
+    def setup_environment(self) -> None:
+        # one data-parallel dimension over every rank of every node (no tensor parallelism)
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def shard_module(self, model: nn.Module) -> None:
+        """``fully_shard`` every block of every ``nn.ModuleList`` (the transformer layers), then ``model``."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(model, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for module in list(model.modules()):
+            if isinstance(module, nn.ModuleList):
+                for block in module:
+                    if any(p.numel() for p in block.parameters()):
+                        fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            raise ConfigError(f"checkpoint {path} does not exist (dpl's FSDP writes single-file checkpoints)")
+        checkpoint = super().load_checkpoint(path, weights_only=False)
+        ckpt_io.attach_secret(checkpoint, path)  # every rank reads the owner-only sidecar, as under DDP
+        return checkpoint
+
+
+def _launcher(strategy: DPFSDPStrategy, start_method: str) -> Any:
+    """Lightning's fork/spawn launcher, handing the *full* trained weights back to the main process (the stock one
+    pickles the sharded ``DTensor`` state, which the main process cannot load)."""
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+    class FullWeightsLauncher(_MultiProcessingLauncher):
+        def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+            module = trainer.lightning_module
+            full = self._strategy.lightning_module_state_dict()  # a collective: gathered on rank 0
+            module.state_dict = lambda *args, **kwargs: full
+            try:
+                return super()._collect_rank_zero_results(trainer, results)
+            finally:
+                del module.state_dict
+
+    return FullWeightsLauncher(strategy, start_method=start_method)
+
+
+def as_gradient_of(param: Tensor, full: Tensor) -> Tensor:
+    """``full`` (a full-size tensor, identical on every rank) as the gradient of ``param``: itself for a plain
+    parameter; this rank's slice, as a ``DTensor`` with ``param``'s placements, for a sharded one."""
+    if not is_sharded(param):
+        return full.to(param.dtype)
+    DTensor = _dtensor_type()
+    mesh = param.device_mesh
+    local = param.to_local()
+    piece = full
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            chunks = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
+            index = coordinate[mesh_dim]
+            piece = chunks[index] if index < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    if tuple(piece.shape) != tuple(local.shape):
+        raise RuntimeError(f"dpl: cannot slice a {tuple(full.shape)} gradient into this rank's shard "
+                           f"{tuple(local.shape)} (placements {param.placements})")
+    piece = piece.to(device=local.device, dtype=local.dtype).contiguous()
+    return DTensor.from_local(piece, mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
+class FullParameters(Mapping):
+    """The trainable parameters as plugins see them: full values. A sharded parameter is gathered on first access
+    (a collective: every rank must read the same keys in the same order, which holds in the hooks after
+    ``privatize``, where every rank processes the same release) and cached for the step."""
+
+    def __init__(self, params: Mapping[str, Tensor]) -> None:
+        self._params = dict(params)
+        self._full: dict[str, Tensor] = {}
+
+    def __getitem__(self, name: str) -> Tensor:
+        param = self._params[name]
+        if not is_sharded(param):
+            return param
+        if name not in self._full:
+            self._full[name] = param.detach().full_tensor()
+        return self._full[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._params
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+def full_parameters(trainable: dict[str, Tensor]) -> Mapping[str, Tensor]:
+    """``trainable`` itself, or its :class:`FullParameters` view when a parameter is sharded."""
+    return FullParameters(trainable) if any(is_sharded(p) for p in trainable.values()) else trainable

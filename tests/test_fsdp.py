@@ -1,0 +1,348 @@
+"""Issue 12: FSDP (sharded parameters, ``dpl.fsdp.DPFSDPStrategy``) with the privacy guarantee of one process.
+
+Two CPU processes (gloo, FSDP2 ``fully_shard``, forked) against one process on the same data, seed and global
+batch: the same parameters (to float tolerance) for the default mechanism and each plugin that supports sharding,
+on a block model and on a tiny BERT (embeddings, LayerNorm, padded sequences); parameters really are sharded;
+filler examples change nothing; checkpoint/resume; the CLI with ``configs/strategies/fsdp.yaml``; refusals.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import SaveAndStopAt, save_tiny_bert, write_sentiment_tsv
+from test_ddp import OPTIONAL_PLUGINS, IndexedData, Recorder, assert_same_params
+from torch import nn
+
+from dpl.checkpoint import secret_path
+from dpl.distributed import PADDING_KEY, BalancedShardBatchSampler, ShardedBatchSampler
+from dpl.errors import ConfigError
+from dpl.fsdp import DPFSDPStrategy, as_gradient_of
+from dpl.modules.base import DPModule
+from dpl.plugin_manager import installed_plugins
+from dpl.privacy import PrivacyConfig
+from dpl.sampling import PoissonBatchSampler
+from dpl.step import RunSetup
+
+DIM = 6
+pytestmark = pytest.mark.filterwarnings("ignore::dpl.errors.PrivacyWarning")
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class BlockNet(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class BlockModule(DPModule):
+    """Input layer, a ModuleList of blocks (each its own FSDP unit), a head."""
+
+    task = "classification"
+
+    def __init__(self, width: int = 10, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.width = width
+        self.kinds: list[str] = []
+        self.val_seen: list[int] = []
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return BlockNet(self.width)
+
+    def per_example_loss(self, batch):  # through the root's forward: FSDP gathers the root unit's parameters there
+        return F.cross_entropy(self.model(batch["x"]), batch["labels"], reduction="none")
+
+    def on_train_start(self) -> None:
+        self.kinds = sorted({type(p).__name__ for p in self.model.parameters()})
+
+    def validation_step(self, batch, batch_idx):
+        self.val_seen += batch["idx"].tolist()
+        self.log("val_loss", self.per_example_loss(batch).mean(), sync_dist=True, batch_size=len(batch["idx"]))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_port(monkeypatch):
+    for var in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def fit(module: DPModule, data: L.LightningDataModule, out: Path, devices: int, steps: int, ckpt_path=None,
+        callbacks=(), validate: bool = False, accelerator: str = "cpu") -> list[dict]:
+    strategy = DPFSDPStrategy(start_method="fork" if accelerator == "cpu" else "spawn") if devices > 1 else "auto"
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, accelerator=accelerator, devices=devices,
+                        strategy=strategy, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=None if validate else 0, default_root_dir=str(out),
+                        callbacks=[Recorder(out / "ranks"), *callbacks])
+    threads = torch.get_num_threads()
+    if devices > 1:
+        torch.set_num_threads(1)  # fork with one intra-op thread (see tests/test_ddp.py)
+    try:
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
+    return [torch.load(out / "ranks" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def run_blocks(out: Path, devices: int, steps: int = 4, plugins=None, optimizer=None, sigma: float = 0.5,
+               **kwargs) -> list[dict]:
+    settings = dict(noise_multiplier=sigma, batch_size=16, physical_batch_size=3, seed=7, max_grad_norm=1.0)
+    module = BlockModule(privacy=PrivacyConfig(**settings), plugins=plugins,
+                         optimizer=optimizer or functools.partial(torch.optim.AdamW, lr=0.05))
+    return fit(module, IndexedData(160), out, devices, steps, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# samplers and slicing (no processes)
+
+
+def test_fsdp_shards_are_padded_with_zero_weight_fillers():
+    n = 50
+    global_batches = list(PoissonBatchSampler(n, 0.2, 8, torch.Generator().manual_seed(3)))
+    shards = [list(ShardedBatchSampler(PoissonBatchSampler(n, 0.2, 8, torch.Generator().manual_seed(3)), r, 3,
+                                       pad_to=n)) for r in range(3)]
+    for step, batch in enumerate(global_batches):
+        parts = [shard[step] for shard in shards]
+        assert len({len(p) for p in parts}) == 1  # every rank runs as many examples (hence micro-batches)
+        real = [[i for i in p if i < n] for p in parts]
+        assert sorted(i for p in real for i in p) == sorted(batch)  # the real ones: exactly the global batch
+        assert all(i - n in batch for p in parts for i in p if i >= n)  # fillers repeat members of the batch
+
+
+def test_balanced_eval_batches():
+    for n, world, size in [(21, 2, 8), (10, 3, 2), (7, 2, 3)]:
+        samplers = [BalancedShardBatchSampler(n, r, world, size) for r in range(world)]
+        assert len({len(list(s)) for s in samplers}) == 1
+        seen = [i for s in samplers for b in s for i in b]
+        assert sorted(seen) == list(range(n)) and all(len(b) <= size for s in samplers for b in s)
+    with pytest.raises(ConfigError, match="eval_batch_size"):
+        BalancedShardBatchSampler(3, 1, 2, 1)
+
+
+def test_fillers_contribute_exactly_zero():
+    from plugins.clip import ClipPlugin
+
+    model = nn.Sequential(nn.Linear(DIM, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(5, DIM), torch.tensor([0, 1, 1, 0, 1])
+
+    def loss(batch):
+        return F.cross_entropy(model(batch["x"]), batch["labels"], reduction="none")
+
+    ctx = SimpleNamespace(model=model, per_example_loss=loss, max_grad_norm=0.5)
+    clip = ClipPlugin()
+    alone = clip.estimate_gradient(ctx=ctx, batch={"x": x[:3], "labels": y[:3]})
+    padded = clip.estimate_gradient(ctx=ctx, batch={"x": x, "labels": y,
+                                                    PADDING_KEY: torch.tensor([False] * 3 + [True] * 2)})
+    assert padded.count == 3 and alone.count == 3
+    for name in alone.values:
+        torch.testing.assert_close(padded.values[name], alone.values[name], rtol=0, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2 processes == 1 process
+
+FSDP_PLUGINS = {k: v for k, v in OPTIONAL_PLUGINS.items() if k != "dpzero"}
+
+
+@pytest.mark.parametrize("case", ["default", *FSDP_PLUGINS])
+def test_two_sharded_processes_equal_one(tmp_path, case):
+    plugins = None
+    optimizer = None
+    if case != "default":
+        if case not in installed_plugins():
+            pytest.skip(f"plugin {case} is not installed (dpl plugins)")
+        plugins = FSDP_PLUGINS[case]
+        if case == "adambc":  # adambc runs under plain SGD; its weight decay reads the (sharded) parameters
+            plugins = {"adambc": {"gamma": 1e-3, "weight_decay": 0.1}}
+            optimizer = functools.partial(torch.optim.SGD, lr=0.05)
+    one = run_blocks(tmp_path / "one", 1, plugins=plugins, optimizer=optimizer)[0]
+    two = run_blocks(tmp_path / "two", 2, plugins=plugins, optimizer=optimizer)
+    for step, batch in enumerate(one["batches"]):
+        real = [{i for i in r["batches"][step] if i < 160} for r in two]
+        assert not real[0] & real[1] and sorted(real[0] | real[1]) == sorted(batch)
+        assert len(two[0]["batches"][step]) == len(two[1]["batches"][step])  # padded to the same size
+    for rank in two:
+        assert rank["world"] == 2
+        assert rank["epsilon"] == one["epsilon"] and rank["sigma"] == one["sigma"]
+        assert_same_params(rank["params"], one["params"], atol=1e-5 if case == "adambc" else 1e-6)
+    start = BlockModule().build_model().state_dict()
+    assert max((one["params"][n] - start[n]).abs().max().item() for n in start) > 1e-3  # it trained
+    assert torch.equal(two[0]["fingerprint"], two[1]["fingerprint"])  # same generator states
+
+
+def test_parameters_are_sharded_and_validation_synchronized(tmp_path):
+    class Kinds(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            torch.save(pl_module.kinds, tmp_path / f"kinds{trainer.global_rank}.pt")
+
+    one = run_blocks(tmp_path / "one", 1, steps=2, validate=True)[0]
+    two = run_blocks(tmp_path / "two", 2, steps=2, validate=True, callbacks=[Kinds()])
+    assert torch.load(tmp_path / "kinds0.pt") == ["DTensor"]
+    assert two[0]["val_loss"] == two[1]["val_loss"]
+    assert abs(two[0]["val_loss"] - one["val_loss"]) < 0.05
+
+
+def test_tiny_bert_two_sharded_processes_equal_one(tmp_path):
+    """Embeddings, LayerNorm, attention over right-padded sequences, a ModuleList of BERT layers (FSDP units)."""
+    from dpl.data.classification import ClassificationDataModule
+    from dpl.modules.classification import DPClassificationModule
+
+    folder = save_tiny_bert(tmp_path / "bert")
+    data_dir = tmp_path / "data"
+    write_sentiment_tsv(data_dir / "train.tsv", rows=96)
+    write_sentiment_tsv(data_dir / "validation.tsv", rows=20, seed=1)
+
+    def run(out, devices):
+        module = DPClassificationModule(model=folder, privacy=PrivacyConfig(
+            noise_multiplier=0.7, batch_size=24, physical_batch_size=5, seed=3, max_grad_norm=0.5),
+            optimizer=functools.partial(torch.optim.AdamW, lr=0.01))
+        data = ClassificationDataModule(tokenizer=folder, data_dir=str(data_dir), max_length=16, eval_batch_size=4)
+        return fit(module, data, out, devices, steps=3)
+
+    one = run(tmp_path / "one", 1)[0]
+    two = run(tmp_path / "two", 2)
+    for rank in two:
+        assert_same_params(rank["params"], one["params"], atol=2e-6)
+    assert any(len(b) for b in one["batches"])
+
+
+def test_checkpoint_resume_under_fsdp(tmp_path):
+    straight = run_blocks(tmp_path / "straight", 2, steps=6)
+    ckpt = tmp_path / "half.ckpt"
+    run_blocks(tmp_path / "first", 2, steps=6, callbacks=[SaveAndStopAt(3, ckpt)])
+    assert ckpt.is_file() and stat.S_IMODE(secret_path(ckpt).stat().st_mode) == 0o600
+    saved = torch.load(ckpt, weights_only=False)
+    assert "dpl_secret" not in saved
+    assert all(type(v) is torch.Tensor for v in saved["state_dict"].values())  # full weights, not shards
+    resumed = run_blocks(tmp_path / "resumed", 2, steps=6, ckpt_path=str(ckpt))
+    for rank in (0, 1):
+        assert resumed[rank]["steps"] == 6
+        assert_same_params(resumed[rank]["params"], straight[0]["params"])
+
+
+def test_cli_with_the_fsdp_fragment(tmp_path):
+    """``dpl fit --config configs/strategies/fsdp.yaml``: Lightning re-launches the command for rank 1."""
+    root = Path(__file__).resolve().parents[1]
+    ckpt_dir = tmp_path / "ckpt"
+    args = ["fit", "--config", str(root / "configs" / "strategies" / "fsdp.yaml"),
+            "--model", "test_fsdp.BlockModule", "--model.privacy.noise_multiplier", "0.5",
+            "--model.privacy.batch_size", "16", "--data", "test_ddp.IndexedData", "--trainer.max_epochs", "1",
+            "--trainer.limit_train_batches", "3", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.save_last", "true"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], env=env, capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("trained 3 private steps") == 1
+    assert "Starting with 2 processes" in result.stderr + result.stdout
+    last = ckpt_dir / "last.ckpt"
+    assert last.is_file() and stat.S_IMODE(secret_path(last).stat().st_mode) == 0o600
+    assert torch.load(last, weights_only=False)["dpl"]["steps_done"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# refusals
+
+
+def _sharded_setup(model: nn.Module, **kwargs) -> RunSetup:
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    base = dict(model=model, trainable=trainable, plugin_names=[], num_examples=100, expected_batch_size=10,
+                steps=5, sampling_rate=0.1, accountant="prv", optimizer_name="SGD", task="classification",
+                world_size=2, sharded=True)
+    base.update(kwargs)
+    return RunSetup(**base)
+
+
+def test_refusals_under_fsdp():
+    from plugins.clip import ClipPlugin
+
+    class Scale(nn.Module):  # a module whose per-example gradient needs its parameter's value
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.weight
+
+    with pytest.raises(ConfigError, match="FSDP.*Scale"):
+        ClipPlugin().validate_setup(setup=_sharded_setup(nn.Sequential(nn.Linear(3, 4), Scale())))
+    ClipPlugin().validate_setup(setup=_sharded_setup(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))))
+    with pytest.raises(ConfigError, match="estimate_gradient"):
+        ClipPlugin().validate_setup(setup=_sharded_setup(nn.Linear(3, 4), replaced_hooks=frozenset(
+            {"estimate_gradient"})))
+    if "dpzero" in installed_plugins():
+        from plugins.dpzero import DPZeroPlugin
+
+        with pytest.raises(ConfigError, match="sharded"):
+            DPZeroPlugin().validate_setup(setup=_sharded_setup(nn.Linear(3, 4)))
+
+    from dpl.distributed import check_strategy
+
+    class FSDPStrategy:  # Lightning's FSDP1 strategy (which needs CUDA to construct) and plain ModelParallel
+        pass
+
+    with pytest.raises(ConfigError, match="DPFSDPStrategy"):
+        check_strategy(SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
+
+
+def test_as_gradient_of_plain_parameter():
+    param = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    grad = as_gradient_of(param, torch.ones(3))
+    assert grad.dtype == torch.float64 and torch.equal(grad, torch.ones(3, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPUs (skipped on CPU-only machines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="FSDP over GPUs needs >= 2 CUDA GPUs (none here)")
+def test_two_gpus_sharded_equal_one_gpu(tmp_path):  # pragma: no cover - GPU only
+    """NCCL: 2 GPUs with sharded parameters = 1 GPU (the same CUDA noise generator state on both ranks)."""
+    one = run_blocks(tmp_path / "one", 1, accelerator="gpu")[0]
+    two = run_blocks(tmp_path / "two", 2, accelerator="gpu")
+    for rank in two:
+        assert_same_params(rank["params"], one["params"], atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_one_gpu_equals_two_sharded_cpu_processes(tmp_path):  # pragma: no cover - GPU only
+    """Same batches, clipping and update on 1 GPU and on 2 FSDP CPU processes. sigma = 0: CUDA and CPU generators
+    draw different noise, so only the noiseless path can be compared across devices."""
+    gpu = run_blocks(tmp_path / "gpu", 1, sigma=0.0, accelerator="gpu")[0]
+    cpu = run_blocks(tmp_path / "cpu", 2, sigma=0.0)
+    for step, batch in enumerate(gpu["batches"]):
+        real = {i for r in cpu for i in r["batches"][step] if i < 160}
+        assert sorted(real) == sorted(batch)
+    for rank in cpu:
+        assert_same_params({k: v.cpu() for k, v in gpu["params"].items()}, rank["params"], atol=1e-4)
