@@ -109,3 +109,31 @@ def test_module_builds_a_mean_pooled_model(tmp_path, caplog):
 def test_unknown_pooling_refused():
     with pytest.raises(ConfigError, match="pooling"):
         DPClassificationModule(pooling="max")
+
+
+def test_trailing_padding_columns_are_dropped_without_changing_logits(tmp_path):
+    from dpl.modules.classification import trim_trailing_padding
+
+    batch = random_batch(batch_size=4, length=7, vocab=20)
+    wide = {k: torch.cat([v, torch.zeros(4, 5, dtype=v.dtype)], dim=1) if v.dim() == 2 else v
+            for k, v in batch.items()}  # the padding of a longer example elsewhere in the logical batch
+    trimmed = trim_trailing_padding({k: wide[k] for k in ("input_ids", "attention_mask")})
+    longest = int(batch["attention_mask"].sum(1).max())
+    assert trimmed["input_ids"].shape == (4, longest) and trimmed["attention_mask"].shape == (4, longest)
+    assert trim_trailing_padding({"input_ids": batch["input_ids"]})["input_ids"] is batch["input_ids"]
+    for pooling in ("model", "mean"):
+        module = DPClassificationModule(model=save_tiny_bert(tmp_path / pooling), num_labels=2, pooling=pooling)
+        module.ensure_model().eval()
+        torch.testing.assert_close(module(wide), module(batch), rtol=1e-5, atol=1e-6)
+
+
+def test_quickstart_collate_orders_longest_first():
+    from dpl.data.quickstart import QuickstartDataModule
+
+    class Stub(QuickstartDataModule):
+        _padding_side, _pad_values = "right", {"input_ids": 0, "attention_mask": 0}
+
+    examples = [{"input_ids": [1] * n, "attention_mask": [1] * n, "labels": n} for n in (3, 9, 5, 1)]
+    batch = Stub().collate(examples)
+    assert batch["attention_mask"].sum(1).tolist() == [9, 5, 3, 1]
+    assert batch["labels"].tolist() == [9, 5, 3, 1]  # labels follow their examples

@@ -77,6 +77,22 @@ def freeze_parameters(model: nn.Module, patterns: list[str]) -> None:
             p.requires_grad_(False)
 
 
+def trim_trailing_padding(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop the trailing positions that are padding in every example (``attention_mask`` 0 in the whole column).
+
+    A physical micro-batch cut from a logical batch carries the padding of the logical batch's longest example;
+    the real tokens' positions, and so the outputs, do not change (right padding only: leading columns stay)."""
+    mask = inputs.get("attention_mask")
+    if mask is None or mask.dim() != 2 or mask.shape[1] == 0:
+        return inputs
+    used = mask.bool().any(dim=0)
+    if bool(used[-1]):
+        return inputs
+    length = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
+    return {k: v[:, :length] if torch.is_tensor(v) and v.dim() == 2 and v.shape == mask.shape else v
+            for k, v in inputs.items()}
+
+
 class MeanPoolClassifier(nn.Module):
     """``encoder`` -> mean of the last hidden states over the real tokens (``attention_mask``) -> dropout ->
     a new linear head. The encoder is any transformers base model returning ``last_hidden_state``."""
@@ -241,7 +257,7 @@ class DPClassificationModule(DPModule):
         self.val_confusion.reset()
 
     def forward(self, batch: dict[str, Any]) -> Tensor:
-        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        inputs = trim_trailing_padding({k: batch[k] for k in MODEL_INPUTS if k in batch})
         return self.model(**inputs).logits
 
     def per_example_loss(self, batch: dict[str, Any]) -> Tensor:
