@@ -102,7 +102,7 @@ def shards_parameters(trainer: L.Trainer) -> bool:
     """Whether the trainer shards the parameters over its ranks (dpl's FSDP strategy)."""
     from dpl.fsdp import DPFSDPStrategy
 
-    return trainer.world_size > 1 and isinstance(getattr(trainer, "strategy", None), DPFSDPStrategy)
+    return isinstance(getattr(trainer, "strategy", None), DPFSDPStrategy)
 
 
 def keep_dpl_batch_sampler(trainer: L.Trainer) -> None:

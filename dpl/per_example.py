@@ -11,6 +11,8 @@ dpl then forms once, already weighted by each example's clipping factor:
 * ``nn.Embedding``: ghost norm through token-identity masks; clipped sum by ``index_add``. ``padding_idx``
   rows get no gradient, as in PyTorch.
 * ``nn.LayerNorm``: per-example gradients in closed form (sum over positions of g * x_hat, and of g).
+* RMSNorm (``nn.RMSNorm``, Llama's ``LlamaRMSNorm`` and other ``*RMSNorm`` classes with one ``weight``): closed form
+  (sum over positions of g * x / rms(x)), used only after a numerical check against the exact path at setup.
 * anything else (RMSNorm, ...): exact per-example gradients of that module's own parameters with
   ``torch.func`` (vmap of a vjp through ``functional_call``), given the recorded input and output gradient.
   The module's forward must take a single tensor.
@@ -58,7 +60,44 @@ def _kind(module: nn.Module) -> str:
         return "embedding"
     if type(module) is nn.LayerNorm:
         return "layer_norm"
+    if _rms_norm_closed_form_holds(module):
+        return "rms_norm"
     return "generic"
+
+
+def _rms_eps(module: nn.Module, dtype: torch.dtype) -> float:
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return float(torch.finfo(dtype).eps)  # nn.RMSNorm with eps=None
+
+
+def _rms_normed(module: nn.Module, x: Tensor) -> Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _rms_eps(module, x.dtype))
+
+
+def _rms_norm_closed_form_holds(module: nn.Module) -> bool:
+    """Whether ``module`` is an RMSNorm (``nn.RMSNorm``, or a class named ``*RMSNorm`` such as Llama's) whose only
+    trainable parameter is a last-dimension ``weight`` with per-example gradient sum_t g * x / rms(x). Checked
+    numerically against the exact ``torch.func`` gradient on a random input, so a variant that differs (another
+    formula, other parameters) falls back to the exact path instead of getting a wrong norm."""
+    if not (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")):
+        return False
+    trainable = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    weight = trainable.get("weight")
+    if set(trainable) != {"weight"} or weight.dim() != 1 or not weight.is_floating_point():
+        return False
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(2, 3, weight.numel(), generator=gen, device=weight.device, dtype=weight.dtype)
+    g = torch.randn(2, 3, weight.numel(), generator=gen, device=weight.device, dtype=weight.dtype)
+    try:
+        exact = _generic_per_example(module, {"weight": weight.detach()}, [x], [g])["weight"]
+    except Exception:  # noqa: BLE001 - a forward that does not fit the check: use the exact path
+        return False
+    closed = (g.float() * _rms_normed(module, x)).sum(1)
+    return bool(torch.allclose(closed, exact, rtol=1e-4, atol=1e-5))
 
 
 class PerExampleClipper:
@@ -103,7 +142,7 @@ class PerExampleClipper:
 
     def parameter_free_refusals(self) -> list[str]:
         """Modules whose per-example gradients need the parameter values (``torch.func`` path): they cannot run on
-        sharded parameters (FSDP). Linear, Embedding and LayerNorm need only activations."""
+        sharded parameters (FSDP). Linear, Embedding, LayerNorm and RMSNorm need only activations."""
         return [f"{type(rec.module).__name__} ({next(iter(rec.full_names.values()))})" for rec in self.records
                 if rec.kind == "generic"]
 
@@ -333,9 +372,19 @@ def _per_example_prepared(per_example: dict[str, Tensor]) -> _Prepared:
     return _Prepared(sq, weighted_sum)
 
 
-def _prepare_generic(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
-    module = rec.module
-    params = {n: p.detach() for n, p in rec.params.items()}
+def _prepare_rms_norm(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
+    """RMSNorm weight: per example, sum over positions of g * x / rms(x) (no parameter value needed)."""
+    per_example = None
+    for x, g in zip(rec.inputs, grads):
+        t = g.float() * _rms_normed(rec.module, x)
+        t = t.reshape(t.shape[0], -1, t.shape[-1]).sum(1)
+        per_example = t if per_example is None else per_example + t
+    return _per_example_prepared({"weight": per_example})
+
+
+def _generic_per_example(module: nn.Module, params: dict[str, Tensor], inputs: list[Tensor],
+                         grads: list[Tensor]) -> dict[str, Tensor]:
+    """Exact per-example gradients of ``module``'s ``params`` (vmap of a vjp), summed over its recorded calls."""
 
     def one_example(x: Tensor, g: Tensor) -> dict[str, Tensor]:
         def f(p):
@@ -344,13 +393,18 @@ def _prepare_generic(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tenso
         return pullback(g)[0]
 
     per_example: dict[str, Tensor] = {}
-    for x, g in zip(rec.inputs, grads):
+    for x, g in zip(inputs, grads):
         result = vmap(one_example)(x, g.to(x.dtype) if x.is_floating_point() else g)
         for name, t in result.items():
             t = t.float()
             per_example[name] = per_example[name] + t if name in per_example else t
-    return _per_example_prepared(per_example)
+    return per_example
+
+
+def _prepare_generic(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
+    params = {n: p.detach() for n, p in rec.params.items()}
+    return _per_example_prepared(_generic_per_example(rec.module, params, rec.inputs, grads))
 
 
 _PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding, "layer_norm": _prepare_layer_norm,
-            "generic": _prepare_generic}
+            "rms_norm": _prepare_rms_norm, "generic": _prepare_generic}

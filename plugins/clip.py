@@ -42,7 +42,7 @@ class ClipPlugin:
             generic = clipper.parameter_free_refusals()
             if generic:
                 raise ConfigError(f"FSDP: per-example gradients of {generic[0]} need its parameter values, which FSDP "
-                                  "shards (only Linear, Embedding and LayerNorm work from activations alone); freeze "
+                                  "shards (Linear, Embedding, LayerNorm and RMSNorm work from activations alone); freeze "
                                   "its parameters (finetuning.freeze) or use strategy ddp")
 
     @hookimpl(trylast=True)

@@ -234,6 +234,54 @@ def test_tiny_bert_two_sharded_processes_equal_one(tmp_path):
     assert any(len(b) for b in one["batches"])
 
 
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, 50, (n, 6), generator=gen)
+        self.labels = torch.randint(0, 2, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class TokenData(IndexedData):
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set, self.val_set = Tokens(self.n), Tokens(8)
+
+    def collate(self, examples):
+        return {k: torch.stack([e[k] for e in examples]) for k in ("input_ids", "labels")}
+
+
+class TinyLlamaModule(DPModule):
+    task = "classification"
+
+    def build_model(self) -> nn.Module:
+        from helpers import tiny_llama
+
+        return tiny_llama()
+
+    def per_example_loss(self, batch):
+        return F.cross_entropy(self.model(input_ids=batch["input_ids"]).logits, batch["labels"], reduction="none")
+
+
+def test_tiny_llama_full_finetuning_sharded_equals_one(tmp_path):
+    """RMSNorm weights train under FSDP through their closed form (no parameter value needed)."""
+    def run(out, devices):
+        module = TinyLlamaModule(privacy=PrivacyConfig(noise_multiplier=0.6, batch_size=16, physical_batch_size=4,
+                                                       seed=5, max_grad_norm=0.5),
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=0.01))
+        return fit(module, TokenData(96), out, devices, steps=3)
+
+    one = run(tmp_path / "one", 1)[0]
+    two = run(tmp_path / "two", 2)
+    assert any("norm" in n for n in one["params"])
+    for rank in two:
+        assert_same_params(rank["params"], one["params"], atol=2e-6)
+
+
 def test_checkpoint_resume_under_fsdp(tmp_path):
     straight = run_blocks(tmp_path / "straight", 2, steps=6)
     ckpt = tmp_path / "half.ckpt"

@@ -121,3 +121,25 @@ def test_frozen_parameters_ignored():
     clipper = PerExampleClipper(model)
     assert not any("embeddings" in n for n in clipper.parameter_names)
     assert "classifier.weight" in clipper.parameter_names
+
+
+def test_rms_norm_closed_form_only_where_it_holds():
+    """Llama's RMSNorm gets the closed form (checked numerically at setup); a look-alike with another formula falls
+    back to the exact path, and both give the loop's clipped sum (test_matches_loop covers llama-full)."""
+    model = tiny_llama()
+    kinds = {type(rec.module).__name__: rec.kind for rec in PerExampleClipper(model).records}
+    assert kinds["LlamaRMSNorm"] == "rms_norm"
+
+    class OddRMSNorm(nn.Module):  # named like an RMSNorm, but no normalization: the closed form would be wrong
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    odd = nn.Sequential(nn.Linear(3, 4), OddRMSNorm(), nn.Linear(4, 2))
+    clipper = PerExampleClipper(odd)
+    assert [rec.kind for rec in clipper.records] == ["linear", "generic", "linear"]
+    assert PerExampleClipper(nn.Sequential(nn.Linear(3, 4), nn.RMSNorm(4))).records[1].kind == "rms_norm"
