@@ -80,20 +80,21 @@ def _comm_device(like: Tensor | None = None) -> torch.device:
 
 # --- setup checks -------------------------------------------------------------------------------------------
 def check_strategy(trainer: L.Trainer) -> None:
-    """Refuse multi-process strategies dpl does not support (one-line ``ConfigError``); a no-op for one process."""
-    if trainer.world_size <= 1:
-        return
+    """Refuse strategies dpl does not support (one-line ``ConfigError``): other sharding strategies at any world size
+    (they wrap or re-register the parameters and write their own checkpoint files), non-DDP multi-process ones."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from dpl.fsdp import DPFSDPStrategy
 
-    strategy = trainer.strategy
+    strategy = getattr(trainer, "strategy", None)
     name = type(strategy).__name__
     if isinstance(strategy, DPFSDPStrategy):
         return
-    if "FSDP" in name or "ModelParallel" in name:
+    if "FSDP" in name or "ModelParallel" in name or "DeepSpeed" in name:
         raise ConfigError(f"strategy {name} (sharded parameters) is not supported: for FSDP use dpl's "
                           "dpl.fsdp.DPFSDPStrategy (configs/strategies/fsdp.yaml)")
+    if trainer.world_size <= 1:
+        return
     if not isinstance(strategy, DDPStrategy) or "DeepSpeed" in name or "XLA" in name:
         raise ConfigError(f"strategy {name} is not supported by dpl; use strategy ddp (configs/strategies/ddp.yaml)")
 

@@ -182,3 +182,15 @@ class FullParameters(Mapping):
 def full_parameters(trainable: dict[str, Tensor]) -> Mapping[str, Tensor]:
     """``trainable`` itself, or its :class:`FullParameters` view when a parameter is sharded."""
     return FullParameters(trainable) if any(is_sharded(p) for p in trainable.values()) else trainable
+
+
+def _register() -> None:
+    """Make ``--trainer.strategy dpl_fsdp`` name :class:`DPFSDPStrategy` (Lightning's strategy registry)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if DPFSDPStrategy.strategy_name not in StrategyRegistry:
+        StrategyRegistry.register(DPFSDPStrategy.strategy_name, DPFSDPStrategy,
+                                  description="dpl: FSDP2 (fully_shard) with the privacy guarantee of one process")
+
+
+_register()

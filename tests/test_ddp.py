@@ -318,4 +318,6 @@ def test_unsupported_strategy_is_refused():
 
     with pytest.raises(ConfigError, match="sharded parameters"):
         check_strategy(SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
-    check_strategy(SimpleNamespace(world_size=1, strategy=FSDPStrategy()))  # one process: nothing to refuse
+    with pytest.raises(ConfigError, match="DPFSDPStrategy"):  # FSDP1 wraps the parameters even in one process
+        check_strategy(SimpleNamespace(world_size=1, strategy=FSDPStrategy()))
+    check_strategy(SimpleNamespace(world_size=1, strategy=object()))  # any single-process strategy is fine

@@ -394,3 +394,8 @@ def test_one_gpu_equals_two_sharded_cpu_processes(tmp_path):  # pragma: no cover
         assert sorted(real) == sorted(batch)
     for rank in cpu:
         assert_same_params({k: v.cpu() for k, v in gpu["params"].items()}, rank["params"], atol=1e-4)
+
+
+def test_strategy_name_is_registered():
+    trainer = L.Trainer(strategy="dpl_fsdp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, DPFSDPStrategy)

@@ -69,7 +69,7 @@ class DPDataModule(L.LightningDataModule):
         trainer = self.trainer
         from dpl.distributed import shards_parameters
 
-        if trainer is not None and len(dataset) >= trainer.world_size and shards_parameters(trainer):
+        if trainer is not None and shards_parameters(trainer) and len(dataset) >= trainer.world_size:
             from dpl.distributed import BalancedShardBatchSampler  # FSDP: the same number of batches on every rank
 
             batches = BalancedShardBatchSampler(len(dataset), trainer.global_rank, trainer.world_size,
