@@ -71,7 +71,13 @@ def _step(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
 
 
 def _batch_size(batch: Any) -> int | None:
+    """Examples in a training batch (FSDP's zero-weight fillers not counted)."""
     if isinstance(batch, dict):
+        from dpl.distributed import PADDING_KEY
+
+        fillers = batch.get(PADDING_KEY)
+        if fillers is not None:
+            return int((~fillers).sum())
         for value in batch.values():
             shape = getattr(value, "shape", None)
             if shape is not None and len(shape) > 0:

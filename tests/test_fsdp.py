@@ -399,3 +399,10 @@ def test_one_gpu_equals_two_sharded_cpu_processes(tmp_path):  # pragma: no cover
 def test_strategy_name_is_registered():
     trainer = L.Trainer(strategy="dpl_fsdp", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, DPFSDPStrategy)
+
+
+def test_progress_counts_real_examples_only():
+    from dpl.progress import _batch_size
+
+    batch = {"x": torch.zeros(5, 2), PADDING_KEY: torch.tensor([False, False, True, False, True])}
+    assert _batch_size(batch) == 3 and _batch_size({"x": torch.zeros(5, 2)}) == 5
