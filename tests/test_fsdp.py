@@ -9,10 +9,7 @@ filler examples change nothing; checkpoint/resume; the CLI with ``configs/strate
 from __future__ import annotations
 
 import functools
-import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import SaveAndStopAt, save_tiny_bert, write_sentiment_tsv
-from test_ddp import OPTIONAL_PLUGINS, IndexedData, Recorder, assert_same_params
+from test_ddp import OPTIONAL_PLUGINS, IndexedData, Recorder, assert_same_params, check_cli_run
 from torch import nn
 
 from dpl.checkpoint import secret_path
@@ -298,24 +295,7 @@ def test_checkpoint_resume_under_fsdp(tmp_path):
 
 def test_cli_with_the_fsdp_fragment(tmp_path):
     """``dpl fit --config configs/strategies/fsdp.yaml``: Lightning re-launches the command for rank 1."""
-    root = Path(__file__).resolve().parents[1]
-    ckpt_dir = tmp_path / "ckpt"
-    args = ["fit", "--config", str(root / "configs" / "strategies" / "fsdp.yaml"),
-            "--model", "test_fsdp.BlockModule", "--model.privacy.noise_multiplier", "0.5",
-            "--model.privacy.batch_size", "16", "--data", "test_ddp.IndexedData", "--trainer.max_epochs", "1",
-            "--trainer.limit_train_batches", "3", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
-            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
-            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-            "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.save_last", "true"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("trained 3 private steps") == 1
-    assert "Starting with 2 processes" in result.stderr + result.stdout
-    last = ckpt_dir / "last.ckpt"
-    assert last.is_file() and stat.S_IMODE(secret_path(last).stat().st_mode) == 0o600
-    assert torch.load(last, weights_only=False)["dpl"]["steps_done"] == 3
+    check_cli_run(tmp_path, "fsdp.yaml", "test_fsdp.BlockModule")
 
 
 # ---------------------------------------------------------------------------------------------------------
