@@ -55,7 +55,7 @@ def nonprivate_step(model, batch) -> Callable[[], None]:
     return step
 
 
-def dpl_step(model, batch, plugins: dict | None = None) -> Callable[[], None]:
+def dpl_step(model, batch, plugins: dict | None = None, noise_device: str = "cpu") -> Callable[[], None]:
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.SGD(list(trainable.values()), lr=1e-4)
     pm = create_plugin_manager(plugins)
@@ -67,7 +67,7 @@ def dpl_step(model, batch, plugins: dict | None = None) -> Callable[[], None]:
     size = batch["labels"].shape[0]
     ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
                       noise_multiplier=1.0, expected_batch_size=size, step=0,
-                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+                      noise_generator=torch.Generator(device=noise_device).manual_seed(0), log=lambda *a: None)
 
     def step():
         direction = private_step(pm.hook, ctx, batch, physical_batch_size=size)
