@@ -83,8 +83,8 @@ class DPLArgumentParser(LightningArgumentParser):
 
 class DPLightningCLI(LightningCLI):
     """LightningCLI that validates the privacy setup before the trainer writes anything, saves ``last.ckpt``,
-    shows plain progress lines and a one-line model summary when stdout is not a terminal, and removes a run directory it created when the
-    run fails before any checkpoint was written."""
+    shows plain progress lines and a one-line model summary when stdout is not a terminal, and removes a run
+    directory it created when the run fails before any checkpoint was written."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_class", DPLArgumentParser)

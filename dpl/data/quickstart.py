@@ -88,7 +88,8 @@ class QuickstartDataModule(ClassificationDataModule):
                             stats=stats)
             splits = {}
             for name, split in rows.items():
-                dataset = datasets.Dataset.from_dict({"sentence": [s for s, _ in split], "label": [y for _, y in split]})
+                columns = {"sentence": [s for s, _ in split], "label": [y for _, y in split]}
+                dataset = datasets.Dataset.from_dict(columns)
                 splits[name] = SplitData(name=name, path=Path(f"<quickstart {name}, generated, seed {self.seed}>"),
                                          dataset=dataset)
             self._label_map = self._check_labels(splits)
