@@ -14,6 +14,26 @@ def tiny_bert(num_labels: int = 2, seed: int = 0) -> BertForSequenceClassificati
     return BertForSequenceClassification(config).train()
 
 
+def reference_clipped_sum(per_example_loss, model, batch: dict, max_norm: float):
+    """The clipped sum and per-example norms by looping over the examples with ordinary autograd (the reference
+    dpl's engine is compared with)."""
+    import math
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    norms = []
+    for i in range(batch["labels"].shape[0]):
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        grads = torch.autograd.grad(per_example_loss(one).sum(), list(params.values()), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        norms.append(norm)
+        factor = 1.0 if math.isinf(max_norm) else min(1.0, max_norm / (float(norm) + 1e-6))
+        for name, g in zip(params, grads):
+            total[name] += factor * g
+    return total, torch.stack(norms)
+
+
 def tiny_llama(num_labels: int = 2, seed: int = 0) -> LlamaForSequenceClassification:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -55,6 +75,15 @@ def save_tiny_bert(folder, num_labels: int = 2) -> str:
     model.resize_token_embeddings(len(vocab))
     model.save_pretrained(folder)
     return str(folder)
+
+
+def tiny_classification_workspace(tmp, rows: int = 96, val_rows: int = 32):
+    """``tmp`` with a tiny BERT classifier under ``model/`` and sentiment TSVs under ``data/``; returns
+    ``(tmp, model folder)``."""
+    model = save_tiny_bert(tmp / "model")
+    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=rows)
+    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=val_rows, seed=1)
+    return tmp, model
 
 
 def write_sentiment_tsv(path, rows: int = 64, seed: int = 0) -> str:

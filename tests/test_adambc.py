@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_batch, save_tiny_bert, tiny_bert, write_sentiment_tsv
+from helpers import random_batch, tiny_bert, tiny_classification_workspace
 
 from dpl.cli import main
 from dpl.errors import ConfigError
@@ -235,11 +235,7 @@ def test_state_dict_round_trip_and_beta_mismatch():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("adambc")
-    model = save_tiny_bert(tmp / "model")
-    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=96)
-    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=32, seed=1)
-    return tmp, model
+    return tiny_classification_workspace(tmp_path_factory.mktemp("adambc"), rows=96, val_rows=32)
 
 
 def _fit(tiny, root, *extra):

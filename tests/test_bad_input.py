@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import save_tiny_bert, write_sentiment_tsv
+from helpers import tiny_classification_workspace
 
 from dpl.cli import main
 from dpl.errors import ConfigError
@@ -30,11 +30,7 @@ data:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bad")
-    model = save_tiny_bert(tmp / "model")
-    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=32)
-    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=8, seed=1)
-    return tmp, model
+    return tiny_classification_workspace(tmp_path_factory.mktemp("bad"), rows=32, val_rows=8)
 
 
 def _run(workspace, *overrides, files=None, capsys=None):

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import random_batch, save_tiny_bert, tiny_bert, write_sentiment_tsv
+from helpers import random_batch, tiny_bert, tiny_classification_workspace
 
 from dpl.errors import ConfigError, PrivacyViolation, PrivacyWarning
 from dpl.gradients import GradientSum, PrivateGradient
@@ -237,11 +237,7 @@ def test_wrapper_is_not_a_conflicting_privatize(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("denoise_e2e")
-    model = save_tiny_bert(tmp / "model")
-    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=96)
-    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=32, seed=1)
-    return tmp, model
+    return tiny_classification_workspace(tmp_path_factory.mktemp("denoise_e2e"), rows=96, val_rows=32)
 
 
 def _train(tiny_run, diagnostics):

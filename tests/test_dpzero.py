@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import random_batch, save_tiny_bert, save_tiny_llama_lm, tiny_bert, write_sentiment_tsv
+from helpers import random_batch, save_tiny_llama_lm, tiny_bert, tiny_classification_workspace
 from torch import nn
 
 from dpl.errors import ConfigError
@@ -454,11 +454,7 @@ def test_generation_module_with_lora(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dpzero_e2e")
-    model = save_tiny_bert(tmp / "model")
-    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=96)
-    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=32, seed=1)
-    return tmp, model
+    return tiny_classification_workspace(tmp_path_factory.mktemp("dpzero_e2e"), rows=96, val_rows=32)
 
 
 @pytest.mark.parametrize("fragment", ["dpzero.yaml", "mezo.yaml"])

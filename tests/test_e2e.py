@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import save_tiny_bert, write_sentiment_tsv
+from helpers import tiny_classification_workspace
 
 from dpl.cli import main
 from dpl.data import ClassificationDataModule
@@ -19,11 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
-    model = save_tiny_bert(tmp / "model")
-    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=96)
-    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=32, seed=1)
-    return tmp, model
+    return tiny_classification_workspace(tmp_path_factory.mktemp("e2e"), rows=96, val_rows=32)
 
 
 def test_fit_tiny_model_through_the_cli(tiny, capsys):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import random_batch, save_tiny_bert, tiny_bert
+from helpers import random_batch, reference_clipped_sum, save_tiny_bert, tiny_bert
 
 from dpl.errors import ConfigError
 from dpl.modules.classification import (DPClassificationModule, FinetuneOptions, LoraOptions, MeanPoolClassifier,
@@ -67,19 +67,9 @@ def test_clipped_sums_match_a_per_example_loop(lora, max_norm):
     sums, norms = clipper.clipped_sum(losses, max_norm)
     clipper.remove()
 
-    expected = {n: torch.zeros_like(p) for n, p in params.items()}
-    expected_norms = []
-    for i in range(5):
-        one = {k: v[i:i + 1] for k, v in batch.items()}
-        grads = torch.autograd.grad(_losses(model, one).sum(), list(params.values()), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        expected_norms.append(norm)
-        factor = 1.0 if math.isinf(max_norm) else min(1.0, max_norm / (float(norm) + 1e-6))
-        for name, g in zip(params, grads):
-            expected[name] += factor * g
+    expected, expected_norms = reference_clipped_sum(lambda b: _losses(model, b), model, batch, max_norm)
     assert set(sums) == set(expected)
-    torch.testing.assert_close(norms.double(), torch.stack(expected_norms), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-5, atol=1e-7)
     for name in expected:
         torch.testing.assert_close(sums[name].double(), expected[name], rtol=1e-4, atol=1e-6, msg=name)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import save_tiny_bert, write_sentiment_tsv
+from helpers import tiny_classification_workspace
 
 from dpl.cli import main
 from dpl.progress import PlainModelSummary, default_model_summary
@@ -13,11 +13,7 @@ TABLE_MARKS = ("┃", "┏", "│", "Total params", "Trainable params", "Skippin
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("summary")
-    model = save_tiny_bert(tmp / "model")
-    write_sentiment_tsv(tmp / "data" / "train.tsv", rows=32)
-    write_sentiment_tsv(tmp / "data" / "validation.tsv", rows=8, seed=1)
-    return tmp, model
+    return tiny_classification_workspace(tmp_path_factory.mktemp("summary"), rows=32, val_rows=8)
 
 
 def _fit(tiny, root, *extra):

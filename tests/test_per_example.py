@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import random_batch, tiny_bert, tiny_llama
+from helpers import random_batch, reference_clipped_sum, tiny_bert, tiny_llama
 from torch import nn
 
 from dpl.errors import ConfigError
@@ -22,20 +22,7 @@ def _loss_fn(model):
 
 def _reference(model, batch, max_norm):
     """Clipped sum by looping over examples with ordinary autograd."""
-    losses = _loss_fn(model)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
-    norms = []
-    for i in range(batch["labels"].shape[0]):
-        one = {k: v[i:i + 1] for k, v in batch.items()}
-        grads = torch.autograd.grad(losses(one).sum(), list(params.values()), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        norms.append(norm)
-        factor = 1.0 if math.isinf(max_norm) else min(1.0, max_norm / (float(norm) + 1e-6))
-        for name, g in zip(params, grads):
-            total[name] += factor * g
-    return total, torch.stack(norms)
+    return reference_clipped_sum(_loss_fn(model), model, batch, max_norm)
 
 
 def _lora(model):
