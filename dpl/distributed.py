@@ -195,9 +195,22 @@ class PaddedCollate:
         self.collate = collate
 
     def __call__(self, items: list[tuple[Any, bool]]) -> dict[str, Any]:
-        batch = self.collate([example for example, _ in items])
+        examples = [example for example, _ in items]
+        batch = self.collate(examples)
         batch[PADDING_KEY] = torch.tensor([flag for _, flag in items], dtype=torch.bool)
+        _check_order_kept(examples, batch)
         return batch
+
+
+def _check_order_kept(examples: list[Any], batch: dict[str, Any]) -> None:
+    """The filler flags are positional: refuse a collate that reorders examples (checked on the token counts)."""
+    mask = batch.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or not all(isinstance(e, dict) and "input_ids" in e
+                                                                 for e in examples):
+        return
+    if mask.sum(1).tolist() != [len(e["input_ids"]) for e in examples]:
+        raise RuntimeError("dpl: under FSDP a data module's collate must keep the examples' order (its filler "
+                           "flags are positional); this one reorders them")
 
 
 def shard_batch_sampler(sampler: Sampler, num_examples: int | None = None, pad: bool = False) -> Sampler:

@@ -261,7 +261,7 @@ def test_jsonl_groups_identical_prompts_and_maps_fields(tok, tmp_path):
 # ------------------------------------------------------------------------------------------------- collate
 
 
-def test_collate_training_sorts_longest_first_and_right_pads(tok, tmp_path):
+def test_collate_training_keeps_the_order_and_right_pads(tok, tmp_path):
     dm = build(E2EDataModule, tok, data_dir=str(e2e_dir(tmp_path)))
     examples = [{"input_ids": [5, 6], "labels": [-100, 6]},
                 {"input_ids": [7, 8, 9, 10], "labels": [-100, -100, 9, 10]},
@@ -269,11 +269,11 @@ def test_collate_training_sorts_longest_first_and_right_pads(tok, tmp_path):
     batch = dm.collate(examples)
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
     assert all(v.dtype == torch.long for v in batch.values())
-    assert batch["input_ids"].tolist() == [[7, 8, 9, 10], [11, 12, 13, PAD], [5, 6, PAD, PAD]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]
-    assert batch["labels"].tolist() == [[-100, -100, 9, 10], [-100, 12, 13, -100], [-100, 6, -100, -100]]
-    micro = list(split_batch(batch, 2))  # physical micro-batches keep the order: longest together
-    assert [m["input_ids"].shape[0] for m in micro] == [2, 1]
+    assert batch["input_ids"].tolist() == [[5, 6, PAD, PAD], [7, 8, 9, 10], [11, 12, 13, PAD]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, -100, -100], [-100, -100, 9, 10], [-100, 12, 13, -100]]
+    micro = list(split_batch(batch, 2))  # the step cuts it longest first: the two longest together
+    assert [m["attention_mask"].sum(1).tolist() for m in micro] == [[4, 3], [2]]
 
 
 def test_collate_empty_batch(tok, tmp_path):

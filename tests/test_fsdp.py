@@ -134,6 +134,21 @@ def test_fsdp_shards_are_padded_with_zero_weight_fillers():
         assert all(i - n in batch for p in parts for i in p if i >= n)  # fillers repeat members of the batch
 
 
+def test_filler_flags_refuse_a_reordering_collate():
+    from dpl.distributed import PaddedCollate
+
+    def reordering(examples):  # e.g. a collate that sorts longest first itself
+        examples = sorted(examples, key=lambda e: len(e["input_ids"]), reverse=True)
+        return {"attention_mask": torch.tensor([[1] * len(e["input_ids"]) + [0] * (3 - len(e["input_ids"]))
+                                                for e in examples])}
+
+    items = [({"input_ids": [1]}, False), ({"input_ids": [1, 2, 3]}, True)]
+    with pytest.raises(RuntimeError, match="keep the examples' order"):
+        PaddedCollate(reordering)(items)
+    in_order = PaddedCollate(lambda ex: reordering(ex[:1]) | {"attention_mask": torch.tensor([[1, 0, 0], [1, 1, 1]])})
+    assert in_order(items)[PADDING_KEY].tolist() == [False, True]
+
+
 def test_balanced_eval_batches():
     for n, world, size in [(21, 2, 8), (10, 3, 2), (7, 2, 3)]:
         samplers = [BalancedShardBatchSampler(n, r, world, size) for r in range(world)]

@@ -117,13 +117,19 @@ def test_trailing_padding_columns_are_dropped_without_changing_logits(tmp_path):
         torch.testing.assert_close(module(wide), module(batch), rtol=1e-5, atol=1e-6)
 
 
-def test_quickstart_collate_orders_longest_first():
-    from dpl.data.quickstart import QuickstartDataModule
+def test_step_orders_a_logical_batch_longest_first():
+    """dpl's step cuts a logical batch into micro-batches longest first (every per-example value permuted alike,
+    FSDP's filler flags included), so micro-batches of similar lengths carry little padding."""
+    from dpl.distributed import PADDING_KEY
+    from dpl.step import split_batch
 
-    class Stub(QuickstartDataModule):
-        _padding_side, _pad_values = "right", {"input_ids": 0, "attention_mask": 0}
-
-    examples = [{"input_ids": [1] * n, "attention_mask": [1] * n, "labels": n} for n in (3, 9, 5, 1)]
-    batch = Stub().collate(examples)
-    assert batch["attention_mask"].sum(1).tolist() == [9, 5, 3, 1]
-    assert batch["labels"].tolist() == [9, 5, 3, 1]  # labels follow their examples
+    lengths = [3, 9, 5, 1, 5]
+    mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
+    batch = {"input_ids": mask * 7, "attention_mask": mask, "labels": torch.tensor(lengths),
+             "names": [f"e{n}" for n in lengths], PADDING_KEY: torch.tensor([False, True, False, False, True])}
+    micro = list(split_batch(batch, 2))
+    assert [m["attention_mask"].sum(1).tolist() for m in micro] == [[9, 5], [5, 3], [1]]
+    assert [m["labels"].tolist() for m in micro] == [[9, 5], [5, 3], [1]]  # labels follow their examples
+    assert [m["names"] for m in micro] == [["e9", "e5"], ["e5", "e3"], ["e1"]]
+    assert [m[PADDING_KEY].tolist() for m in micro] == [[True, False], [True, False], [False]]  # stable: 5 then 5
+    assert list(split_batch(batch, 8))[0]["labels"].tolist() == lengths  # one micro-batch: order left as it is

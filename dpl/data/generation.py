@@ -417,7 +417,8 @@ class GenerationDataModule(DPDataModule):
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         """A batch of LongTensors.
 
-        Training examples (with ``labels``): sorted longest first, right-padded: ``input_ids`` (pad id),
+        Training examples (with ``labels``), in the given order (dpl's step orders a logical batch longest first
+        before cutting it into micro-batches), right-padded: ``input_ids`` (pad id),
         ``attention_mask`` (1/0) and ``labels`` (-100 on padding), each ``[b, longest]``. An empty list gives
         these three keys with shape ``[0, 0]``.
 
@@ -430,9 +431,8 @@ class GenerationDataModule(DPDataModule):
         pad = self.pad_token_id
         length = max(len(e["input_ids"]) for e in examples)
         if "labels" in examples[0]:
-            ordered = sorted(examples, key=lambda e: len(e["input_ids"]), reverse=True)  # stable
             ids, mask, labels = [], [], []
-            for e in ordered:
+            for e in examples:
                 n = len(e["input_ids"])
                 fill = length - n
                 ids.append([*e["input_ids"], *[pad] * fill])

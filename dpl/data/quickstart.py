@@ -20,7 +20,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from dpl.data.classification import ClassificationDataModule, SplitData
 from dpl.data.quickstart_gen import SEED
@@ -100,10 +99,3 @@ class QuickstartDataModule(ClassificationDataModule):
         return {"files": {k: str(s.path) for k, s in self._splits.items()},
                 "rows": {k: len(s.dataset) for k, s in self._splits.items()},
                 "labels": list(self.label_map)}
-
-    def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """As :meth:`ClassificationDataModule.collate`, the examples ordered longest first: the physical
-        micro-batches a logical batch is cut into then carry little padding (the model drops the columns that
-        are padding in a whole micro-batch). The order inside a logical batch changes no clipped sum."""
-        order = sorted(examples, key=lambda e: len(e["input_ids"]), reverse=True)
-        return super().collate(order)
