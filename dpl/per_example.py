@@ -140,7 +140,7 @@ class PerExampleClipper:
             self._handles.append(rec.module.register_forward_hook(self._make_hook(rec)))
         self.parameter_names: list[str] = [n for rec in self.records for n in rec.full_names.values()]
 
-    def parameter_free_refusals(self) -> list[str]:
+    def modules_needing_parameter_values(self) -> list[str]:
         """Modules whose per-example gradients need the parameter values (``torch.func`` path): they cannot run on
         sharded parameters (FSDP). Linear, Embedding, LayerNorm and RMSNorm need only activations."""
         return [f"{type(rec.module).__name__} ({next(iter(rec.full_names.values()))})" for rec in self.records
@@ -286,8 +286,8 @@ def _prepare_linear(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor
     g = _cat_steps(grads)
     batch, steps, d_in = a.shape
     d_out = g.shape[-1]
-    has_weight = "weight" in rec.params
-    has_bias = "bias" in rec.params
+    has_weight = "weight" in rec.full_names
+    has_bias = "bias" in rec.full_names
     sq = torch.zeros(batch, dtype=torch.float32, device=a.device)
     per_example_weight = None
     if has_weight:
@@ -352,10 +352,10 @@ def _prepare_layer_norm(rec: _Record, grads: list[Tensor], grams: dict[tuple, Te
         x, g = x.float(), g.float()
         batch_dims = tuple(range(1, x.dim() - len(module.normalized_shape)))
         parts = {}
-        if "weight" in rec.params:
+        if "weight" in rec.full_names:
             normed = torch.nn.functional.layer_norm(x, module.normalized_shape, eps=module.eps)
             parts["weight"] = (g * normed).sum(batch_dims) if batch_dims else g * normed
-        if "bias" in rec.params:
+        if "bias" in rec.full_names:
             parts["bias"] = g.sum(batch_dims) if batch_dims else g
         for name, t in parts.items():
             per_example[name] = per_example[name] + t if name in per_example else t

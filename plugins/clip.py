@@ -39,7 +39,7 @@ class ClipPlugin:
         if missing:
             raise ConfigError(f"no per-example gradient for trainable parameters {sorted(missing)[:3]}")
         if setup.sharded:
-            generic = clipper.parameter_free_refusals()
+            generic = clipper.modules_needing_parameter_values()
             if generic:
                 raise ConfigError(f"FSDP: per-example gradients of {generic[0]} need its parameter values, which FSDP "
                                   "shards (Linear, Embedding, LayerNorm and RMSNorm work from activations alone); freeze "
