@@ -204,6 +204,14 @@ class PerExampleClipper:
         in ``exclude`` (bool per example: FSDP's fillers) contribute exactly zero."""
         if losses.dim() != 1 or losses.shape[0] != self._batch_size:
             raise ValueError(f"expected per-example losses of shape ({self._batch_size},), got {tuple(losses.shape)}")
+        # Under mixed precision (bf16-mixed) autocast would run the norms' and sums' products in bfloat16, with
+        # separate roundings for the norm and for the summed gradient: an example could then add more than
+        # max_norm. Both are computed in float32 from the recorded activations and output gradients.
+        with torch.autocast(device_type=losses.device.type, enabled=False):
+            return self._clipped_sum(losses, max_norm, exclude)
+
+    def _clipped_sum(self, losses: Tensor, max_norm: float,
+                     exclude: Tensor | None) -> tuple[dict[str, Tensor], Tensor]:
         active = [rec for rec in self.records if rec.outputs]
         outputs = [out for rec in active for out in rec.outputs]
         grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []

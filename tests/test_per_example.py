@@ -62,6 +62,29 @@ def test_every_contribution_bounded():
         assert total <= max_norm * (1 + 1e-5)
 
 
+@pytest.mark.parametrize("build", [tiny_bert, lambda: _lora(tiny_bert())], ids=["bert-full", "bert-lora"])
+def test_every_contribution_bounded_under_bf16_autocast(build):
+    """bf16-mixed runs the step under autocast: the norms and the sums must still be float32 products of the same
+    recorded values, else an example's contribution exceeds max_norm by the bfloat16 rounding (~1e-3)."""
+    torch.manual_seed(0)
+    model = build()
+    batch = random_batch(batch_size=8)
+    clipper = PerExampleClipper(model)
+    max_norm = 0.1
+    excess = []
+    for i in range(8):
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with clipper.record(1):
+                losses = _loss_fn(model)(one).float()
+            sums, norms = clipper.clipped_sum(losses, max_norm)
+        assert all(t.dtype == torch.float32 for t in sums.values())
+        assert norms[0] > max_norm
+        total = torch.sqrt(sum(t.double().pow(2).sum() for t in sums.values()))
+        excess.append(float(total / max_norm - 1))
+    assert max(excess) <= 1e-5, excess
+
+
 def test_both_ghost_and_materialized_linear_paths():
     # Short sequences pick the ghost norm, long-and-thin layers materialise: both must agree with the loop.
     torch.manual_seed(0)
