@@ -42,3 +42,19 @@ def test_train_size_and_data_dir_are_exclusive(tmp_path):
 def test_without_train_size_the_shipped_files_are_read():
     dm = QuickstartDataModule()
     assert dm.validate_data()["rows"] == {"train": 2000, "validation": 400}
+
+
+def test_by_template_names_every_sentence_and_skips_excluded():
+    from dpl.data.quickstart_gen import NEG, POS, Generator, by_template
+
+    rows = by_template(seed=3, size=400)
+    assert rows == by_template(seed=3, size=400)
+    assert [label for _, label, _ in rows].count("positive") == 200
+    templates = {name for _, _, name in rows}
+    assert {"simple", "negated", "contrast"} <= templates
+    assert templates <= {name for name in dir(Generator) if callable(getattr(Generator, name))}
+    gen = Generator(3)  # the template really produced the sentence: same draws, same text
+    assert [gen.sentence(POS if i % 2 == 0 else NEG) for i in range(5)] == [text for text, _, _ in rows[:5]]
+    excluded = {rows[0][0], rows[1][0]}
+    again = by_template(seed=3, size=400, exclude=excluded)
+    assert not {text for text, _, _ in again} & excluded

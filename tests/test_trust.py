@@ -3,6 +3,7 @@ budget guard, layers that mix examples, planned steps, soft guards, precision, d
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import stat
@@ -374,6 +375,19 @@ def test_bf16_is_accepted():
     module = _vector_module()
     module.ensure_model()
     module.prepare_privacy(64, _fake_trainer(max_steps=4, precision="bf16-mixed"))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_emulated_bf16_on_cpu_is_reported(native, monkeypatch, caplog):
+    import dpl.modules.base as base
+
+    monkeypatch.setattr(base, "cpu_has_native_bf16", lambda: native)
+    module = _vector_module()
+    module.ensure_model()
+    cpu = SimpleNamespace(root_device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="dpl"):
+        module.prepare_privacy(64, _fake_trainer(max_steps=4, precision="bf16-mixed", strategy=cpu))
+    assert ("bfloat16 arithmetic" in caplog.text) is not native
 
 
 def test_large_delta_warns_and_default_delta_does_not():

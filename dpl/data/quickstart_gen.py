@@ -250,6 +250,10 @@ class Generator:
         return f"{first} {last}"
 
     def sentence(self, y: int) -> str:
+        return self.draw(y)[1]
+
+    def draw(self, y: int) -> tuple[str, str]:
+        """A sentence of (noise-free) label ``y`` and the name of the template it came from."""
         domain = DOMAINS[self.pick(list(DOMAINS))]
         templates: list[tuple[Callable[[dict, int], str], float]] = [
             (self.simple, self.simple_weight), (self.negated, 2.0), (self.contrast, 2.0), (self.although, 1.2),
@@ -257,14 +261,15 @@ class Generator:
             (self.comparison, 0.8), (self.nothing, 0.6), (self.exclamation, 2.0), (self.verdict, 2.0),
             (self.others, 1.0), (self.wanted, 0.8), (self.question, 0.5), (self.not_only, 0.7), (self.idiom, 0.8)]
         fns, weights = zip(*templates)
-        text = self.rng.choices(fns, weights=weights)[0](domain, y)
+        template = self.rng.choices(fns, weights=weights)[0]
+        text = template(domain, y)
         if self.rng.random() < 0.2:  # neutral filler before or after
             filler = self.pick(domain["fillers"])
             text = f"{filler} {_cap(text)}" if self.rng.random() < 0.5 else f"{_cap(text)} {filler}"
         text = _cap(" ".join(text.split()))
         if self.rng.random() < 0.08:
             text = text.lower()
-        return text
+        return template.__name__, text
 
 
 def _agree(subject: str, verb: str) -> str:
@@ -318,3 +323,21 @@ def generate(seed: int = SEED, train_size: int = TRAIN_SIZE, validation_size: in
         flipped = {i for y in (POS, NEG) for i in gen.rng.sample([i for i, r in enumerate(rows) if r[1] == y], flips)}
         splits[name] = [(text, LABELS[1 - y if i in flipped else y]) for i, (text, y) in enumerate(rows)]
     return splits
+
+
+def by_template(seed: int, size: int, exclude: set[str] | None = None) -> list[tuple[str, str, str]]:
+    """``size`` fresh (sentence, label, template name) rows, classes alternating, labels noise-free (no flips):
+    what a per-template evaluation needs. Sentences in ``exclude`` (compared in lower case, e.g. the training
+    sentences) and repeats are drawn again."""
+    gen = Generator(seed)
+    seen = {s.lower() for s in exclude or ()}
+    rows = []
+    for i in range(size):
+        y = POS if i % 2 == 0 else NEG
+        while True:
+            template, text = gen.draw(y)
+            if text.lower() not in seen:
+                seen.add(text.lower())
+                break
+        rows.append((text, LABELS[y], template))
+    return rows

@@ -34,6 +34,14 @@ from dpl.update import apply_direction
 log = logging.getLogger("dpl")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (AVX512-BF16, AMX, Arm BF16), per oneDNN."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class DPModule(L.LightningModule):
     """Base LightningModule for differentially private training.
 
@@ -159,6 +167,10 @@ class DPModule(L.LightningModule):
         if precision.startswith("16"):
             raise ConfigError(f"trainer.precision={precision} is not supported: float16 needs loss scaling, which "
                               "per-example clipping does not do; use bf16-mixed (or 32)")
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        if precision.startswith("bf16") and getattr(device, "type", None) == "cpu" and not cpu_has_native_bf16():
+            log.info("dpl: this CPU has no native bfloat16 arithmetic: trainer.precision=%s is emulated and slower "
+                     "than float32 here (--trainer.precision 32-true)", precision)
 
     def prepare_privacy(self, num_examples: int, trainer: L.Trainer | None = None) -> None:
         """Validate the setup with every plugin, pick the mechanism and calibrate sigma (idempotent)."""
