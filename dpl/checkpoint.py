@@ -12,6 +12,10 @@ recovering every clipped sum. dpl therefore keeps it out of the Lightning checkp
 * on load it reads ``<path>.secret`` if present, checks that it belongs to this checkpoint (a random
   ``secret_id`` written into both) and hands it back under :data:`SECRET_KEY`.
 
+The two files cannot be replaced in one atomic step, so the sidecar keeps, beside the new checkpoint's entry, the
+two before it (the checkpoint being replaced is among them). A run killed after the sidecar was written but before the new ``.ckpt``
+landed still resumes from the previous ``.ckpt`` with its own secrets.
+
 Share the ``.ckpt`` (or the exported weights) and never the ``.secret`` file. Without the sidecar a run
 resumes with fresh OS entropy (as private, not bit-exact), or is refused by a plugin that cannot continue.
 """
@@ -94,13 +98,31 @@ def attach_secret(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         raise ConfigError(f"{sidecar} is readable by others (mode {oct(mode & 0o777)}): it holds the "
                           f"run's noise secrets; chmod 600 it")
     try:
-        secret = torch.load(sidecar, map_location="cpu", weights_only=True)
+        stored = torch.load(sidecar, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ConfigError(f"secret sidecar {sidecar} is corrupt or truncated ({type(exc).__name__})") from None
     expected = (checkpoint.get("dpl") or {}).get("secret_id")
-    if not isinstance(secret, dict) or secret.get("secret_id") != expected:
+    match = [entry for entry in _entries(stored) if entry.get("secret_id") == expected]
+    if expected is None or not match:
         raise ConfigError(f"secret sidecar {sidecar} does not belong to checkpoint {path}")
-    checkpoint[SECRET_KEY] = secret
+    checkpoint[SECRET_KEY] = match[-1]
+
+
+def _entries(stored: Any) -> list[dict[str, Any]]:
+    """The secret states in a sidecar, oldest first (``{"entries": [...]}``; a single state: one entry)."""
+    entries = stored.get("entries") if isinstance(stored, dict) and "entries" in stored else [stored]
+    return [entry for entry in entries if isinstance(entry, dict)] if isinstance(entries, list) else []
+
+
+def _recent_entries(sidecar: Path) -> list[dict[str, Any]]:
+    """The two newest entries of an existing sidecar: that of the checkpoint now beside it is among them, also
+    after a run was killed between the two writes once."""
+    if not sidecar.is_file():
+        return []
+    try:
+        return _entries(torch.load(sidecar, map_location="cpu", weights_only=True))[-2:]
+    except Exception:  # unreadable: nothing to keep
+        return []
 
 
 class SidecarCheckpointIO(CheckpointIO):
@@ -125,8 +147,9 @@ class SidecarCheckpointIO(CheckpointIO):
             return
         path = Path(path)
         sidecar = secret_path(path)
-        if secret is not None:
-            _write_atomic(_serialize(secret), sidecar, stat.S_IRUSR | stat.S_IWUSR)
+        if secret is not None:  # keep the replaced checkpoint's entry until the new checkpoint has landed
+            entries = [*_recent_entries(sidecar), secret]
+            _write_atomic(_serialize({"entries": entries}), sidecar, stat.S_IRUSR | stat.S_IWUSR)
         elif sidecar.exists():
             sidecar.unlink()  # a stale sidecar must not pair with this checkpoint
         _write_atomic(_serialize(checkpoint), path, 0o644)

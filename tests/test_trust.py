@@ -100,7 +100,7 @@ def test_checkpoint_alone_does_not_reveal_noise_or_batches(tmp_path):
     # The secret sidecar is owner-only and does hold what resuming needs.
     sidecar = secret_path(path)
     assert stat.S_IMODE(os.stat(sidecar).st_mode) == 0o600
-    secret = torch.load(sidecar, weights_only=True)
+    secret = torch.load(sidecar, weights_only=True)["entries"][-1]  # the newest entry: this checkpoint's
     torch.testing.assert_close(secret["noise_rng"], noise_state)
 
 
@@ -160,6 +160,45 @@ def test_sidecar_readable_by_others_is_refused(tmp_path):
     os.chmod(secret_path(path), 0o644)
     with pytest.raises(ConfigError, match="readable by others"):
         _trainer(tmp_path, 4).fit(_vector_module(), datamodule=VectorDataModule(), ckpt_path=str(path))
+
+
+def test_kill_between_the_sidecar_and_checkpoint_writes_still_resumes(tmp_path, monkeypatch):
+    """The sidecar lands first; a run killed before the new .ckpt lands resumes from the previous .ckpt."""
+    import dpl.checkpoint as ck
+
+    trainer = _trainer(tmp_path, 2)
+    trainer.fit(_vector_module(), datamodule=VectorDataModule())
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    first_id = torch.load(path, weights_only=False)["dpl"]["secret_id"]
+    write = ck._write_atomic
+
+    def killed_before_the_checkpoint(data, target, mode):
+        if Path(target) == path:
+            raise RuntimeError("killed")
+        write(data, target, mode)
+
+    monkeypatch.setattr(ck, "_write_atomic", killed_before_the_checkpoint)
+    with pytest.raises(RuntimeError, match="killed"):
+        trainer.save_checkpoint(path)
+    monkeypatch.setattr(ck, "_write_atomic", write)
+    checkpoint = ck.load_checkpoint_file(path)
+    assert checkpoint["dpl"]["secret_id"] == first_id  # the previous checkpoint, beside the newer sidecar
+    ck.attach_secret(checkpoint, path)
+    assert checkpoint[ck.SECRET_KEY]["secret_id"] == first_id
+    _trainer(tmp_path, 4).fit(_vector_module(), datamodule=VectorDataModule(), ckpt_path=str(path))
+
+
+def test_sidecar_of_the_single_entry_format_still_loads(tmp_path):
+    import dpl.checkpoint as ck
+
+    path = tmp_path / "old.ckpt"
+    ck._write_atomic(ck._serialize({"secret_id": "abc", "noise": torch.ones(2)}), ck.secret_path(path), 0o600)
+    checkpoint = {"dpl": {"secret_id": "abc"}, "state_dict": {}}
+    ck.attach_secret(checkpoint, path)
+    assert checkpoint[ck.SECRET_KEY]["secret_id"] == "abc"
+    with pytest.raises(ConfigError, match="does not belong"):
+        ck.attach_secret({"dpl": {"secret_id": "other"}, "state_dict": {}}, path)
 
 
 def test_resume_without_sidecar_uses_fresh_entropy(tmp_path):
@@ -238,7 +277,7 @@ def test_secure_noise_trains_and_has_no_secret_state(tmp_path):
     trainer.fit(module, datamodule=VectorDataModule())
     path = tmp_path / "secure.ckpt"
     trainer.save_checkpoint(path)
-    assert torch.load(secret_path(path), weights_only=True)["noise_rng"] is None
+    assert torch.load(secret_path(path), weights_only=True)["entries"][-1]["noise_rng"] is None
     with pytest.raises(ConfigError, match="cannot be seeded"):
         PrivacyConfig(secure_noise=True, seed=1).validate()
 
