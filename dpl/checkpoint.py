@@ -13,8 +13,8 @@ recovering every clipped sum. dpl therefore keeps it out of the Lightning checkp
   ``secret_id`` written into both) and hands it back under :data:`SECRET_KEY`.
 
 The two files cannot be replaced in one atomic step, so the sidecar keeps, beside the new checkpoint's entry, the
-two before it (the checkpoint being replaced is among them). A run killed after the sidecar was written but before the new ``.ckpt``
-landed still resumes from the previous ``.ckpt`` with its own secrets.
+two before it (the checkpoint being replaced is among them). A run killed after the sidecar was written but before
+the new ``.ckpt`` landed still resumes from the previous ``.ckpt`` with its own secrets.
 
 Share the ``.ckpt`` (or the exported weights) and never the ``.secret`` file. Without the sidecar a run
 resumes with fresh OS entropy (as private, not bit-exact), or is refused by a plugin that cannot continue.

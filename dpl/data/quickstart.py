@@ -20,7 +20,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-
 from dpl.data.classification import ClassificationDataModule, SplitData
 from dpl.data.quickstart_gen import SEED
 from dpl.errors import ConfigError

@@ -271,6 +271,17 @@ class Generator:
             text = text.lower()
         return template.__name__, text
 
+    def draw_new(self, y: int, seen: set[str]) -> tuple[str, str, list[str]]:
+        """:meth:`draw` until the sentence is not in ``seen`` (lower case), which it then joins; also returns the
+        rejected sentences."""
+        rejected = []
+        while True:
+            template, text = self.draw(y)
+            if text.lower() not in seen:
+                seen.add(text.lower())
+                return template, text, rejected
+            rejected.append(text.lower())
+
 
 def _agree(subject: str, verb: str) -> str:
     if subject not in PLURAL_SUBJECTS:
@@ -305,13 +316,9 @@ def generate(seed: int = SEED, train_size: int = TRAIN_SIZE, validation_size: in
         redrawn = in_train = 0
         for i in range(size):
             y = POS if i % 2 == 0 else NEG
-            while True:
-                text = gen.sentence(y)
-                if text.lower() not in seen:
-                    seen.add(text.lower())
-                    break
-                redrawn += 1
-                in_train += text.lower() in train
+            _, text, rejected = gen.draw_new(y, seen)
+            redrawn += len(rejected)
+            in_train += sum(r in train for r in rejected)
             rows.append((text, y))
         if name == "train":
             train = set(seen)
@@ -334,10 +341,6 @@ def by_template(seed: int, size: int, exclude: set[str] | None = None) -> list[t
     rows = []
     for i in range(size):
         y = POS if i % 2 == 0 else NEG
-        while True:
-            template, text = gen.draw(y)
-            if text.lower() not in seen:
-                seen.add(text.lower())
-                break
+        template, text, _ = gen.draw_new(y, seen)
         rows.append((text, LABELS[y], template))
     return rows
