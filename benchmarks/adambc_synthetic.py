@@ -7,7 +7,7 @@ above (random w.r.t. the inputs): the task is to fit the training set. Model: li
 
 Private full-batch gradient descent: per-example gradients (p_i - y_i) x_i^T (norm |p_i - y_i| |x_i|, exact),
 clipped to C = 1, summed, plus N(0, sigma^2 C^2) with sigma = 10, divided by N. The noise is drawn with
-dpl.noise.normal; DP-Adam and DP-AdamBC are the adambc plugin (bias_correction false / true) with plain SGD,
+dpl.core.noise.normal; DP-Adam and DP-AdamBC are the adambc plugin (bias_correction false / true) with plain SGD,
 DP-GD and DP-GDM are torch.optim.SGD (momentum 0 / 0.9), exactly as the configs run them.
 
 epsilon after T full-batch steps is that of one Gaussian mechanism with mu = sqrt(T) / sigma (exact, q = 1).
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from dpl.gradients import PrivateGradient
-from dpl.noise import normal
-from dpl.step import ReleaseContext
+from dpl.core.gradients import PrivateGradient
+from dpl.core.noise import normal
+from dpl.core.step import ReleaseContext
 from dpl_plugins.adambc import AdamBCPlugin
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from dpl.audit import AuditConfig, run_audit
-from dpl.plugin_manager import installed_plugins
+from dpl.core.plugin_manager import installed_plugins
 
 EPSILONS = (1.0, 4.0, 8.0)
 # (label, plugins, score): the mechanisms audited, when installed.

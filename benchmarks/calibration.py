@@ -1,4 +1,4 @@
-"""Time to calibrate sigma: dpl.accounting vs prv-accountant's own search, side by side.
+"""Time to calibrate sigma: dpl.core.accounting vs prv-accountant's own search, side by side.
 
     python benchmarks/calibration.py [--repeats 3]
 """
@@ -9,7 +9,7 @@ import argparse
 import statistics
 import time
 
-from dpl import accounting
+from dpl.core import accounting
 
 CASES = [(0.03, 400, 3.0, 1e-5), (0.01, 3000, 3.0, 1e-5), (0.032, 93, 8.0, 2.3e-4)]
 

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from dpl.data.base import DPDataModule
-from dpl.fsdp import DPFSDPStrategy
-from dpl.modules.base import DPModule
-from dpl.privacy import PrivacyConfig
+from dpl.lightning.data import DPDataModule
+from dpl.lightning.fsdp import DPFSDPStrategy
+from dpl.lightning.module import DPModule
+from dpl.core.privacy import PrivacyConfig
 
 
 class RandomTokens(Dataset):
@@ -102,7 +102,7 @@ class StepTimer(L.Callback):
     def on_train_end(self, trainer, pl_module):
         import resource
 
-        from dpl.fsdp import is_sharded
+        from dpl.lightning.fsdp import is_sharded
 
         def local(t):
             return t.to_local() if is_sharded(t) else t

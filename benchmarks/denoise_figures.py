@@ -66,10 +66,10 @@ def run(args: argparse.Namespace, name: str, plugins: dict | None) -> dict:
     import lightning as L
     import torch
 
-    from dpl.data import ClassificationDataModule
-    from dpl.modules import DPClassificationModule
-    from dpl.modules.classification import FinetuneOptions, LoraOptions
-    from dpl.privacy import PrivacyConfig
+    from dpl.tasks.data import ClassificationDataModule
+    from dpl.tasks.modules import DPClassificationModule
+    from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions
+    from dpl.core.privacy import PrivacyConfig
 
     class Recording(DPClassificationModule):
         """Keeps every value the plugins log (step, name, value); training is unchanged."""

@@ -84,10 +84,10 @@ def run_one(arm: str, seed: int, lr: float, args: argparse.Namespace) -> dict[st
     import lightning as L
     import torch
 
-    from dpl.data import ClassificationDataModule
-    from dpl.modules import DPClassificationModule
-    from dpl.modules.classification import FinetuneOptions, LoraOptions
-    from dpl.privacy import PrivacyConfig
+    from dpl.tasks.data import ClassificationDataModule
+    from dpl.tasks.modules import DPClassificationModule
+    from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions
+    from dpl.core.privacy import PrivacyConfig
 
     torch.set_num_threads(args.threads)
     L.seed_everything(seed, verbose=False)

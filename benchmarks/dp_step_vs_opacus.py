@@ -40,7 +40,7 @@ CONFIGS = {"minilm": [("minilm", False), ("minilm", True)], "smollm2": [("smollm
 def load(name: str, device: str, freeze_embeddings: bool = False):
     from transformers import AutoModelForSequenceClassification
 
-    from dpl.utils import load_pretrained
+    from dpl.tasks.loading import load_pretrained
 
     torch.manual_seed(0)
     model = load_pretrained(AutoModelForSequenceClassification, MODELS[name], num_labels=2)

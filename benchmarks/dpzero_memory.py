@@ -59,8 +59,8 @@ def _classification(batch_size: int, length: int):
 
     from transformers import AutoTokenizer
 
-    from dpl.modules import DPClassificationModule
-    from dpl.utils import resolve_path
+    from dpl.tasks.modules import DPClassificationModule
+    from dpl.tasks.loading import resolve_path
 
     module = DPClassificationModule(num_labels=2)
     module.ensure_model()
@@ -81,7 +81,7 @@ def _generation(batch_size: int, length: int):
 
     import torch
 
-    from dpl.modules.generation import DPGenerationModule
+    from dpl.tasks.modules.generation import DPGenerationModule
 
     module = DPGenerationModule()
     module.ensure_model()
@@ -106,9 +106,9 @@ def worker(task: str, mode: str, batch_size: int, length: int, repeats: int) -> 
     import torch
 
     torch.set_num_threads(1)
-    from dpl.plugin_manager import create_plugin_manager
-    from dpl.step import StepContext, private_step
-    from dpl.update import apply_direction
+    from dpl.core.plugin_manager import create_plugin_manager
+    from dpl.core.step import StepContext, private_step
+    from dpl.core.update import apply_direction
 
     module, batch = (_classification if task == "classification" else _generation)(batch_size, length)
     model = module.model

@@ -9,7 +9,7 @@ r in {1, sqrt(d), d} and d in {20, 63, 200, 632, 2000}. theta_0 = mean(xi) + 1 (
 loss is r / 2; we report the final excess loss divided by the initial one (1 = no progress).
 
 Both methods run through the real plugin (``dpzero`` with ``estimator: dpzero`` or ``dpgd0``), the default
-``gaussian`` privatize and dpl's update path (``dpl.step.private_step`` + ``dpl.update.apply_direction``),
+``gaussian`` privatize and dpl's update path (``dpl.core.step.private_step`` + ``dpl.core.update.apply_direction``),
 with Poisson batches of expected size B = 50 (q = 0.05), T = 200 steps, sigma calibrated by dpl's PRV accountant
 to epsilon = 2 at delta = 1e-4 (the same sigma for both: both are the subsampled Gaussian with sensitivity C),
 plain SGD, mu = 1e-3 (central differences are exact on a quadratic, so mu only matters through rounding).
@@ -68,9 +68,9 @@ def rank_value(name: str, d: int) -> float:
 
 
 def run(method: str, d: int, rank: str, lr: float, clip: float, sigma: float, seed: int) -> float:
-    from dpl.plugin_manager import create_plugin_manager
-    from dpl.step import StepContext, private_step
-    from dpl.update import apply_direction
+    from dpl.core.plugin_manager import create_plugin_manager
+    from dpl.core.step import StepContext, private_step
+    from dpl.core.update import apply_direction
 
     gen = torch.Generator().manual_seed(1000 * seed + d)
     model = Quadratic(d, rank_value(rank, d), gen)
@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.report_only:
-        from dpl import accounting
+        from dpl.core import accounting
 
         sigma = accounting.calibrate_noise_multiplier(EPS, DELTA, B / N, T, method="prv")
         results = {"settings": {"N": N, "B": B, "T": T, "epsilon": EPS, "delta": DELTA, "sigma": sigma,

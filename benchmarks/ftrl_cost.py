@@ -20,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dpl.plugin_manager import create_plugin_manager
-from dpl.step import RunSetup, StepContext, private_step
+from dpl.core.plugin_manager import create_plugin_manager
+from dpl.core.step import RunSetup, StepContext, private_step
 
 from step_time import load, make_batch  # noqa: E402  (benchmarks/ on sys.path when run as a script)
 
@@ -57,7 +57,7 @@ def variant(model, batch, plugins: dict | None, steps: int):
 
     def privatize_only():
         """The privatize hook alone on a zero clipped sum of the model's shapes (isolates the noise cost)."""
-        from dpl.gradients import GradientSum
+        from dpl.core.gradients import GradientSum
 
         ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
                           noise_multiplier=1.0, expected_batch_size=size, step=state["step"], noise_generator=gen,

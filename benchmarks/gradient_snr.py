@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from dpl.data.quickstart import QuickstartDataModule
-from dpl.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
-from dpl.per_example import PerExampleClipper
-from dpl.utils import resolve_path
+from dpl.tasks.data.quickstart import QuickstartDataModule
+from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+from dpl.core.per_example import PerExampleClipper
+from dpl.tasks.loading import resolve_path
 
 
 def main() -> None:

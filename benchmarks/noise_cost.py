@@ -1,5 +1,5 @@
 """Cost of drawing DP noise: the default generator (torch MT19937, whole state from OS entropy) vs
-``privacy.secure_noise`` (OS CSPRNG + Box-Muller + 4-sample sum, :mod:`dpl.noise`), side by side in one run.
+``privacy.secure_noise`` (OS CSPRNG + Box-Muller + 4-sample sum, :mod:`dpl.core.noise`), side by side in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/noise_cost.py [--sizes 1000000 22700000] [--repeats 3]
 
@@ -13,8 +13,8 @@ import argparse
 import json
 import time
 
-from dpl.noise import SecureNormal, normal
-from dpl.sampling import secure_generator
+from dpl.core.noise import SecureNormal, normal
+from dpl.core.sampling import secure_generator
 
 
 def best_of(fn, repeats: int) -> float:

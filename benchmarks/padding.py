@@ -1,5 +1,5 @@
 """Tokens a private step processes per example, with and without ordering each logical batch longest first before
-cutting it into micro-batches (``dpl.step.longest_first``; each micro-batch is trimmed to its own longest example
+cutting it into micro-batches (``dpl.core.step.longest_first``; each micro-batch is trimmed to its own longest example
 by the model forward either way). No model runs: only the tokenizer and the batch arithmetic.
 
     python benchmarks/padding.py [--data ../shared/data/sst2/train.tsv] [--rows 4096]
@@ -13,7 +13,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from dpl.utils import resolve_path
+from dpl.tasks.loading import resolve_path
 
 
 def tokens_per_example(lengths: list[int], batch: int, physical: int, ordered: bool) -> float:

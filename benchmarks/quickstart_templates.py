@@ -5,7 +5,7 @@
 
 Runs ``dpl fit --config configs/quickstart.yaml`` with any extra dpl arguments, then evaluates the trained model
 on 3,000 fresh generated sentences (seed 7, none of them a training sentence, labels without the 3% flips) and
-prints the accuracy per template of :mod:`dpl.data.quickstart_gen` (``negated``: "the plot was not dull", ...).
+prints the accuracy per template of :mod:`dpl.tasks.data.quickstart_gen` (``negated``: "the plot was not dull", ...).
 The evaluation sentences are public (generated), so this reads nothing private beyond the trained model.
 """
 
@@ -25,7 +25,7 @@ class TemplateAccuracy(Callback):
     """At the end of fit: accuracy per template on fresh generated sentences, printed as one table."""
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        from dpl.data.quickstart_gen import by_template
+        from dpl.tasks.data.quickstart_gen import by_template
 
         data = trainer.datamodule
         train = set(data._splits["train"].dataset["sentence"])
@@ -50,7 +50,7 @@ class TemplateAccuracy(Callback):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from dpl.cli import main
+    from dpl.lightning.cli import main
 
     main(["fit", "--config", "configs/quickstart.yaml", "--trainer.enable_checkpointing", "false",
           "--trainer.callbacks+=quickstart_templates.TemplateAccuracy", *sys.argv[1:]])

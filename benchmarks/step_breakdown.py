@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from step_time import load, make_batch
 
-import dpl.per_example as pe
+import dpl.core.per_example as pe
 
 
 def main() -> None:

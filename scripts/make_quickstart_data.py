@@ -1,6 +1,6 @@
 """Write dpl's quickstart data set as TSV (``sentence<TAB>label``): by default the 2,000 / 400 rows shipped in
-``dpl/data/quickstart/{train,validation}.tsv``. The sentences and labels come from
-:mod:`dpl.data.quickstart_gen` (templates, rules, 3% flipped labels; see its docstring); the output is
+``dpl/tasks/data/quickstart/{train,validation}.tsv``. The sentences and labels come from
+:mod:`dpl.tasks.data.quickstart_gen` (templates, rules, 3% flipped labels; see its docstring); the output is
 deterministic (fixed seed). The quickstart config does not read these files: it generates its (larger) training
 set in memory with the same generator (``data.train_size``)::
 
@@ -14,7 +14,7 @@ import argparse
 import csv
 from pathlib import Path
 
-from dpl.data.quickstart_gen import LABELS, SEED, TRAIN_SIZE, VALIDATION_SIZE, Generator, generate
+from dpl.tasks.data.quickstart_gen import LABELS, SEED, TRAIN_SIZE, VALIDATION_SIZE, Generator, generate
 
 OUT = Path(__file__).resolve().parents[1] / "dpl" / "data" / "quickstart"
 __all__ = ["LABELS", "SEED", "TRAIN_SIZE", "VALIDATION_SIZE", "Generator", "generate", "write", "main"]

@@ -150,8 +150,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from dpl.data.base import DPDataModule  # noqa: E402
-from dpl.modules.base import DPModule  # noqa: E402
+from dpl.lightning.data import DPDataModule  # noqa: E402
+from dpl.lightning.module import DPModule  # noqa: E402
 
 
 class VectorData(Dataset):

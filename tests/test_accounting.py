@@ -1,4 +1,4 @@
-"""Tests of dpl.accounting against prv-accountant, opacus and the closed form of the Gaussian mechanism."""
+"""Tests of dpl.core.accounting against prv-accountant, opacus and the closed form of the Gaussian mechanism."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from dpl import accounting
-from dpl.accounting import (
+from dpl.core import accounting
+from dpl.core.accounting import (
     PoissonGaussianAccountant,
     calibrate_gaussian_mechanism,
     calibrate_noise_multiplier,
@@ -251,7 +251,7 @@ def test_fallback_to_rdp_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(accounting, "_prv_bounds", broken)
     acc = PoissonGaussianAccountant()
     acc.step(1.0, 0.03, n=100)
-    with caplog.at_level(logging.WARNING, logger="dpl.accounting"):
+    with caplog.at_level(logging.WARNING, logger="dpl.core.accounting"):
         eps = acc.epsilon(DELTA)
         acc.step(1.0, 0.03, n=100)
         eps2 = acc.epsilon(DELTA)

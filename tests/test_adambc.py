@@ -10,13 +10,13 @@ import pytest
 import torch
 from helpers import random_batch, tiny_bert, tiny_classification_workspace
 
-from dpl.cli import main
+from dpl.lightning.cli import main
 from dpl.errors import ConfigError
-from dpl.gradients import PrivateGradient
-from dpl.hookspecs import hookimpl
-from dpl.mechanism import PoissonGaussian
-from dpl.plugin_manager import create_plugin_manager
-from dpl.step import ReleaseContext, RunSetup, StepContext, private_step
+from dpl.core.gradients import PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.core.mechanism import PoissonGaussian
+from dpl.core.plugin_manager import create_plugin_manager
+from dpl.core.step import ReleaseContext, RunSetup, StepContext, private_step
 from dpl_plugins.adambc import AdamBCPlugin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,11 +240,11 @@ def tiny(tmp_path_factory):
 
 def _fit(tiny, root, *extra):
     tmp, model = tiny
-    main(["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
+    main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
           "--config", str(ROOT / "configs" / "plugins" / "adambc.yaml"),
           "--model.privacy.noise_multiplier", "0.8", "--model.privacy.batch_size", "16",
           "--model.privacy.physical_batch_size", "16", "--model.privacy.seed", "5",
-          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", model,
+          "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,
           "--data.data_dir", str(tmp / "data"), "--data.max_length", "16",
           "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
           "--trainer.enable_progress_bar", "false", "--trainer.num_sanity_val_steps", "0",

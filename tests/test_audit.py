@@ -143,7 +143,7 @@ def test_bad_settings_are_refused(change, message):
 
 
 def run_cli(args, capsys):
-    from dpl.cli import main
+    from dpl.lightning.cli import main
 
     code = 0
     try:
@@ -195,7 +195,7 @@ def test_audit_configs_parse(config):
     cfg.validate()
 
 
-@pytest.mark.skipif("ftrl" not in __import__("dpl.plugin_manager").plugin_manager.installed_plugins(),
+@pytest.mark.skipif("ftrl" not in __import__("dpl.core.plugin_manager").core.plugin_manager.installed_plugins(),
                     reason="ftrl plugin not installed")
 @pytest.mark.parametrize("bug", ["none", "weak_noise"])
 def test_a_plugin_with_its_own_mechanism_is_audited_the_same_way(bug):

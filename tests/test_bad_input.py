@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from helpers import tiny_classification_workspace
 
-from dpl.cli import main
+from dpl.lightning.cli import main
 from dpl.errors import ConfigError
-from dpl.privacy import PrivacyConfig
+from dpl.core.privacy import PrivacyConfig
 
 CONFIG = """
 trainer:
@@ -18,12 +18,12 @@ trainer:
   default_root_dir: {root}
   enable_progress_bar: false
 model:
-  class_path: dpl.modules.DPClassificationModule
+  class_path: dpl.tasks.modules.DPClassificationModule
   init_args:
     model: {model}
     privacy: {{target_epsilon: 3.0, batch_size: 8, physical_batch_size: 8}}
 data:
-  class_path: dpl.data.ClassificationDataModule
+  class_path: dpl.tasks.data.ClassificationDataModule
   init_args: {{tokenizer: {model}, data_dir: {data}, max_length: 16}}
 """
 
@@ -46,7 +46,7 @@ def _run(workspace, *overrides, files=None, capsys=None):
     config.write_text(CONFIG.format(root=root, model=model, data=data))
     args = ["fit", "--config", str(config), *overrides]
     if capsys is None:  # a real process, as a user runs it
-        result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], capture_output=True, text=True,
+        result = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", *args], capture_output=True, text=True,
                                 cwd=Path(__file__).resolve().parents[1])
         return result, root
     with pytest.raises(SystemExit) as exit_info:  # in-process: the same code path, without interpreter start-up

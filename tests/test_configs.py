@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpl.cli import DPLightningCLI
-from dpl.data.base import DPDataModule
-from dpl.modules.base import DPModule
+from dpl.lightning.cli import DPLightningCLI
+from dpl.lightning.data import DPDataModule
+from dpl.lightning.module import DPModule
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIPPED = ("audit", "strategies")  # dpl audit configs: tests/test_audit.py; process/GPU fragments: tests/test_ddp.py

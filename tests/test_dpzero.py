@@ -14,11 +14,11 @@ from helpers import random_batch, save_tiny_llama_lm, tiny_bert, tiny_classifica
 from torch import nn
 
 from dpl.errors import ConfigError
-from dpl.gradients import GradientSum
-from dpl.noise import normal
-from dpl.plugin_manager import create_plugin_manager, replaced_hooks
-from dpl.step import RunSetup, StepContext, private_step
-from dpl.update import StreamingDirection, apply_direction, apply_streaming, streaming_refusal
+from dpl.core.gradients import GradientSum
+from dpl.core.noise import normal
+from dpl.core.plugin_manager import create_plugin_manager, replaced_hooks
+from dpl.core.step import RunSetup, StepContext, private_step
+from dpl.core.update import StreamingDirection, apply_direction, apply_streaming, streaming_refusal
 from dpl_plugins.dpzero import KEY, DPZeroPlugin
 from dpl_plugins.dpzero.directions import DirectionSampler
 from dpl_plugins.gaussian import GaussianPlugin
@@ -132,7 +132,7 @@ def test_large_tensors_are_drawn_in_chunks_consistently(monkeypatch):
 
 
 def _private(value):
-    from dpl.gradients import PrivateGradient
+    from dpl.core.gradients import PrivateGradient
     return PrivateGradient({KEY: torch.tensor([value], dtype=torch.float64)}, noise_std=0.0, mechanism="gaussian",
                            expected_batch_size=4, step=0)
 
@@ -423,8 +423,8 @@ def test_dpgd0_clips_the_whole_vector():
 
 
 def test_generation_module_with_lora(tmp_path):
-    from dpl.modules import FinetuneOptions, LoraOptions
-    from dpl.modules.generation import DPGenerationModule
+    from dpl.tasks.modules import FinetuneOptions, LoraOptions
+    from dpl.tasks.modules.generation import DPGenerationModule
 
     folder = save_tiny_llama_lm(tmp_path / "lm", tie=True)
     module = DPGenerationModule(model=folder, finetuning=FinetuneOptions(
@@ -459,7 +459,7 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("fragment", ["dpzero.yaml", "mezo.yaml"])
 def test_dpl_fit_with_the_config(tiny, fragment, capsys):
-    from dpl.cli import main
+    from dpl.lightning.cli import main
 
     tmp, model = tiny
     root = tmp / f"runs_{fragment}"
@@ -467,7 +467,7 @@ def test_dpl_fit_with_the_config(tiny, fragment, capsys):
           "--config", str(ROOT / "configs" / "plugins" / fragment),
           "--model.model", model, "--model.finetuning.method", "full",
           "--model.privacy.batch_size", "16", "--model.privacy.physical_batch_size", "8",
-          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", model,
+          "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,
           "--data.data_dir", str(tmp / "data"), "--data.max_length", "16",
           "--trainer.max_epochs", "1", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
           "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",

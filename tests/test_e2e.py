@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import tiny_classification_workspace
 
-from dpl.cli import main
-from dpl.data import ClassificationDataModule
-from dpl.modules import DPClassificationModule
-from dpl.privacy import PrivacyConfig
+from dpl.lightning.cli import main
+from dpl.tasks.data import ClassificationDataModule
+from dpl.tasks.modules import DPClassificationModule
+from dpl.core.privacy import PrivacyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,10 +25,10 @@ def tiny(tmp_path_factory):
 def test_fit_tiny_model_through_the_cli(tiny, capsys):
     tmp, model = tiny
     root = tmp / "runs"
-    main(["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
+    main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
           "--model.privacy.target_epsilon", "4", "--model.privacy.batch_size", "16",
           "--model.privacy.physical_batch_size", "5", "--model.privacy.log_epsilon_every_n_steps", "2",
-          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", model,
+          "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,
           "--data.data_dir", str(tmp / "data"), "--data.max_length", "16",
           "--trainer.max_epochs", "2", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
           "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
@@ -96,8 +96,8 @@ def test_quickstart_config_with_real_minilm(tmp_path, capsys):
 @pytest.mark.parametrize("subcommand,metric", [("validate", "val_acc"), ("test", "test_acc")])
 def test_validate_and_test_subcommands(tiny, subcommand, metric, capsys):
     tmp, model = tiny
-    main([subcommand, "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
-          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", model,
+    main([subcommand, "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
+          "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,
           "--data.data_dir", str(tmp / "data"), "--data.max_length", "16", "--trainer.accelerator", "cpu",
           "--trainer.default_root_dir", str(tmp / f"runs_{subcommand}"), "--trainer.enable_progress_bar", "false"])
     assert metric in capsys.readouterr().out

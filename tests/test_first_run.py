@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from helpers import WORDS, save_tiny_bert, write_sentiment_tsv
 
-from dpl.cli import main
-from dpl.progress import PlainProgress, _epoch_description, default_progress_bar
+from dpl.lightning.cli import main
+from dpl.lightning.progress import PlainProgress, _epoch_description, default_progress_bar
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def tiny(tmp_path_factory):
 def _args(tiny, root, *extra, model=None):
     tmp, default_model, _ = tiny
     model = model or default_model
-    return ["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
+    return ["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
             "--model.privacy.target_epsilon", "4", "--model.privacy.batch_size", "16",
-            "--model.privacy.physical_batch_size", "16", "--data", "dpl.data.ClassificationDataModule",
+            "--model.privacy.physical_batch_size", "16", "--data", "dpl.tasks.data.ClassificationDataModule",
             "--data.tokenizer", default_model, "--data.data_dir", str(tmp / "data"), "--data.max_length", "16",
             "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
             *extra]
@@ -137,7 +137,7 @@ def test_plain_progress_off_terminal():
 def test_classification_data_stays_out_of_the_datasets_cache(tmp_path, monkeypatch):
     import datasets
 
-    from dpl.data import ClassificationDataModule
+    from dpl.tasks.data import ClassificationDataModule
 
     cache = tmp_path / "hf-datasets"
     cache.mkdir()

@@ -1,4 +1,4 @@
-"""Issue 12: FSDP (sharded parameters, ``dpl.fsdp.DPFSDPStrategy``) with the privacy guarantee of one process.
+"""Issue 12: FSDP (sharded parameters, ``dpl.lightning.fsdp.DPFSDPStrategy``) with the privacy guarantee of one process.
 
 Two CPU processes (gloo, FSDP2 ``fully_shard``, forked) against one process on the same data, seed and global
 batch: the same parameters (to float tolerance) for the default mechanism and each plugin that supports sharding,
@@ -21,15 +21,15 @@ from helpers import SaveAndStopAt, save_tiny_bert, write_sentiment_tsv
 from test_ddp import OPTIONAL_PLUGINS, IndexedData, Recorder, assert_same_params, check_cli_run
 from torch import nn
 
-from dpl.checkpoint import secret_path
-from dpl.distributed import PADDING_KEY, BalancedShardBatchSampler, ShardedBatchSampler
+from dpl.lightning.checkpoint import secret_path
+from dpl.lightning.distributed import PADDING_KEY, BalancedShardBatchSampler, ShardedBatchSampler
 from dpl.errors import ConfigError
-from dpl.fsdp import DPFSDPStrategy, as_gradient_of
-from dpl.modules.base import DPModule
-from dpl.plugin_manager import installed_plugins
-from dpl.privacy import PrivacyConfig
-from dpl.sampling import PoissonBatchSampler
-from dpl.step import RunSetup
+from dpl.lightning.fsdp import DPFSDPStrategy, as_gradient_of
+from dpl.lightning.module import DPModule
+from dpl.core.plugin_manager import installed_plugins
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.sampling import PoissonBatchSampler
+from dpl.core.step import RunSetup
 
 DIM = 6
 pytestmark = pytest.mark.filterwarnings("ignore::dpl.errors.PrivacyWarning")
@@ -135,7 +135,7 @@ def test_fsdp_shards_are_padded_with_zero_weight_fillers():
 
 
 def test_filler_flags_refuse_a_reordering_collate():
-    from dpl.distributed import PaddedCollate
+    from dpl.lightning.distributed import PaddedCollate
 
     def reordering(examples):  # e.g. a collate that sorts longest first itself
         examples = sorted(examples, key=lambda e: len(e["input_ids"]), reverse=True)
@@ -224,8 +224,8 @@ def test_parameters_are_sharded_and_validation_synchronized(tmp_path):
 
 def test_tiny_bert_two_sharded_processes_equal_one(tmp_path):
     """Embeddings, LayerNorm, attention over right-padded sequences, a ModuleList of BERT layers (FSDP units)."""
-    from dpl.data.classification import ClassificationDataModule
-    from dpl.modules.classification import DPClassificationModule
+    from dpl.tasks.data.classification import ClassificationDataModule
+    from dpl.tasks.modules.classification import DPClassificationModule
 
     folder = save_tiny_bert(tmp_path / "bert")
     data_dir = tmp_path / "data"
@@ -349,7 +349,7 @@ def test_refusals_under_fsdp():
         with pytest.raises(ConfigError, match="sharded"):
             DPZeroPlugin().validate_setup(setup=_sharded_setup(nn.Linear(3, 4)))
 
-    from dpl.distributed import check_strategy
+    from dpl.lightning.distributed import check_strategy
 
     class FSDPStrategy:  # Lightning's FSDP1 strategy (which needs CUDA to construct) and plain ModelParallel
         pass
@@ -397,7 +397,7 @@ def test_strategy_name_is_registered():
 
 
 def test_progress_counts_real_examples_only():
-    from dpl.progress import _batch_size
+    from dpl.lightning.progress import _batch_size
 
     batch = {"x": torch.zeros(5, 2), PADDING_KEY: torch.tensor([False, False, True, False, True])}
     assert _batch_size(batch) == 3 and _batch_size({"x": torch.zeros(5, 2)}) == 5

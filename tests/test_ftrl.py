@@ -20,10 +20,10 @@ from scipy import optimize, stats
 from torch import nn
 
 from dpl.errors import ConfigError
-from dpl.gradients import GradientSum
-from dpl.plugin_manager import create_plugin_manager
-from dpl.privacy import PrivacyConfig
-from dpl.step import RunSetup, StepContext, private_step
+from dpl.core.gradients import GradientSum
+from dpl.core.plugin_manager import create_plugin_manager
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.ftrl import FTRLPlugin
 from dpl_plugins.ftrl import strategies as S
 from dpl_plugins.ftrl.mechanism import FTRLMechanism
@@ -375,17 +375,17 @@ def test_denoise_reads_ftrl_marginal_noise_std(monkeypatch):
 def test_dpl_fit_with_the_config_fragment(tmp_path, capsys):
     from helpers import save_tiny_bert, write_sentiment_tsv
 
-    from dpl.cli import main
+    from dpl.lightning.cli import main
 
     model = save_tiny_bert(tmp_path / "model")
     write_sentiment_tsv(tmp_path / "data" / "train.tsv", rows=96)
     write_sentiment_tsv(tmp_path / "data" / "validation.tsv", rows=32, seed=1)
     root = tmp_path / "runs"
-    main(["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
+    main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
           "--config", str(ROOT / "configs" / "plugins" / "ftrl.yaml"),
           "--model.privacy.target_epsilon", "4", "--model.privacy.batch_size", "16",
           "--model.privacy.physical_batch_size", "16",
-          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", model,
+          "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,
           "--data.data_dir", str(tmp_path / "data"), "--data.max_length", "16",
           "--trainer.max_epochs", "2", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
           "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import save_tiny_llama_lm
 
-from dpl.cli import main
+from dpl.lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 E2E = ROOT.parent / "shared" / "data" / "e2e" / "devset.csv"
@@ -35,12 +35,12 @@ def test_fit_generation_tiny_llama_through_the_cli(tmp_path, capsys):
     _write_e2e(data / "trainset.csv", copies=12)
     _write_e2e(data / "devset.csv", copies=2)
     root = tmp_path / "runs"
-    main(["fit", "--model", "dpl.modules.DPGenerationModule", "--model.model", model,
+    main(["fit", "--model", "dpl.tasks.modules.DPGenerationModule", "--model.model", model,
           "--model.finetuning.method", "full", "--model.tied_embeddings", "untie",
           "--model.generation.max_new_tokens", "6", "--model.generation.meteor_backend", "python",
           "--model.privacy.target_epsilon", "4", "--model.privacy.batch_size", "12",
           "--model.privacy.physical_batch_size", "5",
-          "--data", "dpl.data.E2EDataModule", "--data.tokenizer", model, "--data.data_dir", str(data),
+          "--data", "dpl.tasks.data.E2EDataModule", "--data.tokenizer", model, "--data.data_dir", str(data),
           "--data.max_length", "32", "--data.eval_batch_size", "3",
           "--trainer.max_steps", "4", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
           "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
@@ -98,8 +98,8 @@ def test_bad_e2e_data_is_one_line_error(tmp_path, capsys, content, message):
     model = save_tiny_llama_lm(tmp_path / "model")
     (tmp_path / "train.csv").write_text(content)
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--model", "dpl.modules.DPGenerationModule", "--model.model", model,
-              "--data", "dpl.data.E2EDataModule", "--data.tokenizer", model,
+        main(["fit", "--model", "dpl.tasks.modules.DPGenerationModule", "--model.model", model,
+              "--data", "dpl.tasks.data.E2EDataModule", "--data.tokenizer", model,
               "--data.train_file", str(tmp_path / "train.csv"), "--trainer.max_steps", "2",
               "--trainer.default_root_dir", str(tmp_path / "runs")])
     assert exc.value.code == 2

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from helpers import save_tiny_llama_lm
 
 from dpl.errors import ConfigError
-from dpl.modules import FinetuneOptions, LoraOptions
-from dpl.modules.generation import DPGenerationModule, GenerationOptions, completion_token_loss
-from dpl.per_example import PerExampleClipper
+from dpl.tasks.modules import FinetuneOptions, LoraOptions
+from dpl.tasks.modules.generation import DPGenerationModule, GenerationOptions, completion_token_loss
+from dpl.core.per_example import PerExampleClipper
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +142,8 @@ def test_plugins_work_for_generation(tiny_lm, tmp_path):
     """The same private step and plugins as classification: denoise runs on a causal LM's gradients."""
     import lightning as L
 
-    from dpl.data import E2EDataModule
-    from dpl.privacy import PrivacyConfig
+    from dpl.tasks.data import E2EDataModule
+    from dpl.core.privacy import PrivacyConfig
 
     rows = ["mr,ref"] + [f"name[aromi] food[italian],aromi serves italian food {i % 3} ." for i in range(40)]
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from helpers import random_batch, reference_clipped_sum, save_tiny_bert, tiny_bert
 
 from dpl.errors import ConfigError
-from dpl.modules.classification import (DPClassificationModule, FinetuneOptions, LoraOptions, MeanPoolClassifier,
+from dpl.tasks.modules.classification import (DPClassificationModule, FinetuneOptions, LoraOptions, MeanPoolClassifier,
                                         apply_finetuning, mean_pool)
-from dpl.per_example import PerExampleClipper
+from dpl.core.per_example import PerExampleClipper
 
 
 def _mean_pooled(lora: bool, seed: int = 0) -> MeanPoolClassifier:
@@ -102,7 +102,7 @@ def test_unknown_pooling_refused():
 
 
 def test_trailing_padding_columns_are_dropped_without_changing_logits(tmp_path):
-    from dpl.modules.classification import trim_trailing_padding
+    from dpl.tasks.modules.classification import trim_trailing_padding
 
     batch = random_batch(batch_size=4, length=7, vocab=20)
     wide = {k: torch.cat([v, torch.zeros(4, 5, dtype=v.dtype)], dim=1) if v.dim() == 2 else v
@@ -120,8 +120,8 @@ def test_trailing_padding_columns_are_dropped_without_changing_logits(tmp_path):
 def test_step_orders_a_logical_batch_longest_first():
     """dpl's step cuts a logical batch into micro-batches longest first (every per-example value permuted alike,
     FSDP's filler flags included), so micro-batches of similar lengths carry little padding."""
-    from dpl.distributed import PADDING_KEY
-    from dpl.step import split_batch
+    from dpl.lightning.distributed import PADDING_KEY
+    from dpl.core.step import split_batch
 
     lengths = [3, 9, 5, 1, 5]
     mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers import tiny_classification_workspace
 
-from dpl.cli import main
-from dpl.progress import PlainModelSummary, default_model_summary
+from dpl.lightning.cli import main
+from dpl.lightning.progress import PlainModelSummary, default_model_summary
 
 TABLE_MARKS = ("┃", "┏", "│", "Total params", "Trainable params", "Skipping setting a default")
 
@@ -18,9 +18,9 @@ def tiny(tmp_path_factory):
 
 def _fit(tiny, root, *extra):
     tmp, model = tiny
-    main(["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", model,
+    main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
           "--model.privacy.target_epsilon", "4", "--model.privacy.batch_size", "8",
-          "--model.privacy.physical_batch_size", "8", "--data", "dpl.data.ClassificationDataModule",
+          "--model.privacy.physical_batch_size", "8", "--data", "dpl.tasks.data.ClassificationDataModule",
           "--data.tokenizer", model, "--data.data_dir", str(tmp / "data"), "--data.max_length", "16",
           "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
           "--trainer.enable_checkpointing", "false", "--trainer.logger", "false", *extra])

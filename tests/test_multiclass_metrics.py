@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import save_tiny_bert
 
-from dpl.cli import main
+from dpl.lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 BANKING77 = ROOT.parent / "shared" / "data" / "banking77"
@@ -41,12 +41,12 @@ def test_string_labels_with_per_class_and_group_accuracy(tmp_path):
     _write(tmp_path / "data" / "train.tsv", 80, 0)
     _write(tmp_path / "data" / "dev.tsv", 40, 1)
     root = tmp_path / "runs"
-    main(["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", str(folder),
+    main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", str(folder),
           "--model.num_labels", "5", "--model.per_class_metrics", "true",
           "--model.class_groups", '{"head": ["card_lost", "refund"], "tail": ["top_up", "exchange_rate", "pin_blocked"]}',
           "--model.privacy.noise_multiplier", "0.5", "--model.privacy.batch_size", "16",
           "--model.privacy.physical_batch_size", "16",
-          "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", str(folder),
+          "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", str(folder),
           "--data.data_dir", str(tmp_path / "data"), "--data.text_column", "text", "--data.max_length", "8",
           "--trainer.max_epochs", "1", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
           "--trainer.enable_progress_bar", "false",
@@ -67,9 +67,9 @@ def test_unknown_label_in_class_groups_is_one_line(tmp_path, capsys):
     save_tiny_bert(folder, num_labels=5)
     _write(tmp_path / "data" / "train.tsv", 40, 0)
     with pytest.raises(SystemExit):
-        main(["fit", "--model", "dpl.modules.DPClassificationModule", "--model.model", str(folder),
+        main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", str(folder),
               "--model.class_groups", '{"tail": ["no_such_intent"]}', "--model.privacy.batch_size", "8",
-              "--data", "dpl.data.ClassificationDataModule", "--data.tokenizer", str(folder),
+              "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", str(folder),
               "--data.data_dir", str(tmp_path / "data"), "--data.text_column", "text",
               "--trainer.max_epochs", "1", "--trainer.accelerator", "cpu",
               "--trainer.default_root_dir", str(tmp_path / "runs")])

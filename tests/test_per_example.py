@@ -1,4 +1,4 @@
-"""Per-example clipped sums from dpl.per_example equal a one-example-at-a-time loop."""
+"""Per-example clipped sums from dpl.core.per_example equal a one-example-at-a-time loop."""
 
 import math
 
@@ -9,8 +9,8 @@ from helpers import random_batch, reference_clipped_sum, tiny_bert, tiny_llama
 from torch import nn
 
 from dpl.errors import ConfigError
-from dpl.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
-from dpl.per_example import PerExampleClipper
+from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+from dpl.core.per_example import PerExampleClipper
 
 
 def _loss_fn(model):

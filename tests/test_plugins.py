@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from helpers import save_tiny_bert, write_sentiment_tsv
 
-from dpl import hookspecs
+from dpl.core import hookspecs
 from dpl.errors import PluginError
-from dpl.hookspecs import hookimpl
-from dpl.plugin_manager import (active_plugin_names, create_plugin_manager, describe_plugins, installed_plugins,
+from dpl.core.hookspecs import hookimpl
+from dpl.core.plugin_manager import (active_plugin_names, create_plugin_manager, describe_plugins, installed_plugins,
                                 normalize_plugin_config)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ class _Post:
 def _fake_entry_points(monkeypatch, plugins):
     from importlib import metadata
 
-    from dpl import plugin_manager
+    from dpl.core import plugin_manager
 
     real = plugin_manager.installed_plugins()
 
@@ -120,7 +120,7 @@ def test_third_party_plugin_from_the_tutorial(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(site), str(package)], check=True)
     env = {**__import__("os").environ, "PYTHONPATH": str(site)}
-    listing = subprocess.run([sys.executable, "-m", "dpl.cli", "plugins"], env=env, capture_output=True, text=True,
+    listing = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", "plugins"], env=env, capture_output=True, text=True,
                              check=True).stdout
     assert re.search(r"^gradnorm\s+dpl-gradnorm\s+0\.1\.0\s+post_process", listing, re.M), listing
 
@@ -129,7 +129,7 @@ def test_third_party_plugin_from_the_tutorial(tmp_path):
     write_sentiment_tsv(tmp_path / "data" / "validation.tsv", rows=16, seed=1)
     config = tmp_path / "run.yaml"
     config.write_text(TINY_RUN.format(model=model, data=Path(train).parent, root=tmp_path / "runs"))
-    result = subprocess.run([sys.executable, "-m", "dpl.cli", "fit", "--config", str(config), "--config",
+    result = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", "fit", "--config", str(config), "--config",
                              str(tmp_path / "gradnorm.yaml")], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = next((tmp_path / "runs").rglob("metrics.csv")).read_text()
@@ -146,11 +146,11 @@ trainer:
   enable_progress_bar: false
   enable_checkpointing: false
 model:
-  class_path: dpl.modules.DPClassificationModule
+  class_path: dpl.tasks.modules.DPClassificationModule
   init_args:
     model: {model}
     privacy: {{target_epsilon: 5.0, batch_size: 16, physical_batch_size: 8, seed: 0}}
 data:
-  class_path: dpl.data.ClassificationDataModule
+  class_path: dpl.tasks.data.ClassificationDataModule
   init_args: {{tokenizer: {model}, data_dir: {data}, max_length: 16}}
 """

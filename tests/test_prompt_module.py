@@ -7,11 +7,11 @@ from helpers import save_tiny_bert, write_sentiment_tsv
 from transformers import AutoTokenizer
 
 from dpl.errors import ConfigError, DataError
-from dpl.data.prompt import PromptClassificationDataModule, render_ids
-from dpl.modules.prompt import DPPromptClassificationModule
-from dpl.plugin_manager import create_plugin_manager
-from dpl.step import StepContext, private_step
-from dpl.update import apply_direction
+from dpl.tasks.data.prompt import PromptClassificationDataModule, render_ids
+from dpl.tasks.modules.prompt import DPPromptClassificationModule
+from dpl.core.plugin_manager import create_plugin_manager
+from dpl.core.step import StepContext, private_step
+from dpl.core.update import apply_direction
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +91,15 @@ def test_private_step_on_the_prompt_model(tiny, plugins):
 def test_dpl_fit_prompt_mode_with_dpzero(tiny, capsys):
     from pathlib import Path
 
-    from dpl.cli import main
+    from dpl.lightning.cli import main
 
     tmp, model = tiny
     root = tmp / "runs"
     config = Path(__file__).resolve().parents[1] / "configs" / "plugins" / "dpzero.yaml"
-    main(["fit", "--config", str(config), "--model", "dpl.modules.DPPromptClassificationModule",
+    main(["fit", "--config", str(config), "--model", "dpl.tasks.modules.DPPromptClassificationModule",
           "--model.model", model, "--model.label_words", "[bad, good]",
           "--model.privacy.batch_size", "16", "--model.privacy.target_epsilon", "4",
-          "--data", "dpl.data.prompt.PromptClassificationDataModule", "--data.tokenizer", model,
+          "--data", "dpl.tasks.data.prompt.PromptClassificationDataModule", "--data.tokenizer", model,
           "--data.data_dir", str(tmp / "data"), "--data.max_length", "16", "--data.labels", "[negative, positive]",
           "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root),
           "--trainer.enable_progress_bar", "false", "--trainer.logger", "false"])

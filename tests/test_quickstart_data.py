@@ -3,8 +3,8 @@ the shipped files, no validation sentence among the training sentences."""
 
 import pytest
 
-from dpl.data.quickstart import QuickstartDataModule
-from dpl.data.quickstart_gen import generate
+from dpl.tasks.data.quickstart import QuickstartDataModule
+from dpl.tasks.data.quickstart_gen import generate
 from dpl.errors import ConfigError
 
 
@@ -45,7 +45,7 @@ def test_without_train_size_the_shipped_files_are_read():
 
 
 def test_by_template_names_every_sentence_and_skips_excluded():
-    from dpl.data.quickstart_gen import NEG, POS, Generator, by_template
+    from dpl.tasks.data.quickstart_gen import NEG, POS, Generator, by_template
 
     rows = by_template(seed=3, size=400)
     assert rows == by_template(seed=3, size=400)

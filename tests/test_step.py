@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from helpers import random_batch, tiny_bert
 
 from dpl.errors import PrivacyViolation
-from dpl.gradients import GradientSum
-from dpl.hookspecs import hookimpl
-from dpl.plugin_manager import create_plugin_manager
-from dpl.step import StepContext, private_step
+from dpl.core.gradients import GradientSum
+from dpl.core.hookspecs import hookimpl
+from dpl.core.plugin_manager import create_plugin_manager
+from dpl.core.step import StepContext, private_step
 
 
 def _ctx(model, noise_multiplier, max_grad_norm, batch_size, seed=0):

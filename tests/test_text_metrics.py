@@ -1,4 +1,4 @@
-"""Table-to-text metrics (dpl.metrics.text) against values worked out independently.
+"""Table-to-text metrics (dpl.tasks.metrics.text) against values worked out independently.
 
 Expected values come from hand computations written out in the comments, from published or
 documented examples (Papineni et al. 2002's sentences as used in NLTK's BLEU doctests, Lin 2004's
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from dpl.metrics import METRICS, MeteorFallbackWarning, compute_metrics, meteor_java_available, tokenize
-from dpl.metrics import text as text_metrics
+from dpl.tasks.metrics import METRICS, MeteorFallbackWarning, compute_metrics, meteor_java_available, tokenize
+from dpl.tasks.metrics import text as text_metrics
 
 PY = {"meteor_backend": "python"}  # deterministic, no JVM: used everywhere except the jar tests
 

@@ -18,17 +18,17 @@ import torch.nn.functional as F
 from helpers import SaveAndStopAt, VectorDataModule, VectorModule  # the SIGKILL test uses test_trust.Vector* paths
 from torch import nn
 
-from dpl.checkpoint import SECRET_KEY, secret_path
+from dpl.lightning.checkpoint import SECRET_KEY, secret_path
 from dpl.errors import ConfigError, PluginError, PrivacyWarning
-from dpl.gradients import GradientSum, PrivateGradient
-from dpl.hookspecs import hookimpl
-from dpl.modules.base import DPModule
-from dpl.noise import SecureNormal, normal
-from dpl.per_example import PerExampleClipper
-from dpl.plugin_manager import create_plugin_manager
-from dpl.privacy import PrivacyConfig
-from dpl.sampling import secure_generator
-from dpl.step import StepContext, private_step
+from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.lightning.module import DPModule
+from dpl.core.noise import SecureNormal, normal
+from dpl.core.per_example import PerExampleClipper
+from dpl.core.plugin_manager import create_plugin_manager
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.sampling import secure_generator
+from dpl.core.step import StepContext, private_step
 
 # ---------------------------------------------------------------------------------------------------------
 # a tiny float-feature task (fast, and lets a test put NaN / BatchNorm in the model)
@@ -164,7 +164,7 @@ def test_sidecar_readable_by_others_is_refused(tmp_path):
 
 def test_kill_between_the_sidecar_and_checkpoint_writes_still_resumes(tmp_path, monkeypatch):
     """The sidecar lands first; a run killed before the new .ckpt lands resumes from the previous .ckpt."""
-    import dpl.checkpoint as ck
+    import dpl.lightning.checkpoint as ck
 
     trainer = _trainer(tmp_path, 2)
     trainer.fit(_vector_module(), datamodule=VectorDataModule())
@@ -190,7 +190,7 @@ def test_kill_between_the_sidecar_and_checkpoint_writes_still_resumes(tmp_path, 
 
 
 def test_sidecar_of_the_single_entry_format_still_loads(tmp_path):
-    import dpl.checkpoint as ck
+    import dpl.lightning.checkpoint as ck
 
     path = tmp_path / "old.ckpt"
     ck._write_atomic(ck._serialize({"secret_id": "abc", "noise": torch.ones(2)}), ck.secret_path(path), 0o600)
@@ -324,7 +324,7 @@ def test_resume_with_changed_plan_is_refused_then_composed_when_forced(tmp_path)
     assert eps5 < total <= 2.0 * (1 + 1e-9)  # composed over both parts, within the target, never reset
     assert forced.noise_multiplier > first.noise_multiplier  # the second part had less budget left
     # an independent composition of the two segments gives the same number
-    from dpl.accounting import PoissonGaussianAccountant
+    from dpl.core.accounting import PoissonGaussianAccountant
 
     acc = PoissonGaussianAccountant()
     acc.step(first.noise_multiplier, 8 / 64, 5)
@@ -360,7 +360,7 @@ def test_budget_guard_stops_before_exceeding_after_a_resume(tmp_path):
     path = tmp_path / "four.ckpt"
     trainer.save_checkpoint(path)
     eps4 = first.epsilon_after(4)
-    from dpl.mechanism import PoissonGaussian
+    from dpl.core.mechanism import PoissonGaussian
 
     mech = PoissonGaussian(8 / 64)
     budget = mech.epsilon_of_segments([(0.6, 4), (1.5, 2)], first.delta) * 1.001  # room for 2 more steps only
@@ -418,7 +418,7 @@ def test_bf16_is_accepted():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_emulated_bf16_on_cpu_is_reported(native, monkeypatch, caplog):
-    import dpl.modules.base as base
+    import dpl.lightning.module as base
 
     monkeypatch.setattr(base, "cpu_has_native_bf16", lambda: native)
     module = _vector_module()
@@ -486,12 +486,12 @@ def test_privatize_without_its_mechanism_is_refused(tmp_path):
         private_step(pm.hook, ctx, {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])}, 2, mechanism="gaussian")
     module = _vector_module()
     module.plugin_manager.register(_RoguePrivatize(), name="rogue")
-    from dpl import plugin_manager
+    from dpl.core import plugin_manager
 
     original = plugin_manager.replaced_hooks
     module.ensure_model()
     try:
-        import dpl.modules.base as base
+        import dpl.lightning.module as base
 
         base.replaced_hooks = lambda pm: frozenset({"privatize"})
         with pytest.raises(ConfigError, match="without configure_mechanism"):
@@ -537,7 +537,7 @@ def test_sigkill_mid_training_then_resume_from_last_checkpoint(tmp_path):
             "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.every_n_train_steps", "1",
             "--trainer.callbacks.save_last", "true"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-c", "import sys; from dpl.cli import main; main(sys.argv[1:])", "fit", *args]
+    command = [sys.executable, "-c", "import sys; from dpl.lightning.cli import main; main(sys.argv[1:])", "fit", *args]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     last = ckpt_dir / "last.ckpt"
     deadline = time.time() + 240
@@ -557,7 +557,7 @@ def test_sigkill_mid_training_then_resume_from_last_checkpoint(tmp_path):
     resumed = subprocess.run([*command, "--ckpt_path", str(last)], env=env, capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    from dpl.accounting import epsilon_for
+    from dpl.core.accounting import epsilon_for
 
     expected = epsilon_for(1.0, 8 / 64, 150, 0.1 / 64)
     assert f"trained 150 private steps; privacy spent (epsilon={expected:.3f}" in resumed.stdout

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from dpl.errors import ConfigError, PluginError
-from dpl.gradients import PrivateGradient
-from dpl.hookspecs import hookimpl
-from dpl.step import ReleaseContext, RunSetup
+from dpl.core.gradients import PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.core.step import ReleaseContext, RunSetup
 
 #: post_process plugins after which the release's noise_std no longer describes the noise left in the values.
 NOISE_CHANGING_PLUGINS = ("denoise",)

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from dpl.errors import ConfigError, PrivacyWarning
-from dpl.gradients import GradientSum, PrivateGradient
-from dpl.hookspecs import hookimpl
-from dpl.step import RunSetup, StepContext
+from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.core.step import RunSetup, StepContext
 from dpl_plugins.denoise.shrinkage import DenoiseStats, denoise_matrices
 
 RANK_ONE_ESTIMATORS = ("dpzero",)

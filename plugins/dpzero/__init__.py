@@ -11,7 +11,7 @@ z ~ N(0, I) regenerated tensor by tensor from it (:mod:`dpl_plugins.dpzero.direc
 * ``privatize``: not implemented here. The default ``gaussian`` adds N(0, sigma^2 C^2) to the scalar, drawn from
   the run's secret noise source (never from the direction generator), divides by B, and its Poisson/PRV
   mechanism accounts for it exactly as for DP-SGD.
-* ``precondition``: the update direction g * z as a :class:`dpl.update.StreamingDirection` (z regenerated tensor
+* ``precondition``: the update direction g * z as a :class:`dpl.core.update.StreamingDirection` (z regenerated tensor
   by tensor), applied in place by plain SGD: theta <- theta - lr * g * z.
 
 MeZO is the same plugin with ``privacy.noise_multiplier: 0`` and ``privacy.max_grad_norm: .inf``.
@@ -30,10 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from dpl.errors import ConfigError
-from dpl.gradients import GradientSum, PrivateGradient
-from dpl.hookspecs import hookimpl
-from dpl.step import ReleaseContext, RunSetup, StepContext, batch_size_of
-from dpl.update import StreamingDirection, streaming_refusal
+from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.core.step import ReleaseContext, RunSetup, StepContext, batch_size_of
+from dpl.core.update import StreamingDirection, streaming_refusal
 from dpl_plugins.dpzero.directions import DirectionSampler
 
 KEY = "projected_grad"

@@ -99,7 +99,7 @@ class FTRLMechanism:
             raise ConfigError(f"ftrl: its noise was fitted and accounted for {self.steps} steps, asked about {steps}")
 
     def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
-        from dpl.accounting import calibrate_gaussian_mechanism
+        from dpl.core.accounting import calibrate_gaussian_mechanism
 
         self._check_steps(steps)
         # epsilon(sigma, steps) = G(sigma * sens_T / sens_steps), G the exact Gaussian-mechanism epsilon
@@ -107,7 +107,7 @@ class FTRLMechanism:
             / self.strategy.sensitivity
 
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        from dpl.accounting import gaussian_mechanism_epsilon
+        from dpl.core.accounting import gaussian_mechanism_epsilon
 
         if steps <= 0:
             return 0.0

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.utils.data import Sampler
 
-from dpl.sampling import PoissonBatchSampler
+from dpl.core.sampling import PoissonBatchSampler
 
 
 @runtime_checkable
@@ -60,18 +60,18 @@ class PoissonGaussian:
         return PoissonBatchSampler(num_examples, self.sample_rate, steps_per_epoch, generator)
 
     def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
-        from dpl import accounting
+        from dpl.core import accounting
 
         return accounting.calibrate_noise_multiplier(target_epsilon, delta, self.sample_rate, steps,
                                                      method=self.accountant)
 
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        from dpl import accounting  # results are cached there
+        from dpl.core import accounting  # results are cached there
 
         return accounting.epsilon_for(noise_multiplier, self.sample_rate, steps, delta, method=self.accountant)
 
     def epsilon_of_segments(self, segments: list[tuple[float, int, float]], delta: float) -> float:
-        from dpl.accounting import PoissonGaussianAccountant
+        from dpl.core.accounting import PoissonGaussianAccountant
 
         accountant = PoissonGaussianAccountant(self.accountant)
         for sigma, steps, *rate in segments:

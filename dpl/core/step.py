@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from dpl.errors import PluginError
-from dpl.gradients import GradientSum, PrivateGradient
+from dpl.core.gradients import GradientSum, PrivateGradient
 
 
 @dataclass
@@ -32,8 +32,8 @@ class RunSetup:
     seed: int | None = None  # privacy.seed (reproducible experiments only) or None: OS entropy
     world_size: int = 1
     optimizer_factory: Any = None  # the configured optimizer callable (plugins may refuse some optimizers)
-    secure_noise: bool = False  # noise from the OS CSPRNG (dpl.noise.SecureNormal): it cannot be replayed
-    sharded: bool = False  # parameters sharded over the ranks (FSDP, dpl.fsdp): hooks see full-size tensors
+    secure_noise: bool = False  # noise from the OS CSPRNG (dpl.core.noise.SecureNormal): it cannot be replayed
+    sharded: bool = False  # parameters sharded over the ranks (FSDP, dpl.lightning.fsdp): hooks see full-size tensors
 
 
 @dataclass

@@ -32,7 +32,7 @@ class PrivacyConfig:
         seed: seed of the noise and sampling generators. Only for reproducible experiments: a seed that is
             known makes the noise known. Default: OS entropy (the generators' whole state).
         secure_noise: draw the noise from the operating system's CSPRNG with the floating-point-attack
-            mitigation of opacus' secure mode (see :mod:`dpl.noise`); slower, never reproducible.
+            mitigation of opacus' secure mode (see :mod:`dpl.core.noise`); slower, never reproducible.
         force_resume: resume from a checkpoint even though sigma, C, the sampling rate, delta or the mechanism
             changed; epsilon is then composed over both parts (never reset). Without it such a resume is refused.
         log_epsilon_every_n_steps: how often epsilon spent is logged (and at the end).

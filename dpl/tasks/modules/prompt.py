@@ -1,6 +1,6 @@
 """``DPPromptClassificationModule``: prompt-based classification with a masked LM (MeZO / LM-BFF style).
 
-The data module (:class:`~dpl.data.prompt.PromptClassificationDataModule`) renders each sentence into a cloze
+The data module (:class:`~dpl.tasks.data.prompt.PromptClassificationDataModule`) renders each sentence into a cloze
 template such as ``"{sentence} It was [MASK]."``; class k's logit is the masked LM's score of label word k
 (``label_words[k]``, e.g. ``terrible`` / ``great``) at the mask position. No new head is initialised at random:
 training starts from the pretrained model's zero-shot prompt predictions, which is what makes zeroth-order
@@ -31,9 +31,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from dpl.errors import ConfigError
-from dpl.modules.classification import MODEL_INPUTS, DPClassificationModule, FinetuneOptions, apply_finetuning
-from dpl.privacy import PrivacyConfig
-from dpl.utils import resolve_path
+from dpl.tasks.modules.classification import MODEL_INPUTS, DPClassificationModule, FinetuneOptions, apply_finetuning
+from dpl.core.privacy import PrivacyConfig
+from dpl.tasks.loading import resolve_path
 
 log = logging.getLogger("dpl")
 
@@ -78,7 +78,7 @@ class DPPromptClassificationModule(DPClassificationModule):
             ``[terrible, great]``). Each must be one token of the tokenizer (a leading space is tried for BPE).
         decoder: ``auto``, ``mlm_head`` or ``embeddings`` (module docstring).
         finetuning: full fine-tuning or LoRA (peft, on the encoder), and frozen parameters.
-        privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.modules.base.DPModule`.
+        privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
     task = "classification"

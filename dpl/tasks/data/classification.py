@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from dpl.data.base import DPDataModule
+from dpl.lightning.data import DPDataModule
 from dpl.errors import ConfigError, DataError
-from dpl.utils import resolve_path
+from dpl.tasks.loading import resolve_path
 
 log = logging.getLogger(__name__)
 

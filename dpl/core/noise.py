@@ -3,7 +3,7 @@
 ``normal(shape, source, device, dtype)`` returns i.i.d. N(0, 1) draws from ``source``, which is either
 
 * a ``torch.Generator`` (default: its whole Mersenne-Twister state filled from OS entropy by
-  :func:`dpl.sampling.secure_generator`), fast, reproducible when the user sets ``privacy.seed``; or
+  :func:`dpl.core.sampling.secure_generator`), fast, reproducible when the user sets ``privacy.seed``; or
 * a :class:`SecureNormal` (``privacy.secure_noise: true``): uniform bits from the operating system's CSPRNG
   (``os.urandom``: ChaCha20 in Linux's ``getrandom``), turned into Gaussians by the Box-Muller transform in
   float64, and each returned value the sum of four such draws divided by two - the mitigation opacus' secure

@@ -55,7 +55,7 @@ class DPDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module
         batch_sampler = module.make_batch_sampler(len(self.train_set))
         if getattr(batch_sampler, "pads", False):  # FSDP: shards padded with zero-weight fillers
-            from dpl.distributed import PaddedCollate, PaddedDataset
+            from dpl.lightning.distributed import PaddedCollate, PaddedDataset
 
             return DataLoader(PaddedDataset(self.train_set), batch_sampler=batch_sampler,
                               collate_fn=PaddedCollate(self.collate), num_workers=self.num_workers)
@@ -67,16 +67,16 @@ class DPDataModule(L.LightningDataModule):
             raise ValueError(f"{type(self).__name__} has no such split configured")
         sampler = None
         trainer = self.trainer
-        from dpl.distributed import shards_parameters
+        from dpl.lightning.distributed import shards_parameters
 
         if trainer is not None and shards_parameters(trainer) and len(dataset) >= trainer.world_size:
-            from dpl.distributed import BalancedShardBatchSampler  # FSDP: the same number of batches on every rank
+            from dpl.lightning.distributed import BalancedShardBatchSampler  # FSDP: the same number of batches on every rank
 
             batches = BalancedShardBatchSampler(len(dataset), trainer.global_rank, trainer.world_size,
                                                 self.eval_batch_size)
             return DataLoader(dataset, batch_sampler=batches, collate_fn=self.collate, num_workers=self.num_workers)
         if trainer is not None and getattr(trainer, "world_size", 1) > 1 and len(dataset) >= trainer.world_size:
-            from dpl.distributed import ShardSampler  # DDP: each rank evaluates its shard (no padding duplicates)
+            from dpl.lightning.distributed import ShardSampler  # DDP: each rank evaluates its shard (no padding duplicates)
 
             sampler = ShardSampler(len(dataset), trainer.global_rank, trainer.world_size)
         return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, sampler=sampler,

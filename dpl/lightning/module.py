@@ -19,17 +19,17 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torch.utils.data import Sampler
 
-from dpl import checkpoint as ckpt_io
-from dpl import distributed
+from dpl.lightning import checkpoint as ckpt_io
+from dpl.lightning import distributed
 from dpl.errors import ConfigError, PrivacyWarning
-from dpl.fsdp import full_parameters
-from dpl.mechanism import Mechanism
-from dpl.noise import NoiseSource, SecureNormal
-from dpl.plugin_manager import active_plugin_names, create_plugin_manager, replaced_hooks
-from dpl.privacy import PrivacyConfig
-from dpl.sampling import derive_seed, secure_generator
-from dpl.step import RunSetup, StepContext, private_step
-from dpl.update import apply_direction
+from dpl.lightning.fsdp import full_parameters
+from dpl.core.mechanism import Mechanism
+from dpl.core.noise import NoiseSource, SecureNormal
+from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, replaced_hooks
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.sampling import derive_seed, secure_generator
+from dpl.core.step import RunSetup, StepContext, private_step
+from dpl.core.update import apply_direction
 
 log = logging.getLogger("dpl")
 
@@ -46,7 +46,7 @@ class DPModule(L.LightningModule):
     """Base LightningModule for differentially private training.
 
     Args:
-        privacy: the privacy settings (:class:`~dpl.privacy.PrivacyConfig`).
+        privacy: the privacy settings (:class:`~dpl.core.privacy.PrivacyConfig`).
         plugins: plugins to activate, ``{name: {options}}`` in the order their ``post_process`` runs.
         optimizer: torch optimizer (class or callable taking the trainable parameters).
         lr_scheduler: optional scheduler, stepped once per logical batch.
@@ -118,7 +118,7 @@ class DPModule(L.LightningModule):
             self.prepare_privacy(self.trainer.datamodule.num_train_examples, self.trainer)
 
     def configure_model(self) -> None:
-        """Build the model; under dpl's FSDP strategy (:class:`~dpl.fsdp.DPFSDPStrategy`) also shard it."""
+        """Build the model; under dpl's FSDP strategy (:class:`~dpl.lightning.fsdp.DPFSDPStrategy`) also shard it."""
         self.ensure_model(self.trainer.datamodule)
         shard = getattr(self.trainer.strategy, "shard_module", None)
         if shard is not None:
@@ -247,7 +247,7 @@ class DPModule(L.LightningModule):
         return self.mechanism.epsilon_of_segments(segments, self.delta)
 
     def make_batch_sampler(self, num_examples: int) -> Sampler:
-        """The training batch sampler (called by :class:`~dpl.data.DPDataModule`)."""
+        """The training batch sampler (called by :class:`~dpl.tasks.data.DPDataModule`)."""
         self.prepare_privacy(num_examples)
         return distributed.shard_batch_sampler(  # DDP: this rank's share of the global batch (FSDP: padded)
             self.mechanism.batch_sampler(num_examples, self.steps_per_epoch, self._sampler_generator,
@@ -340,8 +340,8 @@ class DPModule(L.LightningModule):
         return items
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Public state into the checkpoint; secret state under ``dpl.checkpoint.SECRET_KEY`` only when the
-        trainer writes it to an owner-only sidecar (:class:`~dpl.checkpoint.SidecarCheckpointIO`) and the
+        """Public state into the checkpoint; secret state under ``dpl.lightning.checkpoint.SECRET_KEY`` only when the
+        trainer writes it to an owner-only sidecar (:class:`~dpl.lightning.checkpoint.SidecarCheckpointIO`) and the
         checkpoint is a full one (not weights-only)."""
         secret_id = ckpt_io.new_secret_id()
         checkpoint["dpl"] = {
@@ -491,7 +491,7 @@ class DPModule(L.LightningModule):
 
 
 def install_sidecar_io(trainer: L.Trainer) -> None:
-    """Make the trainer write checkpoints through :class:`~dpl.checkpoint.SidecarCheckpointIO` (idempotent)."""
+    """Make the trainer write checkpoints through :class:`~dpl.lightning.checkpoint.SidecarCheckpointIO` (idempotent)."""
     strategy = trainer.strategy
     current = strategy.checkpoint_io
     if not isinstance(current, ckpt_io.SidecarCheckpointIO):

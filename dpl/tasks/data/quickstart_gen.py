@@ -14,7 +14,7 @@ The label follows from the sentence by fixed rules. About 40% of the sentences a
 
 Classes are exactly balanced before noise; then 3% of each split's labels are flipped (equally many of each
 class), so no model reaches 100%. The output is a deterministic function of the seed and the split sizes:
-:class:`~dpl.data.quickstart.QuickstartDataModule` generates its rows in memory with :func:`generate`, and
+:class:`~dpl.tasks.data.quickstart.QuickstartDataModule` generates its rows in memory with :func:`generate`, and
 ``scripts/make_quickstart_data.py`` writes them as TSV.
 """
 

@@ -21,9 +21,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from dpl.data.base import DPDataModule
+from dpl.lightning.data import DPDataModule
 from dpl.errors import ConfigError, DPLError
-from dpl.modules.base import DPModule
+from dpl.lightning.module import DPModule
 
 DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-SGD (Poisson sampling, per-example\n"
                "clipping, calibrated noise, PRV accounting) on Lightning; private-training methods plug in as hooks.")
@@ -31,7 +31,7 @@ DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-S
 #: dpl's commands besides Lightning's (fit, validate, test, predict): name -> (one-line help, "module:function").
 #: The function gets the remaining arguments (list of str) and returns an exit code (or None for 0).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.cli:plugins_command"),
+    "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.lightning.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
               "(docs/audit.md)", "dpl.audit:audit_command"),
 }
@@ -96,12 +96,12 @@ class DPLightningCLI(LightningCLI):
         given = given if isinstance(given, list) else [given]
         if config.get("enable_progress_bar") is not False and not any(
                 isinstance(c, ProgressBar) for c in [*given, *callbacks]):
-            from dpl.progress import default_progress_bar
+            from dpl.lightning.progress import default_progress_bar
 
             callbacks = [*callbacks, default_progress_bar()]
         if config.get("enable_model_summary") is not False and not any(
                 isinstance(c, ModelSummary) for c in [*given, *callbacks]):
-            from dpl.progress import default_model_summary
+            from dpl.lightning.progress import default_model_summary
 
             summary = default_model_summary()  # off a terminal: one plain line, not the box-drawn table
             if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
@@ -221,7 +221,7 @@ def _remove_partial_run(new_dirs: list[Path]) -> None:
 
 
 def print_plugins() -> None:
-    from dpl.plugin_manager import describe_plugins
+    from dpl.core.plugin_manager import describe_plugins
 
     infos = describe_plugins()
     if not infos:

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from dpl.data.base import DPDataModule
+from dpl.lightning.data import DPDataModule
 from dpl.errors import ConfigError, DataError
-from dpl.utils import load_tokenizer, resolve_path
+from dpl.tasks.loading import load_tokenizer, resolve_path
 
 __all__ = ["GenerationDataModule", "E2EDataModule", "DARTDataModule", "JSONLDataModule", "Record"]
 

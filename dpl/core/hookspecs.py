@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from dpl.gradients import GradientSum, PrivateGradient
-    from dpl.mechanism import Mechanism
-    from dpl.step import ReleaseContext, RunSetup, StepContext
+    from dpl.core.gradients import GradientSum, PrivateGradient
+    from dpl.core.mechanism import Mechanism
+    from dpl.core.step import ReleaseContext, RunSetup, StepContext
 
 PROJECT = "dpl"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -56,7 +56,7 @@ def privatize(ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient | 
     """Add noise to the clipped sum of the logical batch and divide by the expected batch size.
 
     Called exactly once per logical batch. This is the only hook that reads ``gradient_sum``; dpl wipes it
-    right after. The returned :class:`~dpl.gradients.PrivateGradient` must carry the per-coordinate standard
+    right after. The returned :class:`~dpl.core.gradients.PrivateGradient` must carry the per-coordinate standard
     deviation of the noise it contains (``noise_std``) so that later hooks can use it.
 
     Privacy contract: the noise is drawn from ``ctx.noise_generator`` (its whole state filled from OS entropy
@@ -77,7 +77,7 @@ def post_process(ctx: ReleaseContext, gradient: PrivateGradient) -> None:
 
     Privacy contract: read only ``gradient``, public data and the plugin's own state - never the clipped sum
     or per-example data. That makes it post-processing of a DP release, free of privacy cost. ``ctx`` is a
-    :class:`~dpl.step.ReleaseContext`: it has no noise generator and no forward pass on the examples.
+    :class:`~dpl.core.step.ReleaseContext`: it has no noise generator and no forward pass on the examples.
     Example: ``denoise`` shrinks each 2-D gradient matrix with random-matrix theory, reading
     ``gradient.noise_std``.
     """
@@ -109,7 +109,7 @@ def validate_setup(setup: RunSetup) -> None:
 
 @hookspec(firstresult=True)
 def configure_mechanism(setup: RunSetup) -> Mechanism | None:
-    """Return the :class:`~dpl.mechanism.Mechanism` that owns batch sampling and privacy accounting for the
+    """Return the :class:`~dpl.core.mechanism.Mechanism` that owns batch sampling and privacy accounting for the
     noise this run adds.
 
     Called once at setup. Default: ``gaussian`` (Poisson sampling, PRV accountant for the subsampled

@@ -3,7 +3,7 @@
 Each example's text is placed into ``template`` (default ``"{sentence} It was [MASK]."``, MeZO's SST-2 prompt):
 ``{sentence}`` is the text column, ``[MASK]`` the tokenizer's mask token. The sentence alone is truncated, so the
 template and its mask always survive ``max_length``. Files, checks, labels and batching are those of
-:class:`~dpl.data.ClassificationDataModule`; pair it with :class:`~dpl.modules.prompt.DPPromptClassificationModule`.
+:class:`~dpl.tasks.data.ClassificationDataModule`; pair it with :class:`~dpl.tasks.modules.prompt.DPPromptClassificationModule`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from dpl.data.classification import ClassificationDataModule, SplitData, label_key
+from dpl.tasks.data.classification import ClassificationDataModule, SplitData, label_key
 from dpl.errors import DataError
 
 MASK = "[MASK]"
@@ -65,7 +65,7 @@ class PromptClassificationDataModule(ClassificationDataModule):
     Args:
         template: the prompt, with ``{sentence}`` (the text column) and ``[MASK]`` (the tokenizer's mask token)
             each exactly once. Default: MeZO's SST-2 prompt ``"{sentence} It was [MASK]."``.
-        everything else: see :class:`~dpl.data.ClassificationDataModule` (no text pairs).
+        everything else: see :class:`~dpl.tasks.data.ClassificationDataModule` (no text pairs).
     """
 
     def __init__(self, tokenizer: str, template: str = "{sentence} It was [MASK].", data_dir: str | None = None,

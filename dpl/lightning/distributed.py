@@ -7,7 +7,7 @@ what one process would (docs/scaling.md argues it; tests/test_ddp.py checks it):
   draws the same *global* batch (Poisson over all N examples, or the mechanism's own scheme) and keeps the
   members of its shard (index i with ``i % world_size == rank``). The union of the shards is the global batch:
   Poisson with rate q on the whole set, the same batch a single process draws from the same generator state.
-* **Clipped sums** (:func:`all_reduce_gradient_sum`): every tensor of the rank's :class:`~dpl.gradients.GradientSum`
+* **Clipped sums** (:func:`all_reduce_gradient_sum`): every tensor of the rank's :class:`~dpl.core.gradients.GradientSum`
   and its count are summed over the ranks (``all_reduce(SUM)``) before ``privatize``. A DPZero sum (one scalar)
   takes the same path.
 * **Noise**: every rank's noise generator has the same state, so every rank adds the *same* noise to the same
@@ -40,8 +40,8 @@ from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
 from dpl.errors import ConfigError
-from dpl.gradients import GradientSum
-from dpl.noise import SecureNormal
+from dpl.core.gradients import GradientSum
+from dpl.core.noise import SecureNormal
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning as L
@@ -84,7 +84,7 @@ def check_strategy(trainer: L.Trainer) -> None:
     (they wrap or re-register the parameters and write their own checkpoint files), non-DDP multi-process ones."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    from dpl.fsdp import DPFSDPStrategy
+    from dpl.lightning.fsdp import DPFSDPStrategy
 
     strategy = getattr(trainer, "strategy", None)
     name = type(strategy).__name__
@@ -92,7 +92,7 @@ def check_strategy(trainer: L.Trainer) -> None:
         return
     if "FSDP" in name or "ModelParallel" in name or "DeepSpeed" in name:
         raise ConfigError(f"strategy {name} (sharded parameters) is not supported: for FSDP use dpl's "
-                          "dpl.fsdp.DPFSDPStrategy (configs/strategies/fsdp.yaml)")
+                          "dpl.lightning.fsdp.DPFSDPStrategy (configs/strategies/fsdp.yaml)")
     if trainer.world_size <= 1:
         return
     if not isinstance(strategy, DDPStrategy) or "DeepSpeed" in name or "XLA" in name:
@@ -101,7 +101,7 @@ def check_strategy(trainer: L.Trainer) -> None:
 
 def shards_parameters(trainer: L.Trainer) -> bool:
     """Whether the trainer shards the parameters over its ranks (dpl's FSDP strategy)."""
-    from dpl.fsdp import DPFSDPStrategy
+    from dpl.lightning.fsdp import DPFSDPStrategy
 
     return isinstance(getattr(trainer, "strategy", None), DPFSDPStrategy)
 
@@ -110,7 +110,7 @@ def keep_dpl_batch_sampler(trainer: L.Trainer) -> None:
     """Stop Lightning from replacing dpl's training batch sampler with a ``DistributedSampler``.
 
     dpl's sampler already shards (:class:`ShardedBatchSampler`) and Lightning cannot inject a sampler into it;
-    :class:`~dpl.data.DPDataModule` shards its evaluation loaders itself. Equivalent to
+    :class:`~dpl.tasks.data.DPDataModule` shards its evaluation loaders itself. Equivalent to
     ``trainer.use_distributed_sampler: false`` (which ``configs/strategies/ddp.yaml`` sets).
     """
     if trainer.world_size <= 1:
@@ -299,7 +299,7 @@ def all_reduce_gradient_sum(gradient_sum: GradientSum, bucket_bytes: int = BUCKE
 
 
 def gradient_reducer():
-    """``reduce_sum`` for :func:`dpl.step.private_step`: :func:`all_reduce_gradient_sum` under DDP, else None."""
+    """``reduce_sum`` for :func:`dpl.core.step.private_step`: :func:`all_reduce_gradient_sum` under DDP, else None."""
     return all_reduce_gradient_sum if is_distributed() else None
 
 
@@ -362,7 +362,7 @@ def sync_run_state(module: Any) -> None:
 def _fingerprints(module: Any) -> tuple[Tensor, Tensor]:
     """float64 fingerprints of the trainable parameters (per parameter: sum, sum of squares, size) and of the
     generator states, comparable across ranks."""
-    from dpl.fsdp import is_sharded
+    from dpl.lightning.fsdp import is_sharded
 
     params = []
     for param in module.trainable.values():
@@ -396,7 +396,7 @@ def check_replicas_agree(module: Any, drift: float = 1e-5) -> None:
         return
     import torch.distributed as dist
 
-    from dpl.fsdp import is_sharded
+    from dpl.lightning.fsdp import is_sharded
 
     params, gens = _fingerprints(module)
     mine = torch.cat([params, gens]).to(_comm_device())

@@ -3,7 +3,7 @@
 The privacy unit is one training example (one prompt/completion pair). Its loss is the mean token
 cross-entropy over the completion tokens only (the data module marks prompt and padding tokens with
 label ``-100``). Evaluation generates a completion for every unique prompt of the validation (or test)
-split and scores the corpus against all references of each prompt (:func:`dpl.metrics.compute_metrics`);
+split and scores the corpus against all references of each prompt (:func:`dpl.tasks.metrics.compute_metrics`);
 the predictions are written next to the run's logs.
 """
 
@@ -20,14 +20,14 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
-from dpl import distributed
-from dpl.distributed import gather_objects
+from dpl.lightning import distributed
+from dpl.lightning.distributed import gather_objects
 from dpl.errors import ConfigError
-from dpl.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
-from dpl.modules.base import DPModule
-from dpl.modules.classification import FinetuneOptions, apply_finetuning
-from dpl.privacy import PrivacyConfig
-from dpl.utils import load_pretrained, load_tokenizer
+from dpl.tasks.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
+from dpl.lightning.module import DPModule
+from dpl.tasks.modules.classification import FinetuneOptions, apply_finetuning
+from dpl.core.privacy import PrivacyConfig
+from dpl.tasks.loading import load_pretrained, load_tokenizer
 
 log = logging.getLogger("dpl")
 
@@ -100,7 +100,7 @@ class DPGenerationModule(DPModule):
             split. ``freeze`` (default) freezes the shared matrix; ``untie`` gives the output layer its own
             trainable copy (more parameters, more noise). With LoRA the base weights are frozen anyway.
         generation: decoding and metrics for validation and test.
-        privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.modules.base.DPModule`.
+        privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
     task = "generation"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pluggy
 
-from dpl import hookspecs
+from dpl.core import hookspecs
 from dpl.errors import PluginError
 
 ENTRY_POINT_GROUP = "dpl"

@@ -6,10 +6,10 @@ a ``DTensor`` sharded on its first dimension over the ranks) set up for dpl:
 * **Sharding**: ``DPModule.configure_model`` calls :meth:`DPFSDPStrategy.shard_module`, which applies
   ``fully_shard`` to every block of every ``nn.ModuleList`` (the transformer layers) and then to the whole model.
   A parameter's full value exists only while its block runs forward or backward.
-* **Clipping**: dpl's engine (:mod:`dpl.per_example`) needs no parameter: it records each layer's input and output
+* **Clipping**: dpl's engine (:mod:`dpl.core.per_example`) needs no parameter: it records each layer's input and output
   gradient through the sharded model (FSDP gathers a block's parameters for its forward and backward) and forms
   each example's norm and the clipped sum from them. Every rank computes the full-size clipped sum of its own
-  examples, and the sums are all-reduced before ``privatize`` - exactly as under DDP (:mod:`dpl.distributed`).
+  examples, and the sums are all-reduced before ``privatize`` - exactly as under DDP (:mod:`dpl.lightning.distributed`).
 * **Noise, plugins**: every rank holds the same noise generator and the same all-reduced sum, so ``privatize``,
   ``post_process`` and ``precondition`` run on full-size tensors, identically on every rank, with no plugin
   knowing about shards (denoise sees whole matrices, ftrl whole buffers). Plugins that read parameter *values*
@@ -17,7 +17,7 @@ a ``DTensor`` sharded on its first dimension over the ranks) set up for dpl:
 * **Update**: each rank keeps its own slice of the released direction as the gradient of its parameter shard
   (:func:`as_gradient_of`) and the optimizer steps on the shards: parameters and optimizer state stay sharded.
 * **Checkpoints**: a single full checkpoint gathered on rank 0 (``save_distributed_checkpoint=False``), written by
-  dpl's :class:`~dpl.checkpoint.SidecarCheckpointIO`: the public ``.ckpt`` plus the owner-only ``.secret`` sidecar.
+  dpl's :class:`~dpl.lightning.checkpoint.SidecarCheckpointIO`: the public ``.ckpt`` plus the owner-only ``.secret`` sidecar.
 
 What this does not save: the gradient (clipped sum and release) is full size on every rank, as under DDP; only
 parameters and optimizer state are sharded (see docs/scaling.md for the memory per rank).
@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
-from dpl import checkpoint as ckpt_io
+from dpl.lightning import checkpoint as ckpt_io
 from dpl.errors import ConfigError
 
 try:

@@ -1,6 +1,6 @@
 """dpl's own quickstart data: synthetic binary sentiment (``negative`` / ``positive``) movie and product reviews.
 
-The sentences come from :mod:`dpl.data.quickstart_gen` (dpl's own templates and word lists: no third-party data;
+The sentences come from :mod:`dpl.tasks.data.quickstart_gen` (dpl's own templates and word lists: no third-party data;
 classes balanced, 3% of labels flipped on purpose). About 40% are plain statements; in the rest negations,
 contrasts ("..., but ...") and expectations decide the label.
 
@@ -20,8 +20,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dpl.data.classification import ClassificationDataModule, SplitData
-from dpl.data.quickstart_gen import SEED
+from dpl.tasks.data.classification import ClassificationDataModule, SplitData
+from dpl.tasks.data.quickstart_gen import SEED
 from dpl.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class QuickstartDataModule(ClassificationDataModule):
         if self._splits is None:
             import datasets
 
-            from dpl.data.quickstart_gen import generate
+            from dpl.tasks.data.quickstart_gen import generate
 
             stats: dict[str, int] = {}
             rows = generate(seed=self.seed, train_size=self.train_size, validation_size=self.validation_size,

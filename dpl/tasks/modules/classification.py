@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score
 
 from dpl.errors import ConfigError
-from dpl.modules.base import DPModule
-from dpl.privacy import PrivacyConfig
-from dpl.utils import resolve_path
+from dpl.lightning.module import DPModule
+from dpl.core.privacy import PrivacyConfig
+from dpl.tasks.loading import resolve_path
 
 log = logging.getLogger("dpl")
 
@@ -141,7 +141,7 @@ class DPClassificationModule(DPModule):
             of the last hidden states over the real tokens (padding masked out), then dropout and a new linear
             head (:class:`MeanPoolClassifier`) - how sentence-embedding checkpoints such as all-MiniLM-L6-v2
             were trained. Parameter names then start with ``encoder.`` (the base model) and ``classifier.``.
-        privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.modules.base.DPModule`.
+        privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
     task = "classification"
