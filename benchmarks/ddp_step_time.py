@@ -102,7 +102,7 @@ class StepTimer(L.Callback):
     def on_train_end(self, trainer, pl_module):
         import resource
 
-        from dpl.lightning.fsdp import is_sharded
+        from dpl.core.sharding import is_sharded
 
         def local(t):
             return t.to_local() if is_sharded(t) else t

@@ -33,7 +33,7 @@ def variant(model, batch, plugins: dict | None, steps: int):
     size = batch["labels"].shape[0]
     setup = RunSetup(model=model, trainable=trainable, plugin_names=list(plugins or {}), num_examples=size * 50,
                      expected_batch_size=size, steps=steps, sampling_rate=1 / 50, accountant="prv",
-                     optimizer_name="SGD", task="classification")
+                     optimizer_name="SGD")
     pm.hook.validate_setup(setup=setup)
     mech = pm.hook.configure_mechanism(setup=setup)
     plugin = dict(pm.list_name_plugin()).get("ftrl")

@@ -6,12 +6,8 @@ from typing import Any
 
 import torch
 
-from dpl.lightning.distributed import PADDING_KEY
-from dpl.errors import ConfigError
-from dpl.core.gradients import GradientSum
-from dpl.core.hookspecs import hookimpl
-from dpl.core.per_example import PerExampleClipper
-from dpl.core.step import RunSetup, StepContext, batch_size_of
+from dpl.api import (PADDING_KEY, ConfigError, GradientSum, PerExampleClipper, RunSetup, StepContext, batch_size_of,
+                     hookimpl)
 
 
 class ClipPlugin:

@@ -4,11 +4,7 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 from __future__ import annotations
 
 
-from dpl.core.gradients import GradientSum, PrivateGradient
-from dpl.core.hookspecs import hookimpl
-from dpl.core.mechanism import Mechanism, PoissonGaussian
-from dpl.core.noise import normal
-from dpl.core.step import RunSetup, StepContext
+from dpl.api import GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext, hookimpl, normal
 
 
 class GaussianPlugin:

@@ -32,7 +32,7 @@ def _release_ctx(params, optimizer=None, logs=None, noise_multiplier=1.0, batch=
 def _setup(model, names=("adambc",), optimizer=torch.optim.SGD):
     return RunSetup(model=model, trainable=dict(model.named_parameters()), plugin_names=list(names),
                     num_examples=100, expected_batch_size=4, steps=10, sampling_rate=0.04, accountant="prv",
-                    optimizer_name=getattr(optimizer, "__name__", type(optimizer).__name__), task="classification",
+                    optimizer_name=getattr(optimizer, "__name__", type(optimizer).__name__),
                     optimizer_factory=optimizer)
 
 
@@ -205,12 +205,6 @@ def test_refused_at_step_time_too():
     with pytest.raises(ConfigError, match="not Adam"):
         AdamBCPlugin().precondition(ctx=_release_ctx(params, torch.optim.Adam(list(params.values()))),
                                     gradient=gradient)
-
-
-def test_denoise_before_bias_correction_is_refused():
-    with pytest.raises(ConfigError, match="cannot follow 'denoise'"):
-        AdamBCPlugin().validate_setup(setup=_setup(tiny_bert(), names=("denoise", "adambc")))
-    AdamBCPlugin(bias_correction=False).validate_setup(setup=_setup(tiny_bert(), names=("denoise", "adambc")))
 
 
 def test_bad_options():

@@ -6,7 +6,6 @@ import csv
 import importlib.util
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,9 +227,8 @@ def test_dataloaders_with_a_poisson_sampler(make, tmp_path):
 
     dm = make(data_dir=str(tsv_dir(tmp_path)), eval_batch_size=1)
     dm.setup("fit")
-    module = SimpleNamespace(make_batch_sampler=lambda n: PoissonBatchSampler(
-        n, 0.5, steps_per_epoch=20, generator=torch.Generator().manual_seed(0)))
-    dm.trainer = SimpleNamespace(lightning_module=module)
+    dm.train_batch_sampler = lambda n: PoissonBatchSampler(n, 0.5, steps_per_epoch=20,
+                                                           generator=torch.Generator().manual_seed(0))
     sizes = [batch["labels"].shape[0] for batch in dm.train_dataloader()]
     assert len(sizes) == 20 and 0 in sizes and max(sizes) <= 4
     assert [b["input_ids"].shape[0] for b in dm.val_dataloader()] == [1, 1]

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -310,7 +309,7 @@ def test_train_loader_uses_the_module_sampler_and_allows_empty_batches(tok, tmp_
     dm = build(E2EDataModule, tok, data_dir=str(e2e_dir(tmp_path)))
     dm.setup("fit")
     sampler = [[0, 3, 5], []]
-    dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(make_batch_sampler=lambda n: sampler))
+    dm.train_batch_sampler = lambda n: sampler
     full, empty = list(dm.train_dataloader())
     assert full["input_ids"].shape[0] == 3 and empty["input_ids"].shape == (0, 0)
 

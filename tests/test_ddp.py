@@ -92,7 +92,7 @@ class VectorModule(DPModule):
 
 def _full(param: torch.Tensor) -> torch.Tensor:
     """A parameter's full value (FSDP: gathered from the shards; a collective every rank runs)."""
-    from dpl.lightning.fsdp import is_sharded
+    from dpl.core.sharding import is_sharded
 
     return param.full_tensor() if is_sharded(param) else param
 
@@ -126,9 +126,9 @@ class Recorder(L.Callback):
             "sigma": pl_module.noise_multiplier, "rate": pl_module.mechanism.state_dict().get("sample_rate"),
             "batches": self.batches, "accumulated": self.accumulated, "world": trainer.world_size,
             "ddp": type(wrapped).__name__,
-            "fingerprint": state_fingerprint(pl_module), "val_seen": getattr(pl_module, "val_seen", None),
+            "fingerprint": state_fingerprint(pl_module.engine, pl_module.trainable), "val_seen": getattr(pl_module, "val_seen", None),
             "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics
-            else None, "noise": repr(pl_module._noise_generator),
+            else None, "noise": repr(pl_module.engine.noise_source),
         }, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -24,7 +24,8 @@ from torch import nn
 from dpl.lightning.checkpoint import secret_path
 from dpl.lightning.distributed import PADDING_KEY, BalancedShardBatchSampler, ShardedBatchSampler
 from dpl.errors import ConfigError
-from dpl.lightning.fsdp import DPFSDPStrategy, as_gradient_of
+from dpl.core.sharding import as_gradient_of
+from dpl.lightning.fsdp import DPFSDPStrategy
 from dpl.lightning.module import DPModule
 from dpl.core.plugin_manager import installed_plugins
 from dpl.core.privacy import PrivacyConfig
@@ -320,7 +321,7 @@ def test_cli_with_the_fsdp_fragment(tmp_path):
 def _sharded_setup(model: nn.Module, **kwargs) -> RunSetup:
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     base = dict(model=model, trainable=trainable, plugin_names=[], num_examples=100, expected_batch_size=10,
-                steps=5, sampling_rate=0.1, accountant="prv", optimizer_name="SGD", task="classification",
+                steps=5, sampling_rate=0.1, accountant="prv", optimizer_name="SGD",
                 world_size=2, sharded=True)
     base.update(kwargs)
     return RunSetup(**base)

@@ -21,6 +21,7 @@ from torch import nn
 
 from dpl.errors import ConfigError
 from dpl.core.gradients import GradientSum
+from dpl.core.mechanism import Segment
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.step import RunSetup, StepContext, private_step
@@ -157,7 +158,7 @@ def _setup(n=64, batch=8, steps=12, trainable=None, secure_noise=False, model=No
     trainable = trainable if trainable is not None else {"w": nn.Parameter(torch.zeros(3))}
     return RunSetup(model=model if model is not None else nn.Linear(1, 1), trainable=trainable, plugin_names=["ftrl"], num_examples=n,
                     expected_batch_size=batch, steps=steps, sampling_rate=batch / n, accountant="prv",
-                    optimizer_name="SGD", task="classification", secure_noise=secure_noise)
+                    optimizer_name="SGD", secure_noise=secure_noise)
 
 
 def _ctx(step, gen, sigma=1.5, clip=0.7, batch=8, logs=None):
@@ -243,9 +244,9 @@ def test_calibrated_sigma_gives_the_target_epsilon(family):
 
 def test_sigma_change_on_resume_is_refused():
     mech = FTRLPlugin().configure_mechanism(setup=_setup(steps=12))
-    assert mech.epsilon_of_segments([(1.0, 5, 0.1), (1.0, 7, 0.1)], 1e-5) == mech.epsilon(1.0, 1e-5, 12)
+    assert mech.epsilon_of_segments([Segment(1.0, 0.1, 5), Segment(1.0, 0.1, 7)], 1e-5) == mech.epsilon(1.0, 1e-5, 12)
     with pytest.raises(ConfigError, match="sigma cannot change"):
-        mech.epsilon_of_segments([(1.0, 5, 0.1), (2.0, 7, 0.1)], 1e-5)
+        mech.epsilon_of_segments([Segment(1.0, 0.1, 5), Segment(2.0, 0.1, 7)], 1e-5)
     other = FTRLPlugin().configure_mechanism(setup=_setup(steps=20))
     with pytest.raises(ConfigError, match="steps"):
         mech.load_state_dict(other.state_dict())

@@ -120,7 +120,7 @@ def test_trailing_padding_columns_are_dropped_without_changing_logits(tmp_path):
 def test_step_orders_a_logical_batch_longest_first():
     """dpl's step cuts a logical batch into micro-batches longest first (every per-example value permuted alike,
     FSDP's filler flags included), so micro-batches of similar lengths carry little padding."""
-    from dpl.lightning.distributed import PADDING_KEY
+    from dpl.core.step import PADDING_KEY
     from dpl.core.step import split_batch
 
     lengths = [3, 9, 5, 1, 5]

@@ -71,10 +71,10 @@ def test_checkpoint_alone_does_not_reveal_noise_or_batches(tmp_path):
     _trainer(tmp_path, 4).fit(module, datamodule=data)
     _trainer_for_save = module.trainer
     _trainer_for_save.save_checkpoint(path)
-    noise_state = module._noise_generator.get_state()
-    sampler_state = module._sampler_generator.get_state()
-    next_noise = torch.randn(50, generator=module._noise_generator)
-    next_batch = torch.rand(64, generator=module._sampler_generator)
+    noise_state = module.engine.noise_source.get_state()
+    sampler_state = module.engine._sampler_generator.get_state()
+    next_noise = torch.randn(50, generator=module.engine.noise_source)
+    next_batch = torch.rand(64, generator=module.engine._sampler_generator)
 
     checkpoint = torch.load(path, weights_only=False)
     assert SECRET_KEY not in checkpoint
@@ -207,12 +207,12 @@ def test_resume_without_sidecar_uses_fresh_entropy(tmp_path):
     trainer.fit(module, datamodule=data)
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
-    next_noise = torch.randn(20, generator=module._noise_generator)
+    next_noise = torch.randn(20, generator=module.engine.noise_source)
     secret_path(path).unlink()
     resumed = _vector_module(seed=None)
     _trainer(tmp_path, 2).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
     assert resumed.steps_done == 2
-    assert not torch.equal(torch.randn(20, generator=resumed._noise_generator), next_noise)
+    assert not torch.equal(torch.randn(20, generator=resumed.engine.noise_source), next_noise)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -299,8 +299,8 @@ def test_resume_is_bit_exact_with_a_seed(tmp_path):
     for name, value in _params(full).items():
         assert torch.equal(value, _params(resumed)[name]), name
     assert resumed.epsilon_after(10) == full.epsilon_after(10)
-    assert torch.equal(torch.randn(8, generator=resumed._noise_generator),
-                       torch.randn(8, generator=full._noise_generator))
+    assert torch.equal(torch.randn(8, generator=resumed.engine.noise_source),
+                       torch.randn(8, generator=full.engine.noise_source))
 
 
 def test_resume_with_changed_plan_is_refused_then_composed_when_forced(tmp_path):
@@ -360,10 +360,10 @@ def test_budget_guard_stops_before_exceeding_after_a_resume(tmp_path):
     path = tmp_path / "four.ckpt"
     trainer.save_checkpoint(path)
     eps4 = first.epsilon_after(4)
-    from dpl.core.mechanism import PoissonGaussian
+    from dpl.core.mechanism import PoissonGaussian, Segment
 
     mech = PoissonGaussian(8 / 64)
-    budget = mech.epsilon_of_segments([(0.6, 4), (1.5, 2)], first.delta) * 1.001  # room for 2 more steps only
+    budget = mech.epsilon_of_segments([Segment(0.6, 8 / 64, 4), Segment(1.5, 8 / 64, 2)], first.delta) * 1.001  # room for 2 more steps only
     assert mech.epsilon(1.5, first.delta, 12) < budget  # a fresh plan of 12 steps at 1.5 passes the setup check
     resumed = _vector_module(noise_multiplier=1.5, seed=None, force_resume=True, max_epsilon=budget)
     ckpt_dir = tmp_path / "guard"

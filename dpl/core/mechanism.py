@@ -8,12 +8,22 @@ compositions of the subsampled Gaussian (RDP as fallback).
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import Sampler
 
 from dpl.core.sampling import PoissonBatchSampler
+
+
+class Segment(NamedTuple):
+    """Consecutive steps run with one noise multiplier and sampling rate. A run has one segment; a run resumed with
+    changed settings (``privacy.force_resume``) has one per part, composed by the accountant."""
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
 
 
 @runtime_checkable
@@ -33,10 +43,10 @@ class Mechanism(Protocol):
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
         """Epsilon spent after ``steps`` steps."""
 
-    def epsilon_of_segments(self, segments: list[tuple[float, int, float]], delta: float) -> float:
-        """Epsilon of consecutive segments ``(noise_multiplier, steps, sampling_rate)`` (a run resumed with
-        changed settings under ``privacy.force_resume``). May raise :class:`~dpl.errors.ConfigError` if the
-        mechanism has no analysis for it."""
+    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
+        """Epsilon of consecutive :class:`Segment` s (a run resumed with changed settings under
+        ``privacy.force_resume``). May raise :class:`~dpl.errors.ConfigError` if the mechanism has no analysis
+        for it."""
 
     def state_dict(self) -> dict[str, Any]:
         """Public state (goes into the checkpoint)."""
@@ -70,14 +80,14 @@ class PoissonGaussian:
 
         return accounting.epsilon_for(noise_multiplier, self.sample_rate, steps, delta, method=self.accountant)
 
-    def epsilon_of_segments(self, segments: list[tuple[float, int, float]], delta: float) -> float:
+    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
         from dpl.core.accounting import PoissonGaussianAccountant
 
         accountant = PoissonGaussianAccountant(self.accountant)
-        for sigma, steps, *rate in segments:
-            if sigma == 0 and steps > 0:
+        for segment in segments:
+            if segment.noise_multiplier == 0 and segment.steps > 0:
                 return math.inf
-            accountant.step(sigma, rate[0] if rate else self.sample_rate, steps)
+            accountant.step(segment.noise_multiplier, segment.sample_rate, segment.steps)
         return accountant.epsilon(delta)
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,11 @@ plugin implementing the same hook. Built-ins register through the same entry poi
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
+import re
+import typing
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -16,7 +20,7 @@ from typing import Any
 import pluggy
 
 from dpl.core import hookspecs
-from dpl.errors import PluginError
+from dpl.errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "dpl"
 DEFAULT_PLUGINS = ("clip", "gaussian")
@@ -76,7 +80,7 @@ def load_plugin(name: str, options: dict[str, Any] | None = None) -> Any:
         target = available[name].load()
     except Exception as exc:
         raise PluginError(f"plugin {name!r} failed to load: {exc}") from exc
-    options = dict(options or {})
+    options = options_as_dict(options)
     if inspect.isclass(target) or callable(target) and not implemented_hooks(target):
         try:
             return target(**options)
@@ -106,10 +110,25 @@ def normalize_plugin_config(plugins: dict[str, Any] | list[Any] | None) -> dict[
     for name, options in items:
         if name in out:
             raise PluginError(f"plugin {name!r} is named twice")
-        if options is not None and not isinstance(options, dict):
-            raise PluginError(f"options of plugin {name!r} must be a mapping, got {options!r}")
-        out[name] = dict(options or {})
+        try:
+            out[name] = options_as_dict(options)
+        except TypeError:
+            raise PluginError(f"options of plugin {name!r} must be a mapping, got {options!r}") from None
     return out
+
+
+def options_as_dict(options: Any) -> dict[str, Any]:
+    """A plugin's options as keyword arguments: from a mapping, an options dataclass (:func:`plugin_options_type`)
+    or a jsonargparse ``Namespace``; ``None`` means the defaults."""
+    if options is None:
+        return {}
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    if hasattr(options, "as_dict") and callable(options.as_dict):  # jsonargparse Namespace
+        return dict(options.as_dict())
+    if isinstance(options, dict):
+        return dict(options)
+    raise TypeError(f"not plugin options: {options!r}")
 
 
 def create_plugin_manager(plugins: dict[str, Any] | list[Any] | None = None) -> pluggy.PluginManager:
@@ -139,6 +158,10 @@ def create_plugin_manager(plugins: dict[str, Any] | list[Any] | None = None) -> 
     # pluggy calls the most recently registered implementation first: register in reverse config order.
     for name, plugin in reversed(named):
         pm.register(plugin, name=name)
+    try:
+        pm.check_pending()  # a hook implementation whose name matches no hook (a typo such as post_proces)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {exc.plugin_name!r}: {exc}") from None
     return pm
 
 
@@ -152,3 +175,120 @@ def replaced_hooks(pm: pluggy.PluginManager) -> frozenset[str]:
     named = set(active_plugin_names(pm))
     return frozenset(hook for name, plugin in pm.list_name_plugin() if name in named
                      for hook in implemented_hooks(plugin) if hook in _EXCLUSIVE_HOOKS and _replaces(plugin, hook))
+
+
+# ---------------------------------------------------------------------------------------- typed options
+
+#: name of each generated options dataclass -> the plugin it describes
+OPTIONS_CLASSES: dict[str, str] = {}
+
+
+def options_dataclass(name: str, target: Any) -> type | None:
+    """A dataclass whose fields are the keyword arguments of plugin class ``target`` (types and defaults from its
+    constructor signature, help from its docstring), so that jsonargparse checks a plugin's options when the
+    config is parsed. ``None`` when the constructor cannot be described (untyped or ``**kwargs``)."""
+    if not inspect.isclass(target):
+        return None
+    try:
+        params = list(inspect.signature(target.__init__).parameters.values())[1:]
+        hints = typing.get_type_hints(target.__init__)
+    except (TypeError, ValueError, NameError):
+        return None
+    fields = []
+    for param in params:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name not in hints:
+            return None
+        if param.default is inspect.Parameter.empty:
+            fields.append((param.name, hints[param.name]))
+        else:
+            fields.append((param.name, hints[param.name], dataclasses.field(default=param.default)))
+    # Named after the entry point and kept in this module, so that jsonargparse can import it by its path.
+    class_name = "".join(part.capitalize() for part in re.split(r"[^0-9A-Za-z]+", name) if part) + "Options"
+    cls = dataclasses.make_dataclass(class_name, fields)
+    cls.__doc__ = target.__doc__ or f"Options of the {name} plugin."
+    cls.__module__ = __name__
+    globals()[class_name] = cls
+    OPTIONS_CLASSES[class_name] = name
+    return cls
+
+
+@functools.cache
+def plugin_options_type() -> Any:
+    """The type of a run's ``plugins`` setting: a ``TypedDict`` with one optional key per installed plugin (but the
+    defaults), valued by that plugin's options dataclass (:func:`options_dataclass`), or a free mapping for a
+    plugin whose options cannot be described. jsonargparse then refuses, when the config is parsed, an unknown
+    plugin, an unknown option, a value of the wrong type or a choice outside a ``Literal``; the order of the keys
+    (the ``post_process`` order) is kept, and ``--print_config`` shows each named plugin's options with defaults."""
+    from typing_extensions import TypedDict
+
+    fields: dict[str, Any] = {}
+    for name, entry in sorted(installed_plugins().items()):
+        if name in DEFAULT_PLUGINS:
+            continue
+        try:
+            options = options_dataclass(name, entry.load())
+        except Exception:  # noqa: BLE001 - a broken third-party plugin fails when it is named, not here
+            options = None
+        fields[name] = options | None if options is not None else dict[str, Any] | None
+    return TypedDict("PluginOptions", fields, total=False)
+
+
+# ---------------------------------------------------------------------------------------- contracts
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a plugin declares about the step it takes part in (its ``contract`` attribute; default: nothing), so
+    that the core refuses combinations without an analysis, whoever wrote the plugins - no plugin names another.
+
+    Attributes:
+        changes_noise: its ``post_process`` changes the noise left in the release in a data-dependent way, so the
+            release's ``noise_std`` no longer describes it (denoise's shrinkage).
+        needs_noise_std: it reads the release's ``noise_std`` as the std of the noise still in the values
+            (AdamBC's bias correction).
+        rank_one_release: its estimator releases a scalar along a public direction, not a gradient per parameter
+            (DPZero).
+        needs_gradient_matrices: it needs the release as a gradient per parameter (denoise's matrix shrinkage).
+        full_tensors: it works on whole parameter tensors in place, so it cannot run on sharded parameters (FSDP).
+    """
+
+    changes_noise: bool = False
+    needs_noise_std: bool = False
+    rank_one_release: bool = False
+    needs_gradient_matrices: bool = False
+    full_tensors: bool = False
+
+
+def contract_of(plugin: Any) -> Contract:
+    contract = getattr(plugin, "contract", None)
+    if contract is None:
+        return Contract()
+    if not isinstance(contract, Contract):
+        raise PluginError(f"plugin {type(plugin).__name__}: contract must be a dpl.api.Contract, got {contract!r}")
+    return contract
+
+
+def check_contracts(pm: pluggy.PluginManager, sharded: bool = False) -> None:
+    """Refuse (one-line :class:`~dpl.errors.ConfigError`) the named plugins' combination when their contracts
+    conflict: a plugin reading ``noise_std`` after one that changes the noise, a plugin needing gradient matrices
+    with a rank-one estimator, a whole-tensor plugin on sharded parameters."""
+    named = dict(pm.list_name_plugin())
+    contracts = {name: contract_of(named[name]) for name in active_plugin_names(pm)}
+
+    def having(flag: str) -> list[str]:
+        return [n for n, c in contracts.items() if getattr(c, flag)]
+
+    for reader in having("needs_noise_std"):
+        changers = [n for n in having("changes_noise") if n != reader]
+        if changers:
+            raise ConfigError(f"{reader} reads the release's noise std, but {changers[0]} changes the noise left in "
+                              "the gradient in a data-dependent way, so that std no longer describes it; drop one")
+    for needer in having("needs_gradient_matrices"):
+        rank_one = [n for n in having("rank_one_release") if n != needer]
+        if rank_one:
+            raise ConfigError(f"{needer} needs a noisy gradient per parameter, but {rank_one[0]} releases one scalar "
+                              "along a public direction (a rank-one update): there is no gradient matrix to work on")
+    whole = having("full_tensors")
+    if sharded and whole:
+        raise ConfigError(f"{whole[0]} works on whole parameter tensors in place; sharded parameters (FSDP) are not "
+                          "supported: use strategy ddp")

@@ -13,6 +13,9 @@ from torch import Tensor, nn
 from dpl.errors import PluginError
 from dpl.core.gradients import GradientSum, PrivateGradient
 
+#: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
+PADDING_KEY = "dpl_padding"
+
 
 @dataclass
 class RunSetup:
@@ -27,7 +30,6 @@ class RunSetup:
     sampling_rate: float
     accountant: str
     optimizer_name: str
-    task: str  # "classification" | "generation"
     replaced_hooks: frozenset[str] = frozenset()  # exclusive hooks a named plugin implements (replacing a default)
     seed: int | None = None  # privacy.seed (reproducible experiments only) or None: OS entropy
     world_size: int = 1
@@ -51,16 +53,16 @@ class StepContext:
     step: int
     noise_generator: torch.Generator
     log: Callable[[str, float], None]
-    scratch: dict[str, Any] = field(default_factory=dict)  # per-step values shared between hooks (public)
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-step values shared by estimate_gradient / privatize
     public_seed: int = 0
     optimizer: torch.optim.Optimizer | None = None
 
     def release_context(self) -> ReleaseContext:
-        """The context of the hooks after ``privatize``: no noise generator, no forward pass on data."""
+        """The context of the hooks after ``privatize``: no noise generator, no forward pass on data, and a scratch
+        of its own (the private hooks' scratch may hold values computed from the examples)."""
         return ReleaseContext(trainable=self.trainable, max_grad_norm=self.max_grad_norm,
                               noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
-                              step=self.step, public_seed=self.public_seed, optimizer=self.optimizer,
-                              log=self.log, scratch=self.scratch)
+                              step=self.step, public_seed=self.public_seed, optimizer=self.optimizer, log=self.log)
 
 
 @dataclass
@@ -76,7 +78,7 @@ class ReleaseContext:
     public_seed: int
     optimizer: torch.optim.Optimizer | None
     log: Callable[[str, float], None]
-    scratch: dict[str, Any] = field(default_factory=dict)
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-step values shared by post_process / precondition
 
 
 def batch_size_of(batch: dict[str, Any]) -> int:

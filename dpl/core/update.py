@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dpl.errors import ConfigError
-from dpl.lightning.fsdp import as_gradient_of
+from dpl.core.sharding import as_gradient_of
 
 
 class StreamingDirection(Mapping):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -33,7 +34,7 @@ DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-S
 COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.lightning.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
-              "(docs/audit.md)", "dpl.audit:audit_command"),
+              "(docs/audit.md)", "dpl.audit.command:audit_command"),
 }
 
 MODEL_CLASSES = "DPClassificationModule, DPGenerationModule"
@@ -122,10 +123,10 @@ class DPLightningCLI(LightningCLI):
         self.model.ensure_model(self.datamodule)
         self.model.prepare_privacy(self.datamodule.num_train_examples, self.trainer)
         self._check_val_check_interval()
-        self.model.defer_fit_summary = True  # printed by after_fit, below the finished progress bar
+        self.model.print_fit_summary = False  # printed by after_fit, below the finished progress bar
 
     def after_fit(self) -> None:
-        summary = getattr(self.model, "fit_summary", None)
+        summary = self.model.fit_summary
         if summary and self.trainer.is_global_zero:
             print(summary, flush=True)
 
@@ -304,6 +305,9 @@ def summarize_parse_error(message: str, argv: list[str], parser: Any = None) -> 
     """One line for a jsonargparse error: a mistyped option is named with the closest valid one."""
     text = str(message)
     text = text.replace('Parser key "config": ', "--config: ")
+    plugin_error = _plugin_option_error(text)
+    if plugin_error is not None:
+        return plugin_error
     unknown = re.search(r"unrecognized arguments:\s*(\S+)", text, re.IGNORECASE)
     if unknown:
         bad = unknown.group(1).split("=")[0]
@@ -337,6 +341,44 @@ def summarize_parse_error(message: str, argv: list[str], parser: Any = None) -> 
         detail = meaningful[-1] if keys else meaningful[0]
         return (f"{where}: {detail}" if where else detail) + _debug_hint(len(lines) > 1)
     return (lines[0] if lines else "invalid arguments") + _debug_hint(len(lines) > 1)
+
+
+def _plugin_option_error(text: str) -> str | None:
+    """One line for a bad ``model.plugins`` entry: an unknown plugin, an unknown option, a wrong type or choice."""
+    from dpl.core.plugin_manager import OPTIONS_CLASSES, installed_plugins
+
+    unknown = re.search(r'Parser key "plugins":(?:.|\n)*?Unexpected keys: \{([^}]*)\}', text)
+    if unknown:
+        names = sorted(n for n in installed_plugins() if n not in ("clip", "gaussian"))
+        bad = [k.strip().strip("'\"") for k in unknown.group(1).split(",")][0]
+        match = difflib.get_close_matches(bad, names, n=1, cutoff=0.6)
+        hint = f"; did you mean {match[0]}?" if match else ""
+        return f"unknown plugin {bad!r} in model.plugins{hint} (installed: {', '.join(names) or 'none'})"
+    options = re.search(r"Problem with given class_path '[\w.]*\.(\w+Options)':\s*\n?\s*(.*(?:\n.*)?)", text)
+    if not options or options.group(1) not in OPTIONS_CLASSES:
+        return None
+    plugin, detail = OPTIONS_CLASSES[options.group(1)], options.group(2)
+    from dpl.core import plugin_manager
+
+    fields = [f.name for f in dataclasses.fields(getattr(plugin_manager, options.group(1)))]
+    leaf = re.search(r"Option '([^']+)' is not accepted", detail)
+    if leaf:
+        match = difflib.get_close_matches(leaf.group(1), fields, n=1, cutoff=0.6)
+        hint = f"; did you mean {match[0]}?" if match else f" (options of {plugin}: {', '.join(fields)})"
+        return f"unknown option model.plugins.{plugin}.{leaf.group(1)}{hint}"
+    wrong = re.search(r'Parser key "([^"]+)":\s*\n?\s*Expected a (.+?)\. Got value: (.*)', detail)
+    if not wrong:
+        return f"model.plugins.{plugin}: {detail.strip().splitlines()[0]}"
+    key, expected, got = wrong.groups()
+    choices = re.fullmatch(r"typing\.Literal\[(.*)\]", expected)
+    if choices:
+        allowed = [c.strip().strip("'\"") for c in choices.group(1).split(",")]
+        match = difflib.get_close_matches(got.strip(), allowed, n=1, cutoff=0.5)
+        hint = f"; did you mean {match[0]!r}?" if match else ""
+        return (f"model.plugins.{plugin}.{key}: expected one of {', '.join(map(repr, allowed))}, got "
+                f"{got.strip()!r}{hint}")
+    kind = re.sub(r"<class '([^']+)'>", r"\1", expected)
+    return f"model.plugins.{plugin}.{key}: expected {kind}, got {got.strip()!r}"
 
 
 def _debug_hint(more: bool) -> str:

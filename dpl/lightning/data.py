@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import lightning as L
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dpl.errors import DataError
+from dpl.errors import ConfigError, DataError
 
 
 class DPDataModule(L.LightningDataModule):
@@ -16,14 +16,16 @@ class DPDataModule(L.LightningDataModule):
 
     Subclasses implement :meth:`setup` (set ``self.train_set`` and ``self.val_set``, optionally
     ``self.test_set``) and :meth:`collate` (list of examples -> dict of tensors). The training batch sampler
-    is asked from the LightningModule (``make_batch_sampler(num_examples)``), so Poisson sampling (or the
-    mechanism's own scheme) is used without the data module knowing about privacy. An empty logical batch is
+    comes from the :class:`~dpl.lightning.module.DPModule`, which sets :attr:`train_batch_sampler` at setup, so
+    Poisson sampling (or the mechanism's own scheme) is used without the data module knowing about privacy. An empty logical batch is
     possible under Poisson sampling: ``collate([])`` must return a dict whose tensors have batch size 0.
     """
 
     train_set: Dataset | None = None
     val_set: Dataset | None = None
     test_set: Dataset | None = None
+    #: ``num_examples -> batch sampler`` of the training set, set by the DP module at setup
+    train_batch_sampler: Callable[[int], Sampler] | None = None
 
     def __init__(self, eval_batch_size: int = 64, num_workers: int = 0) -> None:
         super().__init__()
@@ -52,8 +54,10 @@ class DPDataModule(L.LightningDataModule):
         return len(self.train_set)
 
     def train_dataloader(self) -> DataLoader:
-        module = self.trainer.lightning_module
-        batch_sampler = module.make_batch_sampler(len(self.train_set))
+        if self.train_batch_sampler is None:
+            raise ConfigError(f"{type(self).__name__} trains only under a dpl.lightning.module.DPModule, which draws "
+                              "the training batches")
+        batch_sampler = self.train_batch_sampler(len(self.train_set))
         if getattr(batch_sampler, "pads", False):  # FSDP: shards padded with zero-weight fillers
             from dpl.lightning.distributed import PaddedCollate, PaddedDataset
 

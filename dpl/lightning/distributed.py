@@ -32,7 +32,7 @@ trust boundary, like the GPUs' memory (see docs/scaling.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,9 +42,13 @@ from torch.utils.data import Dataset, Sampler
 from dpl.errors import ConfigError
 from dpl.core.gradients import GradientSum
 from dpl.core.noise import SecureNormal
+from dpl.core.sharding import is_sharded
+from dpl.core.step import PADDING_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning as L
+
+    from dpl.core.engine import PrivateEngine
 
 log = logging.getLogger("dpl")
 
@@ -126,8 +130,6 @@ def keep_dpl_batch_sampler(trainer: L.Trainer) -> None:
 
 
 # --- sampling -----------------------------------------------------------------------------------------------
-#: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
-PADDING_KEY = "dpl_padding"
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -333,9 +335,15 @@ def _broadcast_object(obj: Any) -> Any:
     return holder[0]
 
 
-def sync_run_state(module: Any) -> None:
+def secure_noise_source() -> SecureNormal:
+    """The ``privacy.secure_noise`` source: the OS CSPRNG in one process, rank 0's draws broadcast under DDP."""
+    return RankZeroSecureNormal() if is_distributed() else SecureNormal()
+
+
+def sync_run_state(engine: PrivateEngine) -> None:
     """Give every rank rank 0's secret state (noise and sampler generators, plugin secrets) and public per-step
-    generator, loaded through the resume path (``DPModule._apply_secret_state``). A no-op in one process.
+    generator, loaded through the resume path (:meth:`~dpl.core.engine.PrivateEngine.load_secret_state_dict`).
+    A no-op in one process.
 
     Called at fit start (after a resume from a checkpoint, whose sidecar every rank read) and after a late
     restore: whatever each rank holds before, all hold rank 0's state after.
@@ -344,47 +352,37 @@ def sync_run_state(module: Any) -> None:
         return
     import torch.distributed as dist
 
-    if isinstance(module._noise_generator, SecureNormal) and not isinstance(module._noise_generator,
-                                                                          RankZeroSecureNormal):
-        module._noise_generator = RankZeroSecureNormal()
     rank = dist.get_rank()
-    secret = _broadcast_object(module._secret_state("rank0") if rank == 0 else None)
-    public = _broadcast_object(module._public_generator.get_state() if rank == 0 and
-                               module._public_generator is not None else None)
+    secret = _broadcast_object(engine.secret_state_dict() if rank == 0 else None)
+    public = _broadcast_object(engine.public_rng_state() if rank == 0 else None)
     if rank != 0:
-        module._pending_secret = secret
-        module._resumed_without_secret = False
-        module._apply_secret_state()
-        if public is not None and module._public_generator is not None:
-            module._public_generator.set_state(public)
+        engine.load_secret_state_dict(secret)
+        engine.load_public_rng_state(public)
 
 
-def _fingerprints(module: Any) -> tuple[Tensor, Tensor]:
+def _fingerprints(engine: PrivateEngine, trainable: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
     """float64 fingerprints of the trainable parameters (per parameter: sum, sum of squares, size) and of the
     generator states, comparable across ranks."""
-    from dpl.lightning.fsdp import is_sharded
-
     params = []
-    for param in module.trainable.values():
+    for param in trainable.values():
         if is_sharded(param):  # FSDP: each shard exists on one rank only, there is no replica to compare
             continue
         p = param.detach().double()
         params += [p.sum(), p.square().sum(), torch.tensor(float(p.numel()), dtype=torch.float64, device=p.device)]
     gens = [torch.zeros((), dtype=torch.float64)]
-    for gen in (module._noise_generator, module._sampler_generator, module._public_generator):
-        if isinstance(gen, torch.Generator):
-            state = gen.get_state().double()
-            gens.append((state * torch.arange(1, state.numel() + 1, dtype=torch.float64)).sum())
+    for state in engine.generator_states():
+        state = state.double()
+        gens.append((state * torch.arange(1, state.numel() + 1, dtype=torch.float64)).sum())
     params = torch.stack([v.cpu() for v in params]) if params else torch.zeros(0, dtype=torch.float64)
     return params, torch.stack(gens)
 
 
-def state_fingerprint(module: Any) -> Tensor:
+def state_fingerprint(engine: PrivateEngine, trainable: Mapping[str, Tensor]) -> Tensor:
     """One float64 vector fingerprinting the trainable parameters and the generator states (for tests)."""
-    return torch.cat(_fingerprints(module))
+    return torch.cat(_fingerprints(engine, trainable))
 
 
-def check_replicas_agree(module: Any, drift: float = 1e-5) -> None:
+def check_replicas_agree(engine: PrivateEngine, trainable: Mapping[str, Tensor], drift: float = 1e-5) -> None:
     """Check that every rank holds rank 0's parameters and generator states; one small all-gather.
 
     Generator states must match exactly. Parameters may drift apart by float rounding when an estimator perturbs
@@ -396,9 +394,8 @@ def check_replicas_agree(module: Any, drift: float = 1e-5) -> None:
         return
     import torch.distributed as dist
 
-    from dpl.lightning.fsdp import is_sharded
-
-    params, gens = _fingerprints(module)
+    step = engine.steps_done
+    params, gens = _fingerprints(engine, trainable)
     mine = torch.cat([params, gens]).to(_comm_device())
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
@@ -409,7 +406,7 @@ def check_replicas_agree(module: Any, drift: float = 1e-5) -> None:
         other = other.cpu()
         if not torch.equal(other[k:], reference[k:]):
             raise RuntimeError(f"dpl: DDP rank {rank} holds other generator states than rank 0 at step "
-                               f"{module.steps_done}: the ranks would draw different noise or batches")
+                               f"{step}: the ranks would draw different noise or batches")
         if torch.equal(other[:k], reference[:k]):
             continue
         sums, squares, sizes = (reference[i:k:3] for i in range(3))
@@ -417,28 +414,28 @@ def check_replicas_agree(module: Any, drift: float = 1e-5) -> None:
         gap = torch.maximum((other[0:k:3] - sums).abs() / scale,
                             (other[1:k:3] - squares).abs() / squares.clamp_min(1e-30)).max().item()
         if gap > drift:
-            raise RuntimeError(f"dpl: DDP rank {rank} diverged from rank 0 at step {module.steps_done} (relative "
+            raise RuntimeError(f"dpl: DDP rank {rank} diverged from rank 0 at step {step} (relative "
                                f"parameter difference {gap:.2g}): the ranks no longer apply the same private update")
         resync = True
     if resync:  # every rank reached the same decision (same gathered values)
         with torch.no_grad():
-            for param in module.trainable.values():
+            for param in trainable.values():
                 if is_sharded(param):
                     continue
                 buffer = param.data.to(_comm_device(param.data))
                 dist.broadcast(buffer, src=0)
                 if buffer is not param.data:
                     param.data.copy_(buffer)
-        log.debug("dpl: step %d: parameters re-synchronized from rank 0 (float rounding drift)", module.steps_done)
+        log.debug("dpl: step %d: parameters re-synchronized from rank 0 (float rounding drift)", step)
 
 
-def after_step(module: Any, every: int = 100) -> None:
+def after_step(engine: PrivateEngine, trainable: Mapping[str, Tensor], every: int = 100) -> None:
     """Per-step bookkeeping under DDP: check the replicas agree at the first, every ``every``-th and last step."""
     if not is_distributed():
         return
-    done = module.steps_done
-    if done == 1 or done % every == 0 or done == module.planned_steps:
-        check_replicas_agree(module)
+    done = engine.steps_done
+    if done == 1 or done % every == 0 or done == engine.plan.steps:
+        check_replicas_agree(engine, trainable)
 
 
 def gather_objects(items: list[Any]) -> list[Any]:

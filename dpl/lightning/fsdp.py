@@ -13,9 +13,9 @@ a ``DTensor`` sharded on its first dimension over the ranks) set up for dpl:
 * **Noise, plugins**: every rank holds the same noise generator and the same all-reduced sum, so ``privatize``,
   ``post_process`` and ``precondition`` run on full-size tensors, identically on every rank, with no plugin
   knowing about shards (denoise sees whole matrices, ftrl whole buffers). Plugins that read parameter *values*
-  get them through :class:`FullParameters` (gathered on first access, in the same order on every rank).
+  get them through :class:`~dpl.core.sharding.FullParameters` (gathered on first access, in the same order on every rank).
 * **Update**: each rank keeps its own slice of the released direction as the gradient of its parameter shard
-  (:func:`as_gradient_of`) and the optimizer steps on the shards: parameters and optimizer state stay sharded.
+  (:func:`~dpl.core.sharding.as_gradient_of`) and the optimizer steps on the shards: parameters and optimizer state stay sharded.
 * **Checkpoints**: a single full checkpoint gathered on rank 0 (``save_distributed_checkpoint=False``), written by
   dpl's :class:`~dpl.lightning.checkpoint.SidecarCheckpointIO`: the public ``.ckpt`` plus the owner-only ``.secret`` sidecar.
 
@@ -25,33 +25,20 @@ parameters and optimizer state are sharded (see docs/scaling.md for the memory p
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import Tensor, nn
+from torch import nn
 
-from dpl.lightning import checkpoint as ckpt_io
 from dpl.errors import ConfigError
+from dpl.lightning import checkpoint as ckpt_io
 
 try:
     from torch.distributed.constants import default_pg_timeout
 except ImportError:  # pragma: no cover
     default_pg_timeout = timedelta(minutes=30)
-
-
-def _dtensor_type():
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def is_sharded(param: Tensor) -> bool:
-    """Whether ``param`` is a sharded (``DTensor``) parameter."""
-    return isinstance(param, _dtensor_type())
 
 
 class DPFSDPStrategy(ModelParallelStrategy):
@@ -128,60 +115,6 @@ def _launcher(strategy: DPFSDPStrategy, start_method: str) -> Any:
                 del module.state_dict
 
     return FullWeightsLauncher(strategy, start_method=start_method)
-
-
-def as_gradient_of(param: Tensor, full: Tensor) -> Tensor:
-    """``full`` (a full-size tensor, identical on every rank) as the gradient of ``param``: itself for a plain
-    parameter; this rank's slice, as a ``DTensor`` with ``param``'s placements, for a sharded one."""
-    if not is_sharded(param):
-        return full.to(param.dtype)
-    DTensor = _dtensor_type()
-    mesh = param.device_mesh
-    local = param.to_local()
-    piece = full
-    coordinate = mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_shard():
-            chunks = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
-            index = coordinate[mesh_dim]
-            piece = chunks[index] if index < len(chunks) else piece.narrow(placement.dim, 0, 0)
-    if tuple(piece.shape) != tuple(local.shape):
-        raise RuntimeError(f"dpl: cannot slice a {tuple(full.shape)} gradient into this rank's shard "
-                           f"{tuple(local.shape)} (placements {param.placements})")
-    piece = piece.to(device=local.device, dtype=local.dtype).contiguous()
-    return DTensor.from_local(piece, mesh, param.placements, shape=param.shape, stride=param.stride())
-
-
-class FullParameters(Mapping):
-    """The trainable parameters as plugins see them: full values. A sharded parameter is gathered on first access
-    (a collective: every rank must read the same keys in the same order, which holds in the hooks after
-    ``privatize``, where every rank processes the same release) and cached for the step."""
-
-    def __init__(self, params: Mapping[str, Tensor]) -> None:
-        self._params = dict(params)
-        self._full: dict[str, Tensor] = {}
-
-    def __getitem__(self, name: str) -> Tensor:
-        param = self._params[name]
-        if not is_sharded(param):
-            return param
-        if name not in self._full:
-            self._full[name] = param.detach().full_tensor()
-        return self._full[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._params
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._params)
-
-    def __len__(self) -> int:
-        return len(self._params)
-
-
-def full_parameters(trainable: dict[str, Tensor]) -> Mapping[str, Tensor]:
-    """``trainable`` itself, or its :class:`FullParameters` view when a parameter is sharded."""
-    return FullParameters(trainable) if any(is_sharded(p) for p in trainable.values()) else trainable
 
 
 def _register() -> None:

@@ -73,7 +73,7 @@ def _step(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
 def _batch_size(batch: Any) -> int | None:
     """Examples in a training batch (FSDP's zero-weight fillers not counted)."""
     if isinstance(batch, dict):
-        from dpl.lightning.distributed import PADDING_KEY
+        from dpl.core.step import PADDING_KEY
 
         fillers = batch.get(PADDING_KEY)
         if fillers is not None:

@@ -28,14 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpl.errors import ConfigError, PluginError
-from dpl.core.gradients import PrivateGradient
-from dpl.core.hookspecs import hookimpl
-from dpl.core.step import ReleaseContext, RunSetup
-
-#: post_process plugins after which the release's noise_std no longer describes the noise left in the values.
-NOISE_CHANGING_PLUGINS = ("denoise",)
-
+from dpl.api import ConfigError, Contract, PluginError, PrivateGradient, ReleaseContext, RunSetup, hookimpl
 
 def inspect_optimizer(factory: Any) -> torch.optim.Optimizer:
     """Build the configured optimizer on a dummy parameter so that its class and settings can be checked (works
@@ -85,13 +78,12 @@ class AdamBCPlugin:
             raise ConfigError(f"adambc: gamma must be > 0 (the floor under the square root), got {gamma}")
         if not weight_decay >= 0:
             raise ConfigError(f"adambc: weight_decay must be >= 0, got {weight_decay}")
-        if not isinstance(bias_correction, bool):
-            raise ConfigError(f"adambc: bias_correction must be true or false, got {bias_correction!r}")
         self.beta1 = float(beta1)
         self.beta2 = float(beta2)
         self.gamma = float(gamma)
         self.weight_decay = float(weight_decay)
         self.bias_correction = bias_correction
+        self.contract = Contract(needs_noise_std=bias_correction)  # Phi is read from the release's noise std
         self.steps = 0  # Adam's t: steps taken
         self.exp_avg: dict[str, Tensor] = {}
         self.exp_avg_sq: dict[str, Tensor] = {}
@@ -103,11 +95,6 @@ class AdamBCPlugin:
     def validate_setup(self, setup: RunSetup) -> None:
         if setup.optimizer_factory is not None:
             check_optimizer(inspect_optimizer(setup.optimizer_factory), setup.optimizer_name)
-        changing = [n for n in setup.plugin_names if n in NOISE_CHANGING_PLUGINS]
-        if changing and self.bias_correction:
-            raise ConfigError(f"adambc (bias_correction: true) cannot follow {changing[0]!r}: it changes the noise left "
-                              "in the gradient in a data-dependent way, so std^2 from the release is no longer its "
-                              "variance; drop one, or use adambc with bias_correction: false (plain DP-Adam)")
 
     # --- the step -------------------------------------------------------------------------------------------
     @hookimpl

@@ -20,13 +20,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from dpl.errors import ConfigError, PrivacyWarning
-from dpl.core.gradients import GradientSum, PrivateGradient
-from dpl.core.hookspecs import hookimpl
-from dpl.core.step import RunSetup, StepContext
+from dpl.api import ConfigError, Contract, GradientSum, PrivacyWarning, PrivateGradient, RunSetup, StepContext, hookimpl
 from dpl_plugins.denoise.shrinkage import DenoiseStats, denoise_matrices
 
-RANK_ONE_ESTIMATORS = ("dpzero",)
 SVD_METHODS = ("auto", "full", "randomized")
 NONPRIVATE_PREFIX = "nonprivate/"
 NONPRIVATE_WARNING = ("denoise: non-private diagnostics enabled: logged values read the clean gradient and are not "
@@ -36,6 +32,9 @@ NONPRIVATE_WARNING = ("denoise: non-private diagnostics enabled: logged values r
 
 class DenoisePlugin:
     """RMT gradient denoising (``post_process``).
+
+    Its shrinkage works on each parameter's gradient matrix and changes the noise left in it in a data-dependent
+    way (its ``contract``), so it is refused with a rank-one estimator and before a plugin that reads the noise std.
 
     Args:
         kappa: denoise a matrix only if its top singular value exceeds kappa times the noise bulk edge.
@@ -54,6 +53,8 @@ class DenoisePlugin:
             matrix, under ``nonprivate/...`` names. The values are functions of the clean gradient: they are not
             covered by the privacy guarantee. Training is unaffected (bit for bit).
     """
+
+    contract = Contract(changes_noise=True, needs_gradient_matrices=True)
 
     def __init__(self, kappa: float = 1.02, norm_correction: bool = True,
                  parameters: Literal["all", "lora"] | list[str] = "all",
@@ -89,10 +90,6 @@ class DenoisePlugin:
 
     @hookimpl
     def validate_setup(self, setup: RunSetup) -> None:
-        rank_one = [n for n in setup.plugin_names if n in RANK_ONE_ESTIMATORS]
-        if rank_one:
-            raise ConfigError(f"denoise cannot be combined with {rank_one[0]!r}: its update is rank one along a "
-                              "public direction, there is no noisy gradient matrix to denoise")
         matrices = [n for n, p in setup.trainable.items() if p.dim() == 2 and self._selected(n)]
         if not matrices:
             raise ConfigError(f"denoise: no trainable 2-D parameter matches {self.patterns}")

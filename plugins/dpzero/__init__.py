@@ -29,19 +29,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dpl.errors import ConfigError
-from dpl.core.gradients import GradientSum, PrivateGradient
-from dpl.core.hookspecs import hookimpl
-from dpl.core.step import ReleaseContext, RunSetup, StepContext, batch_size_of
-from dpl.core.update import StreamingDirection, streaming_refusal
+from dpl.api import (ConfigError, Contract, GradientSum, PrivateGradient, ReleaseContext, RunSetup, StepContext,
+                     StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
 from dpl_plugins.dpzero.directions import DirectionSampler
 
 KEY = "projected_grad"
-ESTIMATORS = ("dpzero", "dpgd0")
 # Plugins that need a gradient matrix (or per-parameter gradients) and cannot work on a rank-one update.
-NEEDS_GRADIENT_MATRIX = {"denoise": "it denoises gradient matrices, and a DPZero update is rank one along a public "
-                                    "direction: there is no noisy matrix to denoise"}
-
 
 @contextlib.contextmanager
 def no_dropout(model: nn.Module, enabled: bool) -> Iterator[None]:
@@ -74,22 +67,16 @@ class DPZeroPlugin:
                  eval_forward: bool = True) -> None:
         if not (isinstance(mu, (int, float)) and math.isfinite(mu) and mu > 0):
             raise ConfigError(f"dpzero: mu must be a finite number > 0, got {mu!r}")
-        if estimator not in ESTIMATORS:
-            raise ConfigError(f"dpzero: estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
         self.mu = float(mu)
         self.estimator = estimator
         self.eval_forward = bool(eval_forward)
+        # Both estimators perturb every parameter in place by a direction drawn per full tensor (no FSDP shards);
+        # ``dpzero`` releases one scalar along that public direction.
+        self.contract = Contract(rank_one_release=estimator == "dpzero", full_tensors=True)
 
     # --- setup ------------------------------------------------------------------------------------------
     @hookimpl
     def validate_setup(self, setup: RunSetup) -> None:
-        for name in setup.plugin_names:
-            if name in NEEDS_GRADIENT_MATRIX:
-                raise ConfigError(f"dpzero cannot be combined with {name!r}: {NEEDS_GRADIENT_MATRIX[name]}")
-        if setup.sharded:
-            raise ConfigError("dpzero perturbs every parameter in place by a direction drawn per full tensor; "
-                              "sharded parameters (FSDP) are not supported: use strategy ddp (dpzero keeps no "
-                              "gradient or optimizer state to shard)")
         if "privatize" in setup.replaced_hooks:
             raise ConfigError("dpzero releases one scalar per step and is accounted as the default Gaussian "
                               "mechanism; a plugin replacing privatize is not supported with it")

@@ -27,11 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from dpl.errors import ConfigError, PluginError
-from dpl.core.gradients import GradientSum, PrivateGradient
-from dpl.core.hookspecs import hookimpl
-from dpl.core.noise import normal
-from dpl.core.step import RunSetup, StepContext
+from dpl.api import ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, StepContext, hookimpl, normal
 from dpl_plugins.ftrl.mechanism import FTRLMechanism, ShuffledBatchSampler
 from dpl_plugins.ftrl.strategies import FAMILIES, Strategy, make_strategy
 from dpl_plugins.ftrl.streams import BandedStream, BLTStream, DenseKeepStream, DenseRegenerateStream

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-from dpl.errors import ConfigError
+from dpl.api import ConfigError, Segment
 from dpl_plugins.ftrl.strategies import Strategy, strategy_from_params
 
 log = logging.getLogger("dpl")
@@ -99,7 +99,7 @@ class FTRLMechanism:
             raise ConfigError(f"ftrl: its noise was fitted and accounted for {self.steps} steps, asked about {steps}")
 
     def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
-        from dpl.core.accounting import calibrate_gaussian_mechanism
+        from dpl.api import calibrate_gaussian_mechanism
 
         self._check_steps(steps)
         # epsilon(sigma, steps) = G(sigma * sens_T / sens_steps), G the exact Gaussian-mechanism epsilon
@@ -107,7 +107,7 @@ class FTRLMechanism:
             / self.strategy.sensitivity
 
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        from dpl.core.accounting import gaussian_mechanism_epsilon
+        from dpl.api import gaussian_mechanism_epsilon
 
         if steps <= 0:
             return 0.0
@@ -116,10 +116,10 @@ class FTRLMechanism:
         ratio = self.strategy.sensitivity / float(self.strategy.sens_prefix[steps - 1])
         return gaussian_mechanism_epsilon(noise_multiplier * ratio, delta)
 
-    def epsilon_of_segments(self, segments: list[tuple[float, int, float]], delta: float) -> float:
-        sigmas = {float(s[0]) for s in segments if s[1] > 0}
+    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
+        sigmas = {float(s.noise_multiplier) for s in segments if s.steps > 0}
         if len(sigmas) <= 1:
-            return self.epsilon(sigmas.pop() if sigmas else 1.0, delta, sum(int(s[1]) for s in segments))
+            return self.epsilon(sigmas.pop() if sigmas else 1.0, delta, sum(int(s.steps) for s in segments))
         raise ConfigError("ftrl: sigma cannot change within a correlated-noise run (its accounting is one Gaussian "
                           "mechanism over the whole stream); resume with the same privacy settings")
 

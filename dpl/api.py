@@ -1,0 +1,29 @@
+"""The plugin API: everything a dpl plugin may use, in one module (``from dpl.api import ...``).
+
+A plugin is an object whose methods are marked with :data:`hookimpl` (the hooks are documented in
+:mod:`dpl.core.hookspecs` and docs/hooks.md), registered in the entry-point group ``dpl``. Its constructor's keyword
+arguments are its options (typed: they are checked when the config is parsed); its ``contract`` attribute
+(:class:`Contract`) declares what it does to the step, so that the core refuses combinations without an analysis;
+``state_dict()`` / ``load_state_dict()`` hold its public state (checkpoint) and ``secret_state_dict()`` /
+``load_secret_state_dict()`` its secrets (owner-only sidecar). The built-in plugins use nothing else, and
+tests/test_plugin_api.py checks it.
+"""
+
+from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_mechanism, calibrate_noise_multiplier,
+                                 epsilon_for, gaussian_mechanism_epsilon)
+from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.hookspecs import hookimpl
+from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment
+from dpl.core.noise import NoiseSource, normal
+from dpl.core.per_example import PerExampleClipper
+from dpl.core.plugin_manager import Contract
+from dpl.core.sampling import PoissonBatchSampler
+from dpl.core.step import PADDING_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
+from dpl.core.update import StreamingDirection, streaming_refusal
+from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarning
+
+__all__ = ["PADDING_KEY", "ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PerExampleClipper",
+           "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
+           "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "Segment", "StepContext",
+           "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
+           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "normal", "streaming_refusal"]

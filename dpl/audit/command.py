@@ -1,0 +1,49 @@
+"""``dpl audit``: parse the settings, run the audit, print the report (exit code 1 on a violation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from dpl.audit.runner import AuditConfig, run_audit
+from dpl.errors import DPLError
+
+
+def build_parser() -> Any:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="dpl audit", exit_on_error=True, description=(
+        "Empirical privacy audit in one run (Steinke, Nasr & Jagielski 2023): m gradient canaries, each included "
+        "with probability 1/2, trained on by dpl's private step; the number of correct membership guesses gives "
+        "a lower bound on epsilon at a stated confidence. A bound above the claimed epsilon is a violation; a "
+        "bound below it proves nothing. See docs/audit.md."))
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML config (e.g. configs/audit/gaussian.yaml)")
+    parser.add_class_arguments(AuditConfig, as_group=False)
+    parser.add_argument("--output", type=str | None, default=None, help="write the report as JSON to this file")
+    return parser
+
+
+def audit_command(argv: list[str]) -> int:
+    """``dpl audit [--config FILE] [--KEY VALUE ...]``: run an audit, print the report, optionally write JSON."""
+    import os
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values = {f.name: args[f.name] for f in dataclasses.fields(AuditConfig)}
+    try:
+        cfg = AuditConfig(**values)
+        result = run_audit(cfg)
+    except DPLError as exc:
+        if os.environ.get("DPL_DEBUG"):
+            raise
+        print(f"dpl: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.report(), flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result.to_dict(), f, indent=2)
+            f.write("\n")
+        print(f"  report written to {args.output}")
+    return 0

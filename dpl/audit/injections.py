@@ -1,0 +1,42 @@
+"""Deliberately broken mechanisms, planted to check that the audit catches them: pluggy wrappers around whichever
+plugin answers the hook (``dpl audit --inject ...``). Never registered outside an audit."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dpl.core.gradients import GradientSum
+from dpl.core.hookspecs import hookimpl
+from dpl.core.step import StepContext
+
+INJECTIONS = ("none", "weak_noise", "no_clip", "noise_leak")
+
+
+class WeakNoise:
+    """Bug: ``privatize`` adds noise with ``factor * sigma`` while the accounting claims sigma."""
+
+    def __init__(self, factor: float = 0.1) -> None:
+        self.factor = float(factor)
+
+    @hookimpl(wrapper=True)
+    def privatize(self, ctx: StepContext, gradient_sum: GradientSum):
+        claimed = ctx.noise_multiplier
+        ctx.noise_multiplier = claimed * self.factor
+        try:
+            return (yield)
+        finally:
+            ctx.noise_multiplier = claimed
+
+
+class NoClip:
+    """Bug: ``estimate_gradient`` runs with C = inf (no clipping) while the noise is calibrated for C."""
+
+    @hookimpl(wrapper=True)
+    def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]):
+        claimed = ctx.max_grad_norm
+        ctx.max_grad_norm = math.inf
+        try:
+            return (yield)
+        finally:
+            ctx.max_grad_norm = claimed
