@@ -182,8 +182,6 @@ class VectorDataModule(DPDataModule):
 
 
 class VectorModule(DPModule):
-    task = "classification"
-
     def __init__(self, batch_norm: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
         self.batch_norm = batch_norm
@@ -210,3 +208,21 @@ class SaveAndStopAt(L.Callback):
         if pl_module.steps_done == self.step:
             trainer.save_checkpoint(self.path)
             trainer.should_stop = True
+
+
+def fake_entry_points(monkeypatch, plugins: dict) -> None:
+    """Make ``plugins`` ({name: class or factory}) look installed, beside the real entry points."""
+    from dpl.core import plugin_manager
+
+    real = plugin_manager.installed_plugins()
+
+    class EP:
+        def __init__(self, name, obj):
+            self.name, self.obj, self.value, self.dist = name, obj, f"test:{name}", None
+
+        def load(self):
+            return self.obj
+
+    fake = dict(real)
+    fake.update({name: EP(name, obj) for name, obj in plugins.items()})
+    monkeypatch.setattr(plugin_manager, "installed_plugins", lambda: fake)

@@ -208,8 +208,7 @@ def test_refused_at_step_time_too():
 
 
 def test_bad_options():
-    for kwargs in ({"beta1": 1.0}, {"beta2": -0.1}, {"gamma": 0.0}, {"weight_decay": -1.0},
-                   {"bias_correction": "yes"}):
+    for kwargs in ({"beta1": 1.0}, {"beta2": -0.1}, {"gamma": 0.0}, {"weight_decay": -1.0}):
         with pytest.raises(ConfigError):
             AdamBCPlugin(**kwargs)
 

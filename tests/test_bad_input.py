@@ -75,6 +75,12 @@ GOOD_TRAIN = "sentence\tlabel\n" + "the movie was good\tpositive\nthe film was b
     (("--model.init_args.privacy.max_grad_norm", "0"), "max_grad_norm (C) must be > 0"),
     (("--model.init_args.privacy.batch_size", "1000"), "larger than the training set"),
     (("--model.init_args.plugins", "{nope: {}}"), "unknown plugin 'nope'"),
+    (("--model.init_args.plugins", "{denoize: {}}"), "unknown plugin 'denoize' in model.plugins; did you mean denoise?"),
+    (("--model.init_args.plugins", "{denoise: {kapa: 1.0}}"),
+     "unknown option model.plugins.denoise.kapa; did you mean kappa?"),
+    (("--model.init_args.plugins", "{denoise: {svd: ful}}"),
+     "model.plugins.denoise.svd: expected one of 'auto', 'full', 'randomized', got 'ful'; did you mean 'full'?"),
+    (("--model.init_args.plugins", "{adambc: {gamma: abc}}"), "model.plugins.adambc.gamma: expected float, got 'abc'"),
     (("--data.init_args.data_dir", "/nonexistent/dir"), "not found"),
     (("--data.init_args.text_column", "text"), "missing column(s) ['text']"),
 ])
@@ -90,6 +96,22 @@ def test_bad_input_fails_with_one_line(workspace, overrides, pattern, capsys):
 def test_bad_data_files(workspace, files, pattern, capsys):
     result, root = _run(workspace, files=files, capsys=capsys)
     _assert_one_line_error(result, root, pattern)
+
+
+def test_print_config_shows_every_named_plugin_option_with_its_default(workspace, capsys):
+    tmp, model = workspace
+    config = tmp / "config.yaml"
+    config.write_text(CONFIG.format(root=tmp / "unused", model=model, data=tmp / "data"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--model.init_args.plugins", "{adambc: {gamma: 0.001}, denoise: {}}",
+              "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    plugins = printed[printed.index("  plugins:"):]
+    for line in ("adambc:", "gamma: 0.001", "beta2: 0.999", "bias_correction: true", "denoise:", "kappa: 1.02",
+                 "svd: auto", "nonprivate_diagnostics: false"):
+        assert f"      {line}" in plugins or f"        {line}" in plugins, (line, plugins[:800])
+    assert plugins.index("adambc:") < plugins.index("denoise:")  # the post_process order is kept
 
 
 def test_bad_input_in_a_real_process(workspace):

@@ -68,8 +68,6 @@ class IndexedData(DPDataModule):
 
 
 class VectorModule(DPModule):
-    task = "classification"
-
     def __init__(self, zero_loss: bool = False, width: int = 16, **kwargs) -> None:
         super().__init__(**kwargs)
         self.zero_loss, self.width = zero_loss, width

@@ -63,8 +63,6 @@ class BlockNet(nn.Module):
 class BlockModule(DPModule):
     """Input layer, a ModuleList of blocks (each its own FSDP unit), a head."""
 
-    task = "classification"
-
     def __init__(self, width: int = 10, **kwargs) -> None:
         super().__init__(**kwargs)
         self.width = width
@@ -269,8 +267,6 @@ class TokenData(IndexedData):
 
 
 class TinyLlamaModule(DPModule):
-    task = "classification"
-
     def build_model(self) -> nn.Module:
         from helpers import tiny_llama
 

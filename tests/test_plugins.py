@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import save_tiny_bert, write_sentiment_tsv
+from helpers import fake_entry_points, save_tiny_bert, write_sentiment_tsv
 
 from dpl.core import hookspecs
 from dpl.errors import PluginError
@@ -67,35 +67,15 @@ class _Post:
         self.seen.append(self.tag)
 
 
-def _fake_entry_points(monkeypatch, plugins):
-    from importlib import metadata
-
-    from dpl.core import plugin_manager
-
-    real = plugin_manager.installed_plugins()
-
-    class EP:
-        def __init__(self, name, obj):
-            self.name, self.obj, self.value, self.dist = name, obj, f"test:{name}", None
-
-        def load(self):
-            return self.obj
-
-    fake = dict(real)
-    fake.update({name: EP(name, obj) for name, obj in plugins.items()})
-    monkeypatch.setattr(plugin_manager, "installed_plugins", lambda: fake)
-    assert metadata  # keep import
-
-
 def test_two_plugins_replacing_privatize_cannot_be_combined(monkeypatch):
-    _fake_entry_points(monkeypatch, {"noise1": _Noise1, "noise2": _Noise2})
+    fake_entry_points(monkeypatch, {"noise1": _Noise1, "noise2": _Noise2})
     with pytest.raises(PluginError, match="both implement 'privatize'"):
         create_plugin_manager({"noise1": {}, "noise2": {}})
 
 
 def test_post_process_runs_in_config_order_and_only_named_plugins_run(monkeypatch):
     seen = []
-    _fake_entry_points(monkeypatch, {"a": lambda: _Post("a", seen), "b": lambda: _Post("b", seen),
+    fake_entry_points(monkeypatch, {"a": lambda: _Post("a", seen), "b": lambda: _Post("b", seen),
                                      "c": lambda: _Post("c", seen)})
     pm = create_plugin_manager({"b": {}, "a": {}})
     assert active_plugin_names(pm) == ["b", "a"]

@@ -71,10 +71,10 @@ def test_checkpoint_alone_does_not_reveal_noise_or_batches(tmp_path):
     _trainer(tmp_path, 4).fit(module, datamodule=data)
     _trainer_for_save = module.trainer
     _trainer_for_save.save_checkpoint(path)
-    noise_state = module.engine.noise_source.get_state()
-    sampler_state = module.engine._sampler_generator.get_state()
-    next_noise = torch.randn(50, generator=module.engine.noise_source)
-    next_batch = torch.rand(64, generator=module.engine._sampler_generator)
+    secret = module.engine.secret_state_dict()
+    noise_state, sampler_state = secret["noise_rng"], secret["sampler_rng"]
+    next_noise = torch.randn(50, generator=torch.Generator().set_state(noise_state))
+    next_batch = torch.rand(64, generator=torch.Generator().set_state(sampler_state))
 
     checkpoint = torch.load(path, weights_only=False)
     assert SECRET_KEY not in checkpoint

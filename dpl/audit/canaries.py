@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dpl.audit.runner import AuditConfig
+    from dpl.audit.config import AuditConfig
 
 
 class CanaryData:

@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-from dpl.audit.runner import AuditConfig, run_audit
+from dpl.audit.config import AuditConfig
+from dpl.audit.runner import run_audit
 from dpl.errors import DPLError
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,22 @@ class PrivateEngine:
         plan = self._configured_plan()
         return self.mechanism.batch_sampler(plan.num_examples, plan.steps_per_epoch, self._sampler_generator,
                                             start_step=self.steps_done)
+
+    def batches(self) -> Iterator[list[int]]:
+        """The index lists of the remaining planned steps, epoch after epoch of :meth:`batch_sampler` (for drivers
+        without a data loader of their own, such as ``dpl audit``)."""
+        sampler = self.batch_sampler()
+        remaining = self._configured_plan().steps - self.steps_done
+        while remaining > 0:
+            empty = True
+            for indices in sampler:
+                empty = False
+                yield list(indices)
+                remaining -= 1
+                if remaining == 0:
+                    return
+            if empty:
+                raise ConfigError("the mechanism's batch sampler yields no batch")
 
     def start(self, device: torch.device | str = "cpu", secure_source: Callable[[], SecureNormal] = SecureNormal) -> None:
         """Create the secret noise source on ``device`` (``secure_source`` makes it under ``privacy.secure_noise``;

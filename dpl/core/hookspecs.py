@@ -14,6 +14,18 @@ Two *setup hooks* run once before training: ``validate_setup`` (every plugin may
 are registered ``trylast``, so any plugin named in the config that implements the same hook replaces them.
 Two named plugins implementing the same ``firstresult`` step hook cannot be combined: the plugin manager
 refuses them at setup. See ``docs/hooks.md`` for examples.
+
+Besides the hooks, a plugin object may have:
+
+* ``contract`` - a :class:`dpl.api.Contract` declaring what it does to the step (changes the noise, reads the noise
+  std, releases a rank-one estimate, needs gradient matrices, works on whole tensors); the core refuses conflicting
+  combinations from these declarations (:func:`dpl.core.plugin_manager.check_contracts`).
+* state, in pairs (:data:`dpl.core.plugin_manager.STATE_METHODS`, checked when the plugin is loaded):
+  ``state_dict() -> dict`` / ``load_state_dict(state)`` for public state, written into the checkpoint a user may
+  share (values that are functions of DP releases only, e.g. Adam moments); ``secret_state_dict() -> dict`` /
+  ``load_secret_state_dict(state | None)`` for secrets (generator states, noise buffers, permutations), written only
+  into the owner-only ``.secret`` sidecar; ``None`` means the sidecar is missing: continue from fresh OS entropy or
+  raise ``ConfigError``. ``load_state_dict`` raises ``ConfigError`` when the saved state cannot continue this run.
 """
 
 from __future__ import annotations

@@ -145,6 +145,8 @@ def create_plugin_manager(plugins: dict[str, Any] | list[Any] | None = None) -> 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     named = [(name, load_plugin(name, options)) for name, options in config.items()]
+    for name, plugin in named:
+        check_state_contract(name, plugin)
     owners: dict[str, str] = {}
     for name, plugin in named:
         for hook in implemented_hooks(plugin):
@@ -161,8 +163,23 @@ def create_plugin_manager(plugins: dict[str, Any] | list[Any] | None = None) -> 
     try:
         pm.check_pending()  # a hook implementation whose name matches no hook (a typo such as post_proces)
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {exc.plugin_name!r}: {exc}") from None
+        raise PluginError(f"plugin {pm.get_name(exc.plugin)!r}: {exc}") from None
     return pm
+
+
+#: the state methods a plugin may have, in save / load pairs (see :mod:`dpl.core.hookspecs`)
+STATE_METHODS = (("state_dict", "load_state_dict"), ("secret_state_dict", "load_secret_state_dict"))
+
+
+def check_state_contract(name: str, plugin: Any) -> None:
+    """Refuse a plugin with half of a state pair: what it saves must load back on resume, and what it loads must
+    have been saved (:data:`STATE_METHODS`)."""
+    for save, load in STATE_METHODS:
+        has_save, has_load = callable(getattr(plugin, save, None)), callable(getattr(plugin, load, None))
+        if has_save != has_load:
+            present, missing = (save, load) if has_save else (load, save)
+            raise PluginError(f"plugin {name!r} implements {present}() without {missing}(): its state would not "
+                              "survive a resume")
 
 
 def active_plugin_names(pm: pluggy.PluginManager) -> list[str]:

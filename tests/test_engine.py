@@ -1,0 +1,208 @@
+"""The private engine without Lightning: life cycle, accounting, state split, exact resume, and the privacy boundary
+between the private hooks and the release hooks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from helpers import VectorData
+from torch import nn
+
+import pytest
+from dpl.api import GradientSum, PrivateGradient, hookimpl
+from dpl.core.engine import PrivateEngine
+from dpl.core.plugin_manager import create_plugin_manager, installed_plugins, implemented_hooks
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.step import StepContext, private_step
+from dpl.core.update import apply_direction
+
+N, B, STEPS = 64, 16, 6
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _engine(model: nn.Module, plugins=None, seed: int | None = 3, **privacy) -> PrivateEngine:
+    cfg = PrivacyConfig(**{"target_epsilon": 4.0, "batch_size": B, "physical_batch_size": 8, "seed": seed, **privacy})
+    engine = PrivateEngine(cfg, plugins)
+    engine.setup(model, num_examples=N, steps=STEPS, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    return engine
+
+
+def _train(engine: PrivateEngine, model: nn.Module, steps: int, optimizer=None) -> torch.optim.Optimizer:
+    data = VectorData(N)
+    trainable = dict(model.named_parameters())
+    optimizer = optimizer or torch.optim.SGD(trainable.values(), lr=0.1)
+
+    def loss(batch):
+        return F.cross_entropy(model(batch["x"]), batch["labels"], reduction="none")
+
+    batches = engine.batches()
+    for _ in range(steps):
+        idx = next(batches)
+        batch = {"x": data.x[idx], "labels": data.y[idx]}
+        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=loss, optimizer=optimizer)
+        apply_direction(optimizer, trainable, direction)
+    return optimizer
+
+
+def test_engine_trains_and_accounts_without_lightning():
+    model = _model()
+    engine = _engine(model)
+    engine.start()
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(engine, model, STEPS)
+    assert engine.steps_done == STEPS
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert engine.epsilon() == pytest.approx(engine.mechanism.epsilon(engine.noise_multiplier, engine.plan.delta, STEPS))
+    assert engine.epsilon() <= 4.0 * (1 + 1e-6)
+    assert engine.summary()["steps_done"] == STEPS
+
+
+def test_lifecycle_is_enforced():
+    model = _model()
+    engine = _engine(model)
+    with pytest.raises(RuntimeError, match="not started"):
+        engine.step({}, model=model, trainable={}, per_example_loss=None)
+    with pytest.raises(RuntimeError, match="once"):
+        engine.setup(model, num_examples=N, steps=STEPS)
+
+
+def test_public_state_holds_no_secret_and_a_resume_is_exact():
+    model = _model()
+    engine = _engine(model)
+    engine.start()
+    optimizer = _train(engine, model, 3)
+    public, secret = engine.state_dict(), engine.secret_state_dict()
+    assert secret["noise_rng"] is not None and secret["sampler_rng"] is not None
+    flat = repr(public)
+    assert "noise_rng" not in flat and "sampler_rng" not in flat
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt_state = optimizer.state_dict()
+    _train(engine, model, 3, optimizer)  # the uninterrupted run
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    resumed_model = _model()
+    resumed_model.load_state_dict(params)
+    resumed = _engine(resumed_model, seed=None)  # other generators: the sidecar must restore them
+    resumed.load_state_dict(public)
+    resumed.load_secret_state_dict(secret)
+    resumed.start()
+    optimizer = torch.optim.SGD(resumed_model.parameters(), lr=0.1)
+    optimizer.load_state_dict(opt_state)
+    _train(resumed, resumed_model, 3, optimizer)
+    for name, p in resumed_model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0)
+    assert resumed.epsilon() == engine.epsilon()
+
+
+class _StashInScratch:
+    """A private hook that puts a value computed from the examples into the private hooks' scratch."""
+
+    @hookimpl(wrapper=True)
+    def estimate_gradient(self, ctx: StepContext, batch):
+        total = yield
+        ctx.scratch["clipped"] = {k: v.clone() for k, v in total.values.items()}
+        return total
+
+
+class _ReadScratch:
+    def __init__(self):
+        self.seen = None
+
+    @hookimpl
+    def post_process(self, ctx, gradient):
+        self.seen = dict(ctx.scratch)
+
+
+def _step_with(plugins: list, batch_seed: int) -> dict:
+    model = _model()
+    pm = create_plugin_manager()
+    for i, plugin in enumerate(plugins):
+        pm.register(plugin, name=f"test{i}")
+    data = VectorData(N, seed=batch_seed)
+    trainable = dict(model.named_parameters())
+    ctx = StepContext(model=model, trainable=trainable,
+                      per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["labels"], reduction="none"),
+                      max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B, step=0,
+                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+    return private_step(pm.hook, ctx, {"x": data.x[:B], "labels": data.y[:B]}, 8)
+
+
+def test_release_hooks_do_not_see_the_private_hooks_scratch():
+    reader = _ReadScratch()
+    _step_with([_StashInScratch(), reader], batch_seed=0)
+    assert reader.seen == {}  # before the fix the release context shared the private scratch (clean clipped sums)
+
+
+class _FixedRelease:
+    """Replaces privatize with a release that does not depend on the clipped sum (same keys and shapes)."""
+
+    @hookimpl
+    def privatize(self, ctx, gradient_sum):
+        gen = torch.Generator().manual_seed(11)
+        values = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in gradient_sum.values.items()}
+        return PrivateGradient(values, noise_std=0.05, mechanism="gaussian", expected_batch_size=B, step=ctx.step)
+
+
+def _release_plugins() -> list[str]:
+    names = []
+    for name, ep in sorted(installed_plugins().items()):
+        hooks = set(implemented_hooks(ep.load()))
+        if hooks & {"post_process", "precondition"} and not hooks & {"estimate_gradient"}:
+            names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("name", _release_plugins())
+def test_release_hooks_depend_on_the_release_only(name):
+    """Every installed post_process / precondition plugin: the same release after different clipped sums gives the
+    same update direction (a plugin reading the clipped sum, per-example values or the private scratch fails)."""
+    from dpl.core.plugin_manager import load_plugin
+
+    directions = []
+    for batch_seed in (0, 1):
+        directions.append(_step_with([_StashInScratch(), load_plugin(name), _FixedRelease()], batch_seed))
+    for key in directions[0]:
+        torch.testing.assert_close(directions[0][key], directions[1][key], rtol=0, atol=0)
+
+
+class _LeakyPrecondition:
+    """A planted bug: precondition reads the clean clipped sum that a private hook left in the scratch."""
+
+    @hookimpl
+    def precondition(self, ctx, gradient):
+        clean = ctx.scratch.get("clipped")
+        return {k: v + (clean[k] if clean else 0) for k, v in gradient.values.items()}
+
+
+def test_the_release_only_check_catches_a_plugin_reading_the_clipped_sum(monkeypatch):
+    """The check above fails on a precondition that reads the clipped sum when the scratch is shared."""
+    monkeypatch.setattr(StepContext, "release_context", _shared_scratch_release_context)
+    a = _step_with([_StashInScratch(), _LeakyPrecondition(), _FixedRelease()], 0)
+    b = _step_with([_StashInScratch(), _LeakyPrecondition(), _FixedRelease()], 1)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def _shared_scratch_release_context(self):
+    from dpl.core.step import ReleaseContext
+
+    return ReleaseContext(trainable=self.trainable, max_grad_norm=self.max_grad_norm,
+                          noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
+                          step=self.step, public_seed=self.public_seed, optimizer=self.optimizer, log=self.log,
+                          scratch=self.scratch)
+
+
+def test_gradient_sum_is_wiped_before_the_release_hooks():
+    seen = {}
+
+    class Keep:
+        @hookimpl(wrapper=True)
+        def privatize(self, ctx, gradient_sum: GradientSum):
+            seen["sum"] = gradient_sum
+            return (yield)
+
+    _step_with([Keep()], 0)
+    assert seen["sum"].wiped
