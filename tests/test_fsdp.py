@@ -340,11 +340,11 @@ def test_refusals_under_fsdp():
     with pytest.raises(ConfigError, match="estimate_gradient"):
         ClipPlugin().validate_setup(setup=_sharded_setup(nn.Linear(3, 4), replaced_hooks=frozenset(
             {"estimate_gradient"})))
-    if "dpzero" in installed_plugins():
-        from plugins.dpzero import DPZeroPlugin
+    if "dpzero" in installed_plugins():  # declared in its contract (full_tensors), refused by the core
+        from dpl.core.plugin_manager import check_contracts, create_plugin_manager
 
         with pytest.raises(ConfigError, match="sharded"):
-            DPZeroPlugin().validate_setup(setup=_sharded_setup(nn.Linear(3, 4)))
+            check_contracts(create_plugin_manager({"dpzero": {}}), sharded=True)
 
     from dpl.lightning.distributed import check_strategy
 

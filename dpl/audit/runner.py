@@ -1,15 +1,16 @@
 """Empirical privacy audit in one training run (``dpl audit``).
 
 The audit of Steinke, Nasr & Jagielski, "Privacy auditing with one (1) training run" (NeurIPS 2023), with
-white-box gradient canaries, run through dpl's real private step:
+white-box gradient canaries, run through dpl's private engine (:class:`~dpl.core.engine.PrivateEngine`, the one
+``dpl fit`` drives):
 
 1. **Canaries.** ``m`` canaries, each a training example whose per-example gradient is a chosen direction
    ``u_i`` of norm ``canary_norm * C`` (>= C, so clipping is what bounds it): a *Dirac* canary (one weight
    entry) or a random rank-one direction of a small linear model ``W`` (``rows x cols``). Each canary is
    included in the training set independently with probability 1/2 (``S_i = +1``) or left out (``S_i = -1``).
 2. **Training.** The included canaries and ``examples`` ordinary examples (random directions, the other
-   gradients in each batch) are trained on for ``steps`` steps by :func:`dpl.core.step.private_step` with a plugin
-   manager from :func:`dpl.core.plugin_manager.create_plugin_manager`: the mechanism's own batch sampler (Poisson for
+   gradients in each batch) are trained on for ``steps`` steps by the engine, with a plugin manager from
+   :func:`dpl.core.plugin_manager.create_plugin_manager`: the mechanism's own batch sampler (Poisson for
    the default), its own clipping, noise and post-processing, and :func:`dpl.core.update.apply_direction` with SGD.
    Sigma is calibrated by the mechanism for the claimed (epsilon, delta).
 3. **Scores.** The auditor sees every intermediate model (white box). For canary i and step t,
