@@ -15,7 +15,8 @@ from dpl.tasks.data.e2e import E2EDataModule
 from dpl.tasks.data.generation import GenerationDataModule
 from dpl.tasks.data.jsonl import JSONLDataModule
 from dpl.tasks.data.prompt import PromptClassificationDataModule
+from dpl.tasks.data.quickstart import QuickstartDataModule
 from dpl.tasks.data.templates import Record
 
-__all__ = ["DPDataModule", "ClassificationDataModule", "PromptClassificationDataModule", "DataError",
-           "GenerationDataModule", "E2EDataModule", "DARTDataModule", "JSONLDataModule", "Record"]
+__all__ = ["DPDataModule", "ClassificationDataModule", "PromptClassificationDataModule", "QuickstartDataModule",
+           "DataError", "GenerationDataModule", "E2EDataModule", "DARTDataModule", "JSONLDataModule", "Record"]
