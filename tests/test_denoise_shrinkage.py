@@ -427,7 +427,7 @@ def test_spike_inverse_and_seed_form_of_the_shrinker(beta):
     y = torch.sqrt((1 + x ** 2) * (beta + x ** 2)) / x                    # where they land (BBP / Benaych-Georges)
     assert bool((y > 1 + math.sqrt(beta)).all())
     torch.testing.assert_close(spike_inverse(y, beta), x, rtol=1e-10, atol=0)
-    # the seed's form eta = x * c_u * c_v is the same estimator as the closed form in y
+    # the paper's form (Dadsetan and Rudzicz, 2025) eta = x * c_u * c_v is the same estimator as the closed form in y
     cu = torch.sqrt((x ** 4 - beta) / (x ** 4 + beta * x ** 2))
     cv = torch.sqrt((x ** 4 - beta) / (x ** 4 + x ** 2))
     torch.testing.assert_close(optimal_shrinker(y, beta), x * cu * cv, rtol=1e-10, atol=0)
