@@ -61,7 +61,7 @@ def zipf_subsample(folder: Path, seed: int = 0) -> tuple[dict[str, list[str]], i
 
 
 def run_one(name: str, lr: float, seed: int, args, data_dir: Path, groups, root: Path) -> dict:
-    from dpl.lightning.cli import main
+    from dpl.cli import main
 
     fragment, extra = OPTIMIZERS[name]
     out = root / f"{name}-seed{seed}"

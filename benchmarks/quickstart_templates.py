@@ -50,7 +50,7 @@ class TemplateAccuracy(Callback):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from dpl.lightning.cli import main
+    from dpl.cli import main
 
     main(["fit", "--config", "configs/quickstart.yaml", "--trainer.enable_checkpointing", "false",
           "--trainer.callbacks+=quickstart_templates.TemplateAccuracy", *sys.argv[1:]])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import random_batch, tiny_bert, tiny_classification_workspace
 
-from dpl.lightning.cli import main
+from dpl.cli import main
 from dpl.errors import ConfigError
 from dpl.core.gradients import PrivateGradient
 from dpl.core.hookspecs import hookimpl

@@ -143,7 +143,7 @@ def test_bad_settings_are_refused(change, message):
 
 
 def run_cli(args, capsys):
-    from dpl.lightning.cli import main
+    from dpl.cli import main
 
     code = 0
     try:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from helpers import tiny_classification_workspace
 
-from dpl.lightning.cli import main
+from dpl.cli import main
 from dpl.errors import ConfigError
 from dpl.core.privacy import PrivacyConfig
 
@@ -46,7 +46,7 @@ def _run(workspace, *overrides, files=None, capsys=None):
     config.write_text(CONFIG.format(root=root, model=model, data=data))
     args = ["fit", "--config", str(config), *overrides]
     if capsys is None:  # a real process, as a user runs it
-        result = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", *args], capture_output=True, text=True,
+        result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], capture_output=True, text=True,
                                 cwd=Path(__file__).resolve().parents[1])
         return result, root
     with pytest.raises(SystemExit) as exit_info:  # in-process: the same code path, without interpreter start-up

@@ -1,4 +1,4 @@
-"""Issue 12: DDP with the privacy guarantee of one process.
+"""DDP with the privacy guarantee of one process.
 
 Two CPU processes (gloo, Lightning's ``ddp_fork``: the forked ranks share this process's imports, so a run
 costs about a second) against one process on the same data, seed and global batch: the same parameters (to
@@ -295,7 +295,7 @@ def check_cli_run(tmp_path: Path, fragment: str, model: str) -> None:
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.save_last", "true"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", *args], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], env=env, capture_output=True, text=True,
                             timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("trained 3 private steps") == 1  # printed by rank 0 only

@@ -24,7 +24,7 @@ import torch
 import yaml
 from helpers import save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
 
-from dpl.lightning.cli import main
+from dpl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -292,7 +292,7 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
     code = 0
     if _multi_process(args, world):  # DDP re-launches the command line: run it as a user would, in a process
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        result = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", *args], capture_output=True, text=True,
+        result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], capture_output=True, text=True,
                                 cwd=world["work"], env=env, timeout=600)
         code, out, err = result.returncode, result.stdout, result.stderr
     else:

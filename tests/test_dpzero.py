@@ -451,7 +451,7 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("fragment", ["dpzero.yaml", "mezo.yaml"])
 def test_dpl_fit_with_the_config(tiny, fragment, capsys):
-    from dpl.lightning.cli import main
+    from dpl.cli import main
 
     tmp, model = tiny
     root = tmp / f"runs_{fragment}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import tiny_classification_workspace
 
-from dpl.lightning.cli import main
+from dpl.cli import main
 from dpl.tasks.data import ClassificationDataModule
 from dpl.tasks.modules import DPClassificationModule
 from dpl.core.privacy import PrivacyConfig

@@ -376,7 +376,7 @@ def test_denoise_reads_ftrl_marginal_noise_std(monkeypatch):
 def test_dpl_fit_with_the_config_fragment(tmp_path, capsys):
     from helpers import save_tiny_bert, write_sentiment_tsv
 
-    from dpl.lightning.cli import main
+    from dpl.cli import main
 
     model = save_tiny_bert(tmp_path / "model")
     write_sentiment_tsv(tmp_path / "data" / "train.tsv", rows=96)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import tiny_classification_workspace
 
-from dpl.lightning.cli import main
+from dpl.cli import main
 from dpl.lightning.progress import PlainModelSummary, default_model_summary
 
 TABLE_MARKS = ("┃", "┏", "│", "Total params", "Trainable params", "Skipping setting a default")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import save_tiny_bert
 
-from dpl.lightning.cli import main
+from dpl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 BANKING77 = ROOT.parent / "shared" / "data" / "banking77"

@@ -100,7 +100,7 @@ def test_third_party_plugin_from_the_tutorial(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(site), str(package)], check=True)
     env = {**__import__("os").environ, "PYTHONPATH": str(site)}
-    listing = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", "plugins"], env=env, capture_output=True, text=True,
+    listing = subprocess.run([sys.executable, "-m", "dpl.cli", "plugins"], env=env, capture_output=True, text=True,
                              check=True).stdout
     assert re.search(r"^gradnorm\s+dpl-gradnorm\s+0\.1\.0\s+post_process", listing, re.M), listing
 
@@ -109,7 +109,7 @@ def test_third_party_plugin_from_the_tutorial(tmp_path):
     write_sentiment_tsv(tmp_path / "data" / "validation.tsv", rows=16, seed=1)
     config = tmp_path / "run.yaml"
     config.write_text(TINY_RUN.format(model=model, data=Path(train).parent, root=tmp_path / "runs"))
-    result = subprocess.run([sys.executable, "-m", "dpl.lightning.cli", "fit", "--config", str(config), "--config",
+    result = subprocess.run([sys.executable, "-m", "dpl.cli", "fit", "--config", str(config), "--config",
                              str(tmp_path / "gradnorm.yaml")], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = next((tmp_path / "runs").rglob("metrics.csv")).read_text()

@@ -91,7 +91,7 @@ def test_private_step_on_the_prompt_model(tiny, plugins):
 def test_dpl_fit_prompt_mode_with_dpzero(tiny, capsys):
     from pathlib import Path
 
-    from dpl.lightning.cli import main
+    from dpl.cli import main
 
     tmp, model = tiny
     root = tmp / "runs"

@@ -537,7 +537,7 @@ def test_sigkill_mid_training_then_resume_from_last_checkpoint(tmp_path):
             "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.every_n_train_steps", "1",
             "--trainer.callbacks.save_last", "true"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-c", "import sys; from dpl.lightning.cli import main; main(sys.argv[1:])", "fit", *args]
+    command = [sys.executable, "-c", "import sys; from dpl.cli import main; main(sys.argv[1:])", "fit", *args]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     last = ckpt_dir / "last.ckpt"
     deadline = time.time() + 240

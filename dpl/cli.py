@@ -32,14 +32,26 @@ DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-S
 #: dpl's commands besides Lightning's (fit, validate, test, predict): name -> (one-line help, "module:function").
 #: The function gets the remaining arguments (list of str) and returns an exit code (or None for 0).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.lightning.cli:plugins_command"),
+    "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
               "(docs/audit.md)", "dpl.audit.command:audit_command"),
 }
 
-MODEL_CLASSES = "DPClassificationModule, DPGenerationModule"
-DATA_CLASSES = "ClassificationDataModule, QuickstartDataModule, E2EDataModule, DARTDataModule, JSONLDataModule"
 _ARGV: list[str] = []
+
+
+def task_classes() -> tuple[list[str], list[str]]:
+    """The names of the model and data classes dpl ships: those that ``dpl.tasks.modules`` / ``dpl.tasks.data``
+    export and that subclass :class:`DPModule` / :class:`DPDataModule`. Importing them here also lets
+    ``--model.help NAME`` and ``class_path: NAME`` find them by their short name."""
+    import dpl.tasks.data
+    import dpl.tasks.modules
+
+    def names(package: Any, base: type) -> list[str]:
+        classes = [getattr(package, name) for name in package.__all__]
+        return [c.__name__ for c in classes if inspect.isclass(c) and issubclass(c, base) and c is not base]
+
+    return names(dpl.tasks.modules, DPModule), names(dpl.tasks.data, DPDataModule)
 
 
 def _epilog() -> str:
@@ -66,7 +78,8 @@ def _parser_kwargs() -> dict[str, Any]:
 
     import textwrap
 
-    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES), 79)}
+    models, data = task_classes()
+    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)}
     return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
             "fit": sub, "validate": sub, "test": sub, "predict": sub}
 
