@@ -10,6 +10,7 @@ import statistics
 import time
 
 from dpl.core import accounting
+from dpl.core.accounting import prv
 
 CASES = [(0.03, 400, 3.0, 1e-5), (0.01, 3000, 3.0, 1e-5), (0.032, 93, 8.0, 2.3e-4)]
 
@@ -26,7 +27,7 @@ def main() -> None:
     for q, steps, eps, delta in CASES:
         dpl_times, ref_times = [], []
         for _ in range(args.repeats):
-            accounting._prv_bounds.cache_clear()  # time a cold calibration each repeat
+            prv._prv_bounds.cache_clear()  # time a cold calibration each repeat
             start = time.perf_counter()
             sigma = accounting.calibrate_noise_multiplier(eps, delta, q, steps)
             dpl_times.append(time.perf_counter() - start)

@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -112,7 +113,7 @@ def main() -> None:
             step = build(v, name, batch, args.device, freeze)
             if step is not None:
                 steps[v] = (lambda s: lambda: (s(), sync()))(step)
-        medians = timeit(steps, args.repeats, time.perf_counter)
+        medians = {v: statistics.median(t) for v, t in timeit(steps, args.repeats, time.perf_counter).items()}
         base = medians["non-private"]
         for v in variants:
             seconds = medians.get(v)

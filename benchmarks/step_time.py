@@ -116,7 +116,7 @@ def opacus_step(model, batch, mode: str) -> Callable[[], None] | None:
 
 
 def timeit(variants: dict[str, Callable[[], None]], repeats: int,
-           clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+           clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up
         fn()
@@ -125,7 +125,7 @@ def timeit(variants: dict[str, Callable[[], None]], repeats: int,
             start = clock()
             fn()
             times[name].append(clock() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def main() -> None:
@@ -160,16 +160,19 @@ def main() -> None:
             step = opacus_step(load(method, freeze), batch, mode)
             if step is not None:
                 variants[f"opacus {mode}"] = step
-        medians = timeit(variants, args.repeats, time.process_time if args.clock == "process" else time.perf_counter)
-        base = medians["non-private"]
-        for name, seconds in medians.items():
-            rows.append((label, name, seconds, seconds / base))
+        times = timeit(variants, args.repeats, time.process_time if args.clock == "process" else time.perf_counter)
+        base, base_min = statistics.median(times["non-private"]), min(times["non-private"])
+        for name, values in times.items():
+            seconds = statistics.median(values)
+            rows.append((label, name, seconds, seconds / base, min(values), min(values) / base_min))
     print(f"\nbatch {args.batch} x {args.tokens} tokens, {args.repeats} interleaved repeats, {args.clock} clock, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print("| model | step | median s | × non-private | × dpl |\n|---|---|---|---|---|")
-    dpl_time = {label: seconds for label, name, seconds, _ in rows if name == "dpl"}
-    for label, name, seconds, ratio in rows:
-        print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} | {seconds / dpl_time[label]:.3f} |")
+    print("| model | step | median s | × non-private | × dpl | min s | min × non-private |\n"
+          "|---|---|---|---|---|---|---|")
+    dpl_time = {row[0]: row[2] for row in rows if row[1] == "dpl"}
+    for label, name, seconds, ratio, fastest, fastest_ratio in rows:
+        print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} | {seconds / dpl_time[label]:.3f} | {fastest:.3f} | "
+              f"{fastest_ratio:.2f} |")
 
 
 if __name__ == "__main__":

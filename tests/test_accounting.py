@@ -14,12 +14,15 @@ import pytest
 from scipy.stats import norm
 
 from dpl.core import accounting
+from dpl.core.accounting import prv, rdp
 from dpl.core.accounting import (
+    EpsilonSchedule,
     PoissonGaussianAccountant,
     calibrate_gaussian_mechanism,
     calibrate_noise_multiplier,
     epsilon_for,
     gaussian_mechanism_epsilon,
+    smallest_noise_multiplier,
 )
 
 DELTA = 1e-5
@@ -53,7 +56,7 @@ def gaussian_delta(eps: float, s: float) -> float:
 ])
 def test_epsilon_for_matches_prv_accountant(sigma, q, steps, delta):
     eps = epsilon_for(sigma, q, steps, delta)
-    lo, est, up = accounting._prv_bounds(((sigma, q, steps),), delta, None)
+    lo, est, up = prv._prv_bounds(((sigma, q, steps),), delta, None)
     assert eps == up
     # prv-accountant with the eps_error dpl uses (0.5 % of an RDP bound) gives the same bounds
     eps_error = accounting.prv_error_for(epsilon_for(sigma, q, steps, delta, method="rdp"))
@@ -100,11 +103,11 @@ def test_edge_cases():
 
 @pytest.mark.parametrize("target,q,steps", [(3.0, 0.03, 400), (1.0, 0.01, 500), (8.0, 1.0, 5)])
 def test_calibrated_sigma_checked_by_prv_accountant(target, q, steps):
-    accounting._prv_bounds.cache_clear()
+    prv._prv_bounds.cache_clear()
     t = time.perf_counter()
     sigma = calibrate_noise_multiplier(target, DELTA, q, steps, tol=0.01)
     elapsed = time.perf_counter() - t
-    assert accounting._prv_bounds.cache_info().misses <= 5  # a handful of PRV evaluations
+    assert prv._prv_bounds.cache_info().misses <= 5  # a handful of PRV evaluations
     assert elapsed < 10  # generous (shared CI machines); ~0.05-0.3 s here
     eps = epsilon_for(sigma, q, steps, DELTA)
     assert 0.99 * target <= eps <= target
@@ -200,7 +203,7 @@ def test_accountant_heterogeneous_history_matches_prv_accountant():
     acc.step(0.9, 0.02, n=100)  # composition is commutative: merged with the first segment
     assert len(acc) == 3
     eps = acc.epsilon(DELTA)
-    _, est, _ = accounting._prv_bounds(((0.9, 0.02, 200), (1.3, 0.05, 200)), DELTA, None)
+    _, est, _ = prv._prv_bounds(((0.9, 0.02, 200), (1.3, 0.05, 200)), DELTA, None)
     prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=0.02, noise_multiplier=0.9),
             PoissonSubsampledGaussianMechanism(sampling_probability=0.05, noise_multiplier=1.3)]
     ref = PRVAccountant(prvs=prvs, max_self_compositions=[200, 200], eps_error=0.01 * est, delta_error=DELTA / 1000)
@@ -248,7 +251,7 @@ def test_fallback_to_rdp_warns_once(monkeypatch, caplog):
     def broken(*args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(accounting, "_prv_bounds", broken)
+    monkeypatch.setattr(prv, "_prv_bounds", broken)
     acc = PoissonGaussianAccountant()
     acc.step(1.0, 0.03, n=100)
     with caplog.at_level(logging.WARNING, logger="dpl.core.accounting"):
@@ -259,7 +262,7 @@ def test_fallback_to_rdp_warns_once(monkeypatch, caplog):
     assert eps2 == pytest.approx(_opacus_epsilon(1.0, 0.03, 200, DELTA), rel=1e-9)
     assert sum("falling back to RDP" in r.getMessage() for r in caplog.records) == 1
 
-    monkeypatch.setattr(accounting, "_prv_bounds", lambda *args: (0.0, float("nan"), float("nan")))
+    monkeypatch.setattr(prv, "_prv_bounds", lambda *args: (0.0, float("nan"), float("nan")))
     assert epsilon_for(1.0, 0.03, 100, DELTA) == pytest.approx(_opacus_epsilon(1.0, 0.03, 100, DELTA), rel=1e-9)
     # calibration falls back to RDP too: a valid (larger) sigma
     sigma = calibrate_noise_multiplier(3.0, DELTA, 0.03, 100)
@@ -304,9 +307,9 @@ def test_discretisation_matches_prv_accountant():
     from prv_accountant import PoissonSubsampledGaussianMechanism, discretisers
     from prv_accountant.privacy_random_variables import PrivacyRandomVariableTruncated
 
-    domain = accounting._fft_friendly_domain(6.0, 2e-3)
+    domain = prv._fft_friendly_domain(6.0, 2e-3)
     for sigma, q in [(1.0, 0.03), (0.7, 0.3), (2.0, 1.0)]:
-        ours = accounting._discretise(sigma, q, domain)
+        ours = prv._discretise(sigma, q, domain)
         tprv = PrivacyRandomVariableTruncated(PoissonSubsampledGaussianMechanism(q, sigma), domain.t_min(),
                                               domain.t_max())
         with np.errstate(all="ignore"):
@@ -320,7 +323,65 @@ def test_internal_rdp_bound_is_an_upper_bound_close_to_opacus():
     # bound: it agrees with opacus' RDP at the same integer orders
     from opacus.accountants.analysis import rdp as opacus_rdp
 
-    orders = accounting._INT_ORDERS[:40]
+    orders = rdp._INT_ORDERS[:40]
     for sigma, q in [(0.7, 0.01), (1.0, 0.03), (3.0, 0.5), (2.0, 1.0)]:
         ref = opacus_rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(orders))
-        np.testing.assert_allclose(accounting._int_rdp_per_step(sigma, q)[:40], ref, rtol=1e-9)
+        np.testing.assert_allclose(rdp._int_rdp_per_step(sigma, q)[:40], ref, rtol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the one sigma search, and epsilon for the current step
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0, 2.0, 6.0])
+@pytest.mark.parametrize("target", [0.05, 1.0, 30.0])
+def test_smallest_noise_multiplier_on_closed_forms(power, target):
+    calls = []
+
+    def epsilon_of(sigma: float) -> float:
+        calls.append(sigma)
+        return 3.0 / sigma ** power
+
+    sigma = smallest_noise_multiplier(epsilon_of, target, tol=1e-3)
+    assert target * (1 - 1e-3) <= epsilon_of(sigma) <= target
+    assert len(calls) <= 16  # at most a factor 2 per step until bracketed: 12 steps to sigma = 3600
+    # a proxy of the same shape off by a constant factor: the second evaluation lands in the window
+    calls.clear()
+    sigma = smallest_noise_multiplier(epsilon_of, target, tol=1e-3, proxy=lambda s: 5.0 / s ** power)
+    assert target * (1 - 1e-3) <= 3.0 / sigma ** power <= target and len(calls) <= 3
+
+
+def test_smallest_noise_multiplier_refuses_an_unreachable_target():
+    with pytest.raises(ValueError, match="no sigma found"):
+        smallest_noise_multiplier(lambda s: 2.0 + 1 / s, 1.0)
+    with pytest.raises(ValueError, match="epsilon failed"):
+        smallest_noise_multiplier(lambda s: math.log(-1.0), 1.0)
+
+
+def test_epsilon_schedule_bounds_and_costs():
+    calls = []
+
+    def epsilon_of(n: int) -> float:
+        calls.append(n)
+        return math.sqrt(n) / 10
+
+    schedule = EpsilonSchedule(epsilon_of, spacing=0.02)
+    assert schedule(5000) == epsilon_of(5000)  # the first ask: exact
+    values = [schedule(t) for t in range(1, 5001)]
+    assert len(set(calls)) <= 300  # grid points (every count to 50, then 2% apart) and a few exact counts
+    for t, value in zip(range(1, 5001), values):
+        assert epsilon_of(t) <= value <= 1.011 * epsilon_of(t)
+    assert values == sorted(values)
+
+
+def test_mechanism_epsilon_is_exact_when_first_asked_and_an_upper_bound_per_step():
+    from dpl.core.mechanism import PoissonGaussian
+
+    mechanism = PoissonGaussian(0.03)
+    assert mechanism.epsilon(1.1, DELTA, 300) == epsilon_for(1.1, 0.03, 300, DELTA)
+    for t in (1, 2, 120, 121, 250, 300):
+        exact = epsilon_for(1.1, 0.03, t, DELTA)
+        assert exact <= mechanism.epsilon(1.1, DELTA, t) <= 1.026 * exact  # grid 5% apart
+    import copy
+
+    assert copy.deepcopy(mechanism).epsilon(1.1, DELTA, 300) == epsilon_for(1.1, 0.03, 300, DELTA)

@@ -309,7 +309,11 @@ def test_noise_std_is_sigma_C_over_B():
 
 # --- MeZO and the update --------------------------------------------------------------------------------------
 
-def test_mezo_mode_equals_a_hand_written_mezo_step():
+@pytest.mark.parametrize("keep", [False, True])
+def test_mezo_mode_equals_a_hand_written_mezo_step(keep, monkeypatch):
+    draws = []
+    draw = DirectionSampler._draw
+    monkeypatch.setattr(DirectionSampler, "_draw", lambda self, name, p: draws.append(name) or draw(self, name, p))
     model = tiny_bert()
     for module in model.modules():  # dropout active in train mode: the plugin's two forwards run in eval mode
         if isinstance(module, nn.Dropout):
@@ -318,12 +322,17 @@ def test_mezo_mode_equals_a_hand_written_mezo_step():
     batch = random_batch(8)
     lr, mu, seed = 0.05, 1e-3, 4242
     # dpl: privacy noise off and no clipping (MeZO), fixed batch of the expected size
-    pm = create_plugin_manager({"dpzero": {"mu": mu}})
+    pm = create_plugin_manager({"dpzero": {"mu": mu, "keep_direction": keep}})
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ctx = _ctx(model, _bert_loss(model), seed=seed, C=math.inf, sigma=0.0, B=8, optimizer=optimizer)
     apply_direction(optimizer, ctx.trainable, private_step(pm.hook, ctx, batch, physical_batch_size=3))
-    # by hand (MeZO's Algorithm 1, mean loss, z from the same public seed)
-    z = {n: DirectionSampler(seed).z(n, p) for n, p in reference.named_parameters()}
+    names = [n for n, _ in model.named_parameters()]
+    # 3 micro-batches: perturb, perturb back, restore each, then the update; kept: one draw per tensor
+    assert sorted(draws) == sorted(names * (1 if keep else 3 * 3 + 1))
+    # by hand (MeZO's Algorithm 1, mean loss, z from the same public seed; kept: rounded to bfloat16)
+    z = {n: DirectionSampler(seed, torch.bfloat16 if keep else None).z(n, p) for n, p in reference.named_parameters()}
+    if keep:
+        assert all(torch.equal(v, v.bfloat16().float()) for v in z.values())
     reference.eval()
     with torch.no_grad():
         def mean_loss(scale):

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Sampler
 
+from dpl.core.accounting.calibration import smallest_noise_multiplier
 from dpl.core.gradients import GradientSum
 from dpl.core.mechanism import Mechanism, Segment
 from dpl.core.noise import NoiseSource, SecureNormal
@@ -274,20 +275,10 @@ class PrivateEngine:
             return self.mechanism.epsilon_of_segments(
                 [*self.history, Segment(sigma, plan.sampling_rate, remaining)], plan.delta)
 
-        lo, hi = 0.05, 1.0
-        while eps(hi) > target:
-            lo, hi = hi, hi * 2
-            if hi > 1e4:
-                raise ConfigError("cannot calibrate sigma for the remaining steps")
-        for _ in range(40):
-            mid = math.sqrt(lo * hi)
-            if eps(mid) > target:
-                lo = mid
-            else:
-                hi = mid
-            if hi / lo < 1 + 1e-4:
-                break
-        return hi
+        try:
+            return smallest_noise_multiplier(eps, target, guess=self.noise_multiplier or 1.0)
+        except ValueError as exc:
+            raise ConfigError(f"cannot calibrate sigma for the remaining steps ({exc})") from None
 
     def summary(self) -> dict[str, Any]:
         """The run's privacy, in plain values (for reports and logs)."""

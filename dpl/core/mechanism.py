@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import Sampler
 
+from dpl.core.accounting.common import Segment
 from dpl.core.sampling import PoissonBatchSampler
-
-
-class Segment(NamedTuple):
-    """Consecutive steps run with one noise multiplier and sampling rate. A run has one segment; a run resumed with
-    changed settings (``privacy.force_resume``) has one per part, composed by the accountant."""
-
-    noise_multiplier: float
-    sample_rate: float
-    steps: int
 
 
 @runtime_checkable
@@ -63,6 +55,7 @@ class PoissonGaussian:
     def __init__(self, sample_rate: float, accountant: str = "prv") -> None:
         self.sample_rate = sample_rate
         self.accountant = accountant
+        self._schedules: dict[tuple[float, float, str], Any] = {}
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
@@ -76,9 +69,21 @@ class PoissonGaussian:
                                                      method=self.accountant)
 
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        from dpl.core import accounting  # results are cached there
+        """Epsilon after ``steps`` steps from an :class:`~dpl.core.accounting.EpsilonSchedule` computed ahead:
+        exact on a grid 5% apart and at counts first asked beyond it (the plan's total, asked at setup), otherwise
+        the next grid point's value (at most ~2.5% above), computed ahead by a background thread."""
+        from dpl.core import accounting
 
-        return accounting.epsilon_for(noise_multiplier, self.sample_rate, steps, delta, method=self.accountant)
+        key = (float(noise_multiplier), float(delta), self.accountant)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            rate, method = self.sample_rate, self.accountant
+            schedule = self._schedules[key] = accounting.EpsilonSchedule(
+                lambda n: accounting.epsilon_for(noise_multiplier, rate, n, delta, method=method))
+        return schedule(steps)
+
+    def __getstate__(self) -> dict[str, Any]:  # schedules hold a thread: copies start without them
+        return {**self.__dict__, "_schedules": {}}
 
     def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
         from dpl.core.accounting import PoissonGaussianAccountant

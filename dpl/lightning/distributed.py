@@ -314,14 +314,14 @@ class RankZeroSecureNormal(SecureNormal):
     def __repr__(self) -> str:
         return "RankZeroSecureNormal(os.urandom on rank 0, broadcast)"
 
-    def standard_normal(self, n: int) -> Tensor:
+    def standard_normal(self, n: int, dtype: torch.dtype = torch.float64) -> Tensor:
         import torch.distributed as dist
 
         device = _comm_device()
         if dist.get_rank() == 0:
-            values = super().standard_normal(n).to(device)
+            values = super().standard_normal(n, dtype).to(device)
         else:
-            values = torch.empty(n, dtype=torch.float64, device=device)
+            values = torch.empty(n, dtype=dtype, device=device)
         dist.broadcast(values, src=0)
         return values
 
