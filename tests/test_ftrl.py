@@ -344,9 +344,9 @@ def test_denoise_reads_ftrl_marginal_noise_std(monkeypatch):
     seen = []
     real = denoise_module.denoise_matrices
 
-    def spy(matrices, stds, **kwargs):
+    def spy(matrices, stds, *args, **kwargs):
         seen.append(dict(stds))
-        return real(matrices, stds, **kwargs)
+        return real(matrices, stds, *args, **kwargs)
 
     monkeypatch.setattr(denoise_module, "denoise_matrices", spy)
     model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 2))

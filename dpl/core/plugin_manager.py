@@ -200,10 +200,12 @@ def replaced_hooks(pm: pluggy.PluginManager) -> frozenset[str]:
 OPTIONS_CLASSES: dict[str, str] = {}
 
 
+@functools.cache
 def options_dataclass(name: str, target: Any) -> type | None:
     """A dataclass whose fields are the keyword arguments of plugin class ``target`` (types and defaults from its
     constructor signature, help from its docstring), so that jsonargparse checks a plugin's options when the
-    config is parsed. ``None`` when the constructor cannot be described (untyped or ``**kwargs``)."""
+    config is parsed. ``None`` when the constructor cannot be described (untyped or ``**kwargs``). Made once per
+    plugin: jsonargparse finds it again by its import path."""
     if not inspect.isclass(target):
         return None
     try:
