@@ -266,8 +266,12 @@ def train_private(data: Split, classes: int, *, plugins: dict[str, Any] | None =
     batches = _forever(sampler)
     diverged = False
     for t in range(steps):
-        idx = torch.as_tensor(next(batches), dtype=torch.long)
-        batch = {"x": data.x[idx], "y": data.y[idx]}
+        rows = next(batches)
+        if len(rows) == n:  # full batch (q = 1): every row, in order; no copy
+            batch = {"x": data.x, "y": data.y}
+        else:
+            idx = torch.as_tensor(rows, dtype=torch.long)
+            batch = {"x": data.x[idx], "y": data.y[idx]}
         ctx = StepContext(model=model, trainable=trainable, per_example_loss=model.per_example_loss,
                           max_grad_norm=max_grad_norm, noise_multiplier=sigma, expected_batch_size=batch_size,
                           step=t, noise_generator=noise_gen, log=log,
