@@ -22,13 +22,15 @@ from common import arm_settings, fmt, save, save_figure, spread, sst2, study_par
 
 
 def arms(steps_per_epoch: int) -> list[dict]:
-    """The arms (one line each). ``banded`` gets bands = steps per epoch."""
+    """The arms (one line each). ``banded`` gets bands = steps per epoch; ``extra`` arms (the plugin's default
+    ``bands: 4``) run only when named with ``--arms``."""
     return [
         {"name": "DP-SGD (amplified)", "plugins": None},
         {"name": "independent", "plugins": {"ftrl": {"noise": "independent"}}},
         {"name": "banded", "plugins": {"ftrl": {"noise": "banded", "bands": steps_per_epoch}}},
         {"name": "BLT", "plugins": {"ftrl": {"noise": "blt"}}},
         {"name": "nu-FTRL", "plugins": {"ftrl": {"noise": "nu_ftrl", "memory": "keep"}}},
+        {"name": "banded (4 bands)", "plugins": {"ftrl": {"noise": "banded", "bands": 4}}, "extra": True},
     ]
 
 
@@ -36,7 +38,10 @@ def main() -> None:
     parser = study_parser(__doc__)
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     parser.add_argument("--epochs", type=int, nargs="+", default=[3, 20])
+    parser.add_argument("--arms", nargs="+", default=None, help="run only these arms (results: ftrl_<arms>.json)")
     args = parser.parse_args()
+    name = "ftrl" + ("_" + "_".join(a.split()[0].lower() + "".join(c for c in a if c.isdigit()) for a in args.arms)
+                     if args.arms else "") + ("_quick" if args.quick else "")
     start = time.perf_counter()
     if args.quick:
         data, batch, args.epsilons, args.epochs, grid = sst2(512, 256, quick=True), 64, [4.0], [2], [0.3, 1.0]
@@ -51,6 +56,8 @@ def main() -> None:
     for epochs in args.epochs:
         for eps in args.epsilons:
             for arm in arms(b):
+                if (arm["name"] not in args.arms) if args.arms else arm.get("extra"):
+                    continue
                 settings = arm_settings(arm, **common, epsilon=eps, epochs=epochs)
 
                 def score(lr: float) -> float:
@@ -70,14 +77,14 @@ def main() -> None:
                         "per_seed_acc": [r["final"]["test"]["acc"] if not r["diverged"] else None for r in runs],
                         "diverged": len(runs) - len(ok)}
                 results["cells"].append(cell)
-                save("ftrl_quick" if args.quick else "ftrl", results, args.out)  # so far
+                save(name, results, args.out)  # so far
                 print(f"[{time.perf_counter() - start:5.0f} s] eps={eps:g} epochs={epochs} {arm['name']}: lr "
                       f"{tuned['best']:.3g}{' (AT EDGE)' if tuned['at_edge'] else ''} acc "
                       f"{fmt(cell['acc']) if ok else 'diverged'}", flush=True)
     results["seconds"] = time.perf_counter() - start
-    save("ftrl_quick" if args.quick else "ftrl", results, args.out)
+    save(name, results, args.out)
     print(table(results))
-    if not args.quick:
+    if not args.quick and not args.arms:
         plot(results)
 
 
