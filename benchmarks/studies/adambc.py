@@ -23,6 +23,7 @@ of a tuning seed (its own data draw and noise), widened once at a grid edge; the
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -39,6 +40,9 @@ ARMS = [
     {"name": "DP-Adam", "plugins": {"adambc": {"bias_correction": False}}, "lr_grid": [1e-3, 3e-3, 1e-2]},
     {"name": "DP-AdamBC", "plugins": {"adambc": {"bias_correction": True}}, "lr_grid": [1e-3, 3e-3, 1e-2],
      "gamma_factors": [0.01, 0.1, 1.0]},
+    # the plugin's old default gamma' = 1e-8 (run only when named with --arms)
+    {"name": "DP-AdamBC (γ′ 1e-8)", "plugins": {"adambc": {"bias_correction": True, "gamma": 1e-8, "gamma_relative": 0.0}},
+     "lr_grid": [1e-3, 3e-3, 1e-2], "extra": True},
 ]
 
 
@@ -86,7 +90,7 @@ def run_arm(arm: dict, train: Split, classes: int, common: dict, seeds: list[int
     def settings(lr: float, factor: float | None) -> dict:
         plugins = arm["plugins"]
         if factor is not None:
-            plugins = {"adambc": {**plugins["adambc"], "gamma": factor * phi}}
+            plugins = {"adambc": {**plugins["adambc"], "gamma": factor * phi, "gamma_relative": 0.0}}
         return {**common, "plugins": plugins, "momentum": arm.get("momentum", 0.0), "lr": lr}
 
     def loss_of(lr: float, factor: float | None) -> float:
@@ -126,7 +130,12 @@ def main() -> None:
     parser = study_parser(__doc__)
     parser.add_argument("--part", choices=["synthetic", "banking77", "both"], default="both",
                         help="run one part only (the two parts are independent: run them as two processes)")
+    parser.add_argument("--arms", nargs="+", default=None, help="run only these arms (results: adambc_..._extra)")
+    parser.add_argument("--report-only", action="store_true", help="tables and figure from the saved parts")
     args = parser.parse_args()
+    if args.report_only:
+        report(args.out)
+        return
     start = time.perf_counter()
     if args.quick:
         G, tail, dim, steps, b_steps = 6, 1, 64, 20, 10
@@ -136,6 +145,7 @@ def main() -> None:
     else:
         G, tail, dim, steps, b_steps = 7, 8, 1280, 600, 300
         arms = ARMS
+    arms = [a for a in arms if (a["name"] in args.arms if args.arms else not a.get("extra"))]
     results = {"settings": {"groups": G, "tail": tail, "dim": dim, "steps": steps, "sigma": 10.0, "clip": 1.0,
                             "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick},
                "synthetic": [], "banking77": []}
@@ -147,7 +157,8 @@ def main() -> None:
                                 "group_classes": [int((group_of_class == k).sum()) for k in range(G)]})
     common = {"noise_multiplier": 10.0, "max_grad_norm": 1.0, "batch_size": n, "steps": steps, "delta": 1e-5,
               "optimizer": "sgd", "eval_steps": list(range(steps // 15, steps + 1, steps // 15))}
-    name = "adambc" + ("" if args.part == "both" else f"_{args.part}") + ("_quick" if args.quick else "")
+    name = "adambc" + ("" if args.part == "both" else f"_{args.part}") + ("_extra" if args.arms else "") \
+        + ("_quick" if args.quick else "")
     for arm in (arms if args.part != "banking77" else []):
         res = run_arm(arm, probe, classes, common, args.seeds, args.tune_seed,
                       make_train=lambda s: synthetic(G, tail, dim, s)[0], groups=group_of_class)
@@ -181,6 +192,22 @@ def main() -> None:
     print(tables(results))
     if not args.quick and results["synthetic"]:
         plot(results)
+
+
+def report(folder) -> None:
+    """Merge the saved parts (``--part synthetic`` / ``banking77``, and ``--arms`` extras) into one table and plot."""
+    from pathlib import Path
+
+    parts = {n: json.loads((Path(folder) / f"adambc_{n}.json").read_text())
+             for n in ("synthetic", "banking77", "banking77_extra") if (Path(folder) / f"adambc_{n}.json").exists()}
+    merged = parts.get("synthetic") or parts["banking77"]
+    merged = {**merged, "banking77": [r for n in ("banking77", "banking77_extra") for r in parts.get(n, {}).get(
+        "banking77", [])]}
+    if "banking77" in parts:
+        merged["settings"] = {**merged["settings"], "banking77": parts["banking77"]["settings"]["banking77"]}
+    print(tables(merged))
+    if merged["synthetic"]:
+        plot(merged)
 
 
 def tables(results: dict) -> str:
