@@ -54,6 +54,10 @@ def main() -> None:
     parser = study_parser(__doc__)
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 2048, 16384])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--zo-grid", type=float, nargs="+", default=ZO_GRID, help="lr grid of the zeroth-order arms "
+                        "(units of 1 / d)")
+    parser.add_argument("--arms", nargs="+", default=None, help="run only these arms")
+    parser.add_argument("--tag", default="", help="suffix of the results' name (dpzero_<tag>.json)")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.quick:
@@ -61,7 +65,8 @@ def main() -> None:
         args.seeds = args.seeds[:2]
         zo_grid, fo_grid = ZO_GRID[:2], FO_GRID[:2]
     else:
-        data, batch, zo_grid, fo_grid = sst2(4096, 1024), 64, ZO_GRID, FO_GRID
+        data, batch, zo_grid, fo_grid = sst2(4096, 1024), 64, args.zo_grid, FO_GRID
+    name = "dpzero" + (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
     mean = data.train.x.mean(0)
     results = {"settings": {"train": len(data.train), "tune": len(data.tune), "batch_size": batch,
                             "steps": args.steps, "widths": args.widths, "mu": 1e-3, "clip": 1.0,
@@ -70,6 +75,8 @@ def main() -> None:
         train, held, test = (Split(random_features(s.x, width, mean), s.y) for s in (data.train, data.tune, data.test))
         d = 2 * width + 2
         for arm in ARMS:
+            if args.arms and arm["name"] not in args.arms:
+                continue
             settings = {k: v for k, v in arm.items() if k not in ("name", "per_d")}
             settings.update(batch_size=batch, steps=args.steps, optimizer="sgd")
             settings.setdefault("max_grad_norm", 1.0)
@@ -89,14 +96,14 @@ def main() -> None:
                     "per_seed_acc": [r["final"]["test"]["acc"] if not r["diverged"] else None for r in runs],
                     "seconds_per_run": sum(r["seconds"] for r in runs) / len(runs)}
             results["cells"].append(cell)
-            save("dpzero_quick" if args.quick else "dpzero", results, args.out)  # so far
+            save(name, results, args.out)  # so far
             print(f"[{time.perf_counter() - start:5.0f} s] D={width} {arm['name']}: lr {cell['lr']:.3g}"
                   f"{' (AT EDGE)' if tuned['at_edge'] else ''} acc {fmt(cell['acc']) if ok else 'diverged'}",
                   flush=True)
     results["seconds"] = time.perf_counter() - start
-    save("dpzero_quick" if args.quick else "dpzero", results, args.out)
+    save(name, results, args.out)
     print(table(results))
-    if not args.quick:
+    if not args.quick and not args.tag:
         plot(results)
 
 
