@@ -20,6 +20,7 @@ units of 1 / d. Report seeds are paired; accuracy on the GLUE validation set.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -58,7 +59,12 @@ def main() -> None:
                         "(units of 1 / d)")
     parser.add_argument("--arms", nargs="+", default=None, help="run only these arms")
     parser.add_argument("--tag", default="", help="suffix of the results' name (dpzero_<tag>.json)")
+    parser.add_argument("--report-only", action="store_true", help="table and figure from dpzero.json, with the "
+                        "cells of the tagged runs (wider grids, more widths) in place of or beside its own")
     args = parser.parse_args()
+    if args.report_only:
+        report(args.out)
+        return
     start = time.perf_counter()
     if args.quick:
         data, args.widths, args.steps, batch = sst2(512, 128, quick=True), [64, 256], 20, 32
@@ -107,6 +113,23 @@ def main() -> None:
         plot(results)
 
 
+def report(folder) -> None:
+    from pathlib import Path
+
+    main_run = json.loads((Path(folder) / "dpzero.json").read_text())
+    cells = {(c["arm"], c["width"]): c for c in main_run["cells"]}
+    for path in sorted(Path(folder).glob("dpzero_*.json")):
+        if not path.stem.endswith("_quick"):
+            for c in json.loads(path.read_text())["cells"]:
+                cells[(c["arm"], c["width"])] = {**c, "source": path.stem}
+    widths = sorted({w for _, w in cells})
+    order = [a["name"] for a in ARMS]
+    merged = {**main_run, "settings": {**main_run["settings"], "widths": widths},
+              "cells": sorted(cells.values(), key=lambda c: (order.index(c["arm"]), c["width"]))}
+    print(table(merged))
+    plot(merged)
+
+
 def table(results: dict) -> str:
     widths = results["settings"]["widths"]
     names = list(dict.fromkeys(c["arm"] for c in results["cells"]))
@@ -117,7 +140,7 @@ def table(results: dict) -> str:
         row = []
         for w in widths:
             c = cell.get((name, w))
-            edge = " (edge)" if c and c["tuning"]["at_edge"] else ""
+            edge = (" (edge)" if c and c["tuning"]["at_edge"] else "") + ("*" if c and c.get("source") else "")
             row.append((fmt(c["acc"]) if c["acc"] else "diverged") + edge if c else "-")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -135,8 +158,8 @@ def plot(results: dict) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("trainable parameters d (random-feature width D, d = 2D + 2)")
     ax.set_ylabel("validation accuracy (%)")
-    ax.set_title(f"SST-2, frozen MiniLM -> random ReLU features -> linear head; N={s['train']}, B={s['batch_size']}, "
-                 f"T={s['steps']}; lr tuned per arm and width; {len(s['seeds'])} seeds", fontsize=8)
+    ax.set_title(f"SST-2, frozen MiniLM -> random ReLU features -> linear head\nN={s['train']}, B={s['batch_size']}, "
+                 f"T={s['steps']}; lr tuned per arm and width; mean ± sd of {len(s['seeds'])} seeds", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, "studies_dpzero")
