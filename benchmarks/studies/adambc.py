@@ -41,7 +41,8 @@ ARMS = [
     {"name": "DP-AdamBC", "plugins": {"adambc": {"bias_correction": True}}, "lr_grid": [1e-3, 3e-3, 1e-2],
      "gamma_factors": [0.01, 0.1, 1.0]},
     # the plugin's old default gamma' = 1e-8 (run only when named with --arms)
-    {"name": "DP-AdamBC (γ′ 1e-8)", "plugins": {"adambc": {"bias_correction": True, "gamma": 1e-8, "gamma_relative": 0.0}},
+    {"name": "DP-AdamBC (γ′ 1e-8)",
+     "plugins": {"adambc": {"bias_correction": True, "gamma": 1e-8, "gamma_relative": 0.0}},
      "lr_grid": [1e-3, 3e-3, 1e-2], "extra": True},
 ]
 
@@ -102,7 +103,8 @@ def run_arm(arm: dict, train: Split, classes: int, common: dict, seeds: list[int
     inner: dict[float, dict] = {}
     if "gamma_factors" in arm:
         def by_factor(factor: float) -> float:
-            inner[factor] = tune(lambda lr: loss_of(lr, factor), arm["lr_grid"], f"{arm['name']} gamma'={factor:g}Phi lr")
+            inner[factor] = tune(lambda lr: loss_of(lr, factor), arm["lr_grid"],
+                                 f"{arm['name']} gamma'={factor:g}Phi lr")
             return max(inner[factor]["scores"].values())
         outer = tune(by_factor, arm["gamma_factors"], f"{arm['name']} gamma'/Phi")
         factor = outer["best"]

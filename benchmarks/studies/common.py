@@ -164,7 +164,8 @@ def banking77_features(quick: bool = False) -> dict[str, Any]:
 
 
 class Head(nn.Module):
-    """A classification head on fixed features: ``x -> [ReLU MLP hidden layer] -> logits``. ``per_example_loss`` is what dpl's private step calls."""
+    """A classification head on fixed features: ``x -> [ReLU MLP hidden layer] -> logits``. ``per_example_loss``
+    is what dpl's private step calls."""
 
     def __init__(self, dim: int, classes: int, hidden: int = 0) -> None:
         super().__init__()
@@ -255,7 +256,8 @@ def train_private(data: Split, classes: int, *, plugins: dict[str, Any] | None =
     opt = optimizer_factory(list(trainable.values()))
     noise_gen = secure_generator(derive_seed(seed, "studies/noise"))
     public_gen = secure_generator(derive_seed(seed, "studies/public"))
-    sampler = mechanism.batch_sampler(n, max(1, n // batch_size), secure_generator(derive_seed(seed, "studies/sampler")))
+    sampler = mechanism.batch_sampler(n, max(1, n // batch_size),
+                                      secure_generator(derive_seed(seed, "studies/sampler")))
     logged: dict[str, list[float]] = {}
 
     def log(name: str, value: float) -> None:

@@ -97,7 +97,8 @@ def paired(results: dict) -> list[dict]:
 def table(results: dict) -> str:
     s = results["settings"]
     steps = s["scored_steps"]
-    lines = ["| B | arm | σ | lr | fraction of matrices denoised | " + " | ".join(f"acc % @ {t}" for t in steps) + " |",
+    lines = ["| B | arm | σ | lr | fraction of matrices denoised | "
+             + " | ".join(f"acc % @ {t}" for t in steps) + " |",
              "|---|---|---|---|---|" + "---|" * len(steps)]
     for c in results["cells"]:
         ok = [cv for cv in c["curves"] if cv]

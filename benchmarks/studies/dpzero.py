@@ -1,10 +1,10 @@
 """dpzero study: a dimension sweep at a fixed effective rank - MeZO, DPZero (epsilon 2, 6), DPGD-0th, DP-SGD.
 
-Zhang, Liang, Xu et al., "DPZero: private fine-tuning of language models without backpropagation" (ICML 2024) claim
-that DPZero's error depends on the problem's effective rank, not on its dimension d (one scalar of noise per step),
-so it stays within a few points of the non-private MeZO (Malladi et al., "Fine-tuning language models with just
-forward passes", NeurIPS 2023) and flat in d, while DPGD-0th (the same zeroth-order estimate, clipped and noised as a
-d-dimensional vector) degrades with d.
+Zhang, Li, Thekumparampil, Oh & He, "DPZero: private fine-tuning of language models without backpropagation"
+(ICML 2024) claim that DPZero's error depends on the problem's effective rank, not on its dimension d (one scalar of
+noise per step), so it stays within a few points of the non-private MeZO (Malladi et al., "Fine-tuning language
+models with just forward passes", NeurIPS 2023) and flat in d, while DPGD-0th (the same zeroth-order estimate,
+clipped and noised as a d-dimensional vector) degrades with d.
 
 Setting: SST-2, frozen MiniLM features (centred, unit norm), a fixed random ReLU expansion of width D in {256, 2,048,
 16,384} scaled by sqrt(2 / D) (its kernel, so the problem, barely changes with D; the features are computed
