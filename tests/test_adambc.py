@@ -291,3 +291,29 @@ def test_resume_equals_an_uninterrupted_run_bit_for_bit(tiny):
     # and the interrupted run really stopped half-way (the comparison means something)
     c = torch.load(_final(first), map_location="cpu", weights_only=False)
     assert c["dpl"]["states"]["adambc"]["steps"] == 6
+
+
+def test_default_floor_is_the_noise_variance():
+    """gamma' = max(gamma, gamma_relative * Phi^), gamma_relative 1 by default: where v^ - Phi^ is below Phi^ the step
+    is m^ / sqrt(Phi^) (the methods study: a floor of 1e-8 fits the rarest classes 20 points worse)."""
+    clean = torch.zeros(400)
+    std = 0.1
+    params = {"w": torch.nn.Parameter(torch.zeros(400))}
+    plugins = {rel: AdamBCPlugin(beta2=0.9, gamma_relative=rel) for rel in (1.0, 0.0)}
+    gen = torch.Generator().manual_seed(0)
+    for t in range(5):
+        noisy = clean + std * torch.randn(clean.shape, generator=gen)
+        outs = {rel: p.precondition(ctx=_release_ctx(params), gradient=PrivateGradient(
+            {"w": noisy.clone()}, noise_std=std, mechanism="gaussian", expected_batch_size=1, step=t))["w"]
+            for rel, p in plugins.items()}
+    plugin = plugins[1.0]
+    phi = std ** 2  # constant std: Phi^ equals it exactly
+    m_hat = plugin.exp_avg["w"] / (1 - 0.9 ** 5)
+    expected = m_hat / plugin.corrected_second_moment("w").clamp(min=phi).sqrt()
+    torch.testing.assert_close(outs[1.0], expected)
+    assert float((plugin.corrected_second_moment("w") < phi).float().mean()) > 0.3  # the floor is in play
+    fixed = m_hat / plugin.corrected_second_moment("w").clamp(min=1e-8).sqrt()
+    torch.testing.assert_close(outs[0.0], fixed)  # gamma_relative 0: the fixed floor gamma alone
+    assert float(outs[0.0].abs().max()) > 10 * float(outs[1.0].abs().max())
+    with pytest.raises(ConfigError):
+        AdamBCPlugin(gamma_relative=-1.0)

@@ -88,7 +88,7 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     privacy = PrivacyConfig(target_epsilon=cfg.epsilon, target_delta=cfg.delta, noise_multiplier=cfg.noise_multiplier,
                             max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
                             accountant=cfg.accountant, seed=cfg.seed)
-    engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm)
+    engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm, seed_namespace="audit/")
     engine.setup(model, trainable=trainable, num_examples=len(data), steps=T, sampling_rate=q,
                  optimizer_factory=optimizer_factory)
     engine.start("cpu")

@@ -80,12 +80,16 @@ class PrivateEngine:
         privacy: the privacy settings.
         plugins: plugins to activate, ``{name: options}`` in the order their ``post_process`` runs.
         plugin_manager: an already built manager instead of ``plugins`` (e.g. with extra plugins registered).
+        seed_namespace: prefix of the purposes the per-purpose seeds are derived for from ``privacy.seed``
+            (:func:`~dpl.core.sampling.derive_seed`), so that a driver keeps the streams of its recorded experiments
+            (``dpl audit``: ``"audit/"``). No effect without ``privacy.seed``.
     """
 
     def __init__(self, privacy: PrivacyConfig | None = None, plugins: Mapping[str, Any] | None = None,
-                 plugin_manager: pluggy.PluginManager | None = None) -> None:
+                 plugin_manager: pluggy.PluginManager | None = None, seed_namespace: str = "") -> None:
         self.privacy = privacy if privacy is not None else PrivacyConfig()
         self.privacy.validate()
+        self.seed_namespace = seed_namespace
         self.plugin_options = {name: options_as_dict(opts) for name, opts in (plugins or {}).items()}
         self.plugin_manager = plugin_manager if plugin_manager is not None else create_plugin_manager(plugins)
         self.plan: Plan | None = None
@@ -161,8 +165,8 @@ class PrivateEngine:
             warnings.warn("privacy.seed is set: noise and batches are reproducible, and so predictable by anyone "
                           "who knows the seed. Use it for experiments, never in production.", PrivacyWarning,
                           stacklevel=2)
-        self._sampler_generator = secure_generator(derive_seed(cfg.seed, "sampler"))
-        self._public_generator = secure_generator(derive_seed(cfg.seed, "public"))
+        self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
+        self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
         log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s]",
                  num_examples, cfg.batch_size, plan.sampling_rate, steps, self.noise_multiplier, cfg.max_grad_norm,
                  self.final_epsilon(), plan.delta, mechanism.name)
@@ -204,7 +208,7 @@ class PrivateEngine:
             if not isinstance(noise, SecureNormal):
                 self.noise_source = secure_source()
         elif not isinstance(noise, torch.Generator) or noise.device != device:
-            seed = derive_seed(self.privacy.seed, "noise")
+            seed = derive_seed(self.privacy.seed, self.seed_namespace + "noise")
             self.noise_source = secure_generator(seed, device=device)
         self._apply_secret_state()
 

