@@ -201,7 +201,11 @@ class FTRLMechanism:
         return -(-int(steps) // self.bands)
 
     def settle(self, plan: Plan) -> None:
-        """Fix the plan (after a choice, or from a checkpoint); candidates are dropped."""
+        """Fix the plan (after a choice, or from a checkpoint); candidates are dropped. Used before any calibration
+        (a fixed sigma: no epsilon to compare the candidates at), the first candidate is kept, with a log line."""
+        if self.candidates and plan is self.plan:
+            log.info("dpl: ftrl uses %s: privacy.noise_multiplier is set, so there is no target epsilon to compare "
+                     "the candidates at (the default with a fixed sigma)", plan.label())
         self.plan, self.candidates = plan, []
 
     # --- sampling -------------------------------------------------------------------------------------
@@ -232,8 +236,9 @@ class FTRLMechanism:
 
     def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
         if self.candidates and self.chooser is not None:
-            self.settle(self.chooser(self, target_epsilon, delta, steps))
-        self.settle(self.plan)
+            chosen = self.chooser(self, target_epsilon, delta, steps)
+            self.candidates = []
+            self.plan = chosen
         return self.calibrate_plan(self.plan, target_epsilon, delta, steps)
 
     def calibrate_plan(self, plan: Plan, target_epsilon: float, delta: float, steps: int) -> float:
