@@ -26,6 +26,7 @@ from dpl.core.privacy import PrivacyConfig
 from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.ftrl import FTRLPlugin
 from dpl_plugins.ftrl import strategies as S
+from dpl_plugins.ftrl import streams
 from dpl_plugins.ftrl.mechanism import FTRLMechanism
 from dpl_plugins.ftrl.streams import BandedStream, BLTStream, DenseKeepStream, DenseRegenerateStream
 from dpl_plugins.gaussian import GaussianPlugin
@@ -124,9 +125,13 @@ def _stream(strat: S.Strategy, memory: str = "keep"):
     return DenseKeepStream(strat.beta) if memory == "keep" else DenseRegenerateStream(strat.beta)
 
 
-@pytest.mark.parametrize("family,memory", [("nu_ftrl", "keep"), ("nu_ftrl", "regenerate"), ("banded", None),
-                                           ("blt", None)])
-def test_streaming_equals_the_dense_matrix_product(family, memory):
+@pytest.mark.parametrize("family,memory,chunk", [("nu_ftrl", "keep", None), ("nu_ftrl", "regenerate", None),
+                                                 ("banded", None, None), ("blt", None, None), ("banded", None, 3),
+                                                 ("blt", None, 3)])
+def test_streaming_equals_the_dense_matrix_product(family, memory, chunk, monkeypatch):
+    """Chunk 3: the fused streams' chunked pass (7 columns: chunks of 3, 3, 1) gives the same product."""
+    if chunk is not None:
+        monkeypatch.setattr(streams, "CHUNK", chunk)
     T, d = 25, 7
     strat = S.make_strategy(family, T, 10, bands=5, banded_coefficients="truncated", nbuf=3)
     stream = _stream(strat, memory)
