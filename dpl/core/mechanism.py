@@ -97,9 +97,12 @@ class PoissonGaussian:
         return accountant.epsilon(delta)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sample_rate": self.sample_rate, "accountant": self.accountant}
+        return {"sample_rate": self.sample_rate, "accountant": self.accountant, "adjacency": self.adjacency}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("adjacency", self.adjacency) != self.adjacency:
+            raise ConfigError(f"the checkpoint's guarantee is for adjacency {state['adjacency']}, this run's for "
+                              f"{self.adjacency}: a resume cannot change it")
         self.accountant = state.get("accountant", self.accountant)
 
 
