@@ -131,7 +131,7 @@ class BLTStream:
         elif buf.device != z.device:
             buf = self.buffers[key] = buf.to(z.device)
         theta = self._theta.on(z)
-        _fused(z, buf, self._neg_omega.on(z), lambda o, b: b.mul_(theta).add_(o))
+        _fused(z, buf, self._neg_omega.on(z), lambda o, b: torch.addcmul(o, b, theta, out=b))  # theta b + w
         return z
 
     def end_step(self) -> None:
