@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import statistics
 import time
@@ -181,14 +180,16 @@ def main() -> None:
     print(f"{'variant':28s} {'median s':>9s} {'vs default':>10s} {'held floats':>14s} {'goal floats':>12s} "
           f"{'peak RSS growth MiB':>20s} {'privatize s':>11s} {'noise overhead / step':>22s}")
     for name in variants:
-        med = statistics.median(times[name]) if times[name] else math.nan
-        row = {"variant": name, "median_s": med, "ratio": med / base, "held_floats": held[name](),
+        med = statistics.median(times[name]) if times[name] else None
+        row = {"variant": name, "median_s": med, "ratio": None if med is None else med / base, "held_floats": held[name](),
                "goal_floats": goal_floats.get(name), "rss_growth_mib": rss[name],
                "times": times[name], "privatize_s": statistics.median(noise_times[name]),
                "noise_overhead": (statistics.median(noise_times[name]) - base_noise) / base}
         rows.append(row)
         goal = f"{row['goal_floats']:,}" if row["goal_floats"] else "-"
-        print(f"{name:28s} {med:9.3f} {med / base:10.3f} {row['held_floats']:14,d} {goal:>12s} "
+        shown = "-" if med is None else f"{med:.3f}"
+        ratio = "-" if med is None else f"{med / base:.3f}"
+        print(f"{name:28s} {shown:>9s} {ratio:>10s} {row['held_floats']:14,d} {goal:>12s} "
               f"{rss[name]:20.0f} {row['privatize_s']:11.3f} {100 * row['noise_overhead']:21.1f}%")
     if args.json:
         with open(args.json, "w") as fh:
