@@ -131,7 +131,7 @@ class FTRLPlugin:
             log.info("dpl: ftrl: %d examples, batch size %d: %d batches per epoch, the last %d examples of the secret "
                      "order (a random subset) are left out", n, batch, every, n % batch)
         for plan in plans:
-            log.info("dpl: ftrl candidate: %s; %s; fitted in %.2f s", plan.label(), plan.strategy.describe(),
+            log.info("dpl: ftrl candidate: %s; %s; fitted in %.2f s", plan.label(), plan.describe(),
                      plan.strategy.fit_seconds)
         if self.noise == "nu_ftrl" and self.memory == "keep":
             log.info("dpl: ftrl nu_ftrl memory: keep stores every step's noise: %d x d floats", steps)

@@ -43,6 +43,15 @@ class Plan:
     def bands(self) -> int:
         return int(self.strategy.params.get("bands", 1)) if self.sampling == "cyclic_poisson" else 0
 
+    def describe(self) -> str:
+        st = self.strategy
+        if self.sampling != "cyclic_poisson":
+            return st.describe()
+        c = ", ".join(f"{x:.4g}" for x in st.c[:self.bands])
+        return (f"c=[{c}] for T={st.steps}, each participation one subsampled Gaussian step: column norm "
+                f"{st.sensitivity:.4f}, expected prefix-sum error {st.expected_error:.4g} sigma*C "
+                f"(before the sigma each plan needs for the target)")
+
     def label(self) -> str:
         if self.sampling == "cyclic_poisson":
             return "amplified DP-SGD (b=1)" if self.bands == 1 else f"amplified banded (b={self.bands})"
