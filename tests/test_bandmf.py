@@ -218,6 +218,9 @@ def test_automatic_choice_minimises_the_expected_error(caplog):
     fixed = FTRLPlugin().configure_mechanism(setup=_setup(n=n, batch=batch, steps=T))
     fixed.epsilon(1.0, 1e-5, T)
     assert fixed.plan.label() == "amplified banded (b=16)"
+    # shuffled only: sigma does not depend on the plan, the least strategy error wins (BLT over independent)
+    shuffled = FTRLPlugin(sampling="shuffle").configure_mechanism(setup=_setup(n=n, batch=batch, steps=T))
+    assert shuffled.plan.strategy.family == "blt" and not shuffled.candidates
 
 
 def test_chosen_plan_survives_a_checkpoint():

@@ -54,7 +54,8 @@ class FTRLPlugin:
             DP-SGD) by the least expected prefix-sum error at the run's (epsilon, delta); with
             ``privacy.noise_multiplier`` instead of a target epsilon: amplified banded with the largest b tried.
         sampling: ``shuffle`` (fixed-size batches from one secret order, no amplification) or ``cyclic_poisson``
-            (amplified banded: ``banded`` only). Default: ``cyclic_poisson`` for ``banded``, ``shuffle`` otherwise.
+            (amplified banded: ``banded`` only). Default: ``cyclic_poisson`` for ``banded`` and for an unset
+            ``noise``, ``shuffle`` otherwise (with ``shuffle`` and no ``noise``: BLT or independent, the least error).
         nu: nu of ``nu_ftrl`` (and the start / truncation of ``banded``, the start of ``blt``); default 1 / T.
         bands: number of bands of ``banded`` (memory: bands - 1 vectors of the model's size). Default: the value in
             1, 2, 4, ..., min(steps per epoch, T, ``max_bands``) with the least expected error (for
@@ -122,9 +123,10 @@ class FTRLPlugin:
             plans = [Plan(self._strategy("banded", steps, steps, b), "cyclic_poisson") for b in bands]
             if self.noise is None:
                 plans += [Plan(self._strategy(f, steps, every)) for f in ("blt", "independent")]
-        elif self.noise == "banded":  # shuffled: sigma is the same for every b, so the least error is the best b
-            plans = [min((Plan(self._strategy("banded", steps, every, b)) for b in bands),
-                         key=lambda p: p.strategy.expected_error)]
+        elif self.noise in ("banded", None):  # shuffled: sigma is the same for every plan: the least error is best
+            shuffled = [Plan(self._strategy("banded", steps, every, b)) for b in bands] if self.noise else \
+                [Plan(self._strategy(f, steps, every)) for f in ("blt", "independent")]
+            plans = [min(shuffled, key=lambda p: p.strategy.expected_error)]
         else:
             plans = [Plan(self._strategy(self.noise, steps, every))]
         if self.sampling == "shuffle" and n % batch:
