@@ -1,12 +1,17 @@
 """Cost per step of ftrl's correlated noise on MiniLM full fine-tuning (22.7M parameters), side by side in one run.
 
-    OMP_NUM_THREADS=1 python benchmarks/ftrl_cost.py [--repeats 8] [--batch 32] [--tokens 64] [--steps 1000]
+    OMP_NUM_THREADS=1 nice -n 5 python benchmarks/ftrl_cost.py [--repeats 8] [--batch 32] [--tokens 64] \
+        [--steps 1000] [--full] [--json out.json]
 
-Variants (same model, same batch, one full private step each: forward, per-example clipping, noise, SGD update):
-the default Gaussian mechanism, ftrl independent, ftrl banded (bands=4: 3 stored vectors), ftrl BLT (nbuf=4).
-Timings are interleaved round-robin (machine noise hits all alike); medians. Memory: the floats the noise stream
-holds between steps (exact, counted from its tensors) against the goal nbuf x d, and the process's peak RSS
-growth while the variant runs (coarse: the allocator keeps freed memory).
+Variants (same model, same batch): the default Gaussian mechanism, ftrl independent, ftrl banded (shuffled,
+bands=4: 3 stored vectors), ftrl BLT (nbuf=4), amplified banded (cyclic Poisson, bands=4 and 16), and, for
+reference, banded and BLT with the unfused streams (one elementwise pass per buffer and operation). The cost of the
+noise is the ``privatize`` hook alone on a zero clipped sum of the model's shapes, minus the default's, as a
+fraction of one full private step of the default (forward, per-example clipping, noise, SGD update). Timings are
+interleaved round-robin (machine noise hits all alike); medians. ``--full`` also times the full step of every
+variant (slow: ~9 s a step here). Memory: the floats the noise stream holds between steps (exact, counted from
+its tensors) against the goal, and the process's peak RSS growth while the variant is set up and warmed up
+(coarse: the allocator keeps freed memory).
 """
 
 from __future__ import annotations
@@ -22,11 +27,47 @@ import torch.nn.functional as F
 
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.step import RunSetup, StepContext, private_step
+from dpl_plugins.ftrl.streams import BandedStream, BLTStream
 
 from step_time import load, make_batch  # noqa: E402  (benchmarks/ on sys.path when run as a script)
 
 
-def variant(model, batch, plugins: dict | None, steps: int):
+class UnfusedBLT(BLTStream):
+    """Reference: the BLT update as 3 nbuf elementwise passes over the model (the implementation before fusion)."""
+
+    def push(self, key, z):
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = torch.zeros((len(self.omega), *z.shape), dtype=z.dtype, device=z.device)
+        for j, om in enumerate(self.omega):
+            z.sub_(buf[j], alpha=om)
+        for j, th in enumerate(self.theta):
+            buf[j].mul_(th).add_(z)
+        return z
+
+
+class UnfusedBanded(BandedStream):
+    """Reference: the banded solve as bands - 1 elementwise passes over a list of past outputs (before fusion)."""
+
+    in_place = False
+
+    def push(self, key, z):
+        for j, past in enumerate(getattr(self, "history", []), start=1):
+            z.sub_(past[key], alpha=self.c[j])
+        self.__dict__.setdefault("current", {})[key] = z
+        return z
+
+    def end_step(self):
+        self.history = ([self.__dict__.pop("current", {})] + getattr(self, "history", []))[:len(self.c) - 1]
+
+    def memory_floats(self):
+        return sum(t.numel() for h in getattr(self, "history", []) for t in h.values())
+
+
+UNFUSED = {"blt": UnfusedBLT, "banded": UnfusedBanded}
+
+
+def variant(model, batch, plugins: dict | None, steps: int, unfused: bool = False):
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.SGD(list(trainable.values()), lr=1e-5)
     pm = create_plugin_manager(plugins)
@@ -37,6 +78,9 @@ def variant(model, batch, plugins: dict | None, steps: int):
     pm.hook.validate_setup(setup=setup)
     mech = pm.hook.configure_mechanism(setup=setup)
     plugin = dict(pm.list_name_plugin()).get("ftrl")
+    if unfused:
+        new_stream = plugin._new_stream
+        plugin._new_stream = lambda: UNFUSED[plugin.strategy.family](*_stream_args(new_stream()))
     state = {"step": 0}
     gen = torch.Generator().manual_seed(0)
 
@@ -76,12 +120,17 @@ def variant(model, batch, plugins: dict | None, steps: int):
     return step, held_floats, privatize_only
 
 
+def _stream_args(stream) -> tuple:
+    return (stream.omega, stream.theta) if isinstance(stream, BLTStream) else (stream.c,)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1000, help="planned run length (for the fits)")
+    parser.add_argument("--full", action="store_true", help="time the full step of every variant, not only the default")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -91,21 +140,30 @@ def main() -> None:
     configs = {
         "gaussian (default)": None,
         "ftrl independent": {"ftrl": {"noise": "independent"}},
-        "ftrl banded (bands=4)": {"ftrl": {"noise": "banded", "bands": 4}},
+        "ftrl banded (bands=4)": {"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": 4}},
         "ftrl blt (nbuf=4)": {"ftrl": {"noise": "blt", "nbuf": 4}},
+        "amplified banded (bands=4)": {"ftrl": {"noise": "banded", "sampling": "cyclic_poisson", "bands": 4}},
+        "amplified banded (bands=16)": {"ftrl": {"noise": "banded", "sampling": "cyclic_poisson", "bands": 16}},
+        "unfused banded (bands=4)": {"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": 4}},
+        "unfused blt (nbuf=4)": {"ftrl": {"noise": "blt", "nbuf": 4}},
     }
-    goal_floats = {"ftrl banded (bands=4)": 3 * d, "ftrl blt (nbuf=4)": 4 * d}
+    goal_floats = {"ftrl banded (bands=4)": 3 * d, "ftrl blt (nbuf=4)": 4 * d, "amplified banded (bands=4)": 3 * d,
+                   "amplified banded (bands=16)": 15 * d, "unfused banded (bands=4)": 3 * d,
+                   "unfused blt (nbuf=4)": 4 * d}
     variants, held, rss, privs = {}, {}, {}, {}
     for name, plugins in configs.items():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        step, floats, priv = variant(model, batch, plugins, args.steps)
-        for _ in range(6):  # warm-up; fills the banded history / BLT buffers
-            step()
+        step, floats, priv = variant(model, batch, plugins, args.steps, unfused=name.startswith("unfused"))
+        if args.full or plugins is None:
+            step()  # warm-up
+        for _ in range(16):  # fills the banded ring / BLT buffers
+            priv()
         rss[name] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # MiB (peak growth)
         variants[name], held[name], privs[name] = step, floats, priv
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
+    timed = variants if args.full else {"gaussian (default)": variants["gaussian (default)"]}
+    for _ in range(args.repeats if args.full else 3):
+        for name, fn in timed.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -117,18 +175,21 @@ def main() -> None:
     base_noise = statistics.median(noise_times["gaussian (default)"])
     rows = []
     print(f"MiniLM full fine-tuning, d = {d:,} trainable parameters, batch {args.batch} x {args.tokens} tokens, "
-          f"{args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}")
-    print(f"{'variant':24s} {'median s':>9s} {'vs default':>10s} {'held floats':>14s} {'goal floats':>12s} "
+          f"{args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}; the denominator: the default's "
+          f"full step, {len(times['gaussian (default)'])} repeats")
+    print(f"{'variant':28s} {'median s':>9s} {'vs default':>10s} {'held floats':>14s} {'goal floats':>12s} "
           f"{'peak RSS growth MiB':>20s} {'privatize s':>11s} {'noise overhead / step':>22s}")
     for name in variants:
-        med = statistics.median(times[name])
-        row = {"variant": name, "median_s": med, "ratio": med / base, "held_floats": held[name](),
+        med = statistics.median(times[name]) if times[name] else None
+        row = {"variant": name, "median_s": med, "ratio": None if med is None else med / base, "held_floats": held[name](),
                "goal_floats": goal_floats.get(name), "rss_growth_mib": rss[name],
                "times": times[name], "privatize_s": statistics.median(noise_times[name]),
                "noise_overhead": (statistics.median(noise_times[name]) - base_noise) / base}
         rows.append(row)
         goal = f"{row['goal_floats']:,}" if row["goal_floats"] else "-"
-        print(f"{name:24s} {med:9.3f} {med / base:10.3f} {row['held_floats']:14,d} {goal:>12s} "
+        shown = "-" if med is None else f"{med:.3f}"
+        ratio = "-" if med is None else f"{med / base:.3f}"
+        print(f"{name:28s} {shown:>9s} {ratio:>10s} {row['held_floats']:14,d} {goal:>12s} "
               f"{rss[name]:20.0f} {row['privatize_s']:11.3f} {100 * row['noise_overhead']:21.1f}%")
     if args.json:
         with open(args.json, "w") as fh:

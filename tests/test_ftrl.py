@@ -27,6 +27,7 @@ from dpl.core.privacy import PrivacyConfig
 from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.ftrl import FTRLPlugin
 from dpl_plugins.ftrl import strategies as S
+from dpl_plugins.ftrl import streams
 from dpl_plugins.ftrl.mechanism import FTRLMechanism
 from dpl_plugins.ftrl.streams import BandedStream, BLTStream, DenseKeepStream, DenseRegenerateStream
 from dpl_plugins.gaussian import GaussianPlugin
@@ -125,9 +126,13 @@ def _stream(strat: S.Strategy, memory: str = "keep"):
     return DenseKeepStream(strat.beta) if memory == "keep" else DenseRegenerateStream(strat.beta)
 
 
-@pytest.mark.parametrize("family,memory", [("nu_ftrl", "keep"), ("nu_ftrl", "regenerate"), ("banded", None),
-                                           ("blt", None)])
-def test_streaming_equals_the_dense_matrix_product(family, memory):
+@pytest.mark.parametrize("family,memory,chunk", [("nu_ftrl", "keep", None), ("nu_ftrl", "regenerate", None),
+                                                 ("banded", None, None), ("blt", None, None), ("banded", None, 3),
+                                                 ("blt", None, 3)])
+def test_streaming_equals_the_dense_matrix_product(family, memory, chunk, monkeypatch):
+    """Chunk 3: the fused streams' chunked pass (7 columns: chunks of 3, 3, 1) gives the same product."""
+    if chunk is not None:
+        monkeypatch.setattr(streams, "CHUNK", chunk)
     T, d = 25, 7
     strat = S.make_strategy(family, T, 10, bands=5, banded_coefficients="truncated", nbuf=3)
     stream = _stream(strat, memory)
@@ -173,7 +178,7 @@ def test_empirical_covariance_of_the_released_noise(family):
     """Zero gradients: the release is sigma C sens (C^-1 Z)_t / B; over 40k i.i.d. coordinates its covariance across
     steps must be (sigma C sens / B)^2 (C^-1)(C^-1)^T, and noise_std its diagonal's root."""
     T, d = 10, 40000
-    plugin = FTRLPlugin(noise=family, bands=3)
+    plugin = FTRLPlugin(noise=family, sampling="shuffle", bands=3)
     mech = plugin.configure_mechanism(setup=_setup(n=40, batch=8, steps=T))  # b = 5, k = 2
     strat = mech.strategy
     gen = torch.Generator().manual_seed(2)
@@ -227,7 +232,7 @@ def _analytic_epsilon(s: float, delta: float) -> float:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_calibrated_sigma_gives_the_target_epsilon(family):
     T = 40
-    mech = FTRLPlugin(noise=family).configure_mechanism(setup=_setup(n=80, batch=8, steps=T))  # b = 10, k = 4
+    mech = FTRLPlugin(noise=family, sampling="shuffle").configure_mechanism(setup=_setup(n=80, batch=8, steps=T))  # b = 10, k = 4
     for eps, delta in [(0.5, 1e-5), (3.0, 1e-6), (8.0, 1e-3)]:
         sigma = mech.calibrate(eps, delta, T)
         assert _analytic_delta(sigma, eps) == pytest.approx(delta, rel=1e-6)  # the whole run: one Gaussian mechanism
@@ -243,11 +248,11 @@ def test_calibrated_sigma_gives_the_target_epsilon(family):
 
 
 def test_sigma_change_on_resume_is_refused():
-    mech = FTRLPlugin().configure_mechanism(setup=_setup(steps=12))
+    mech = FTRLPlugin(noise="blt").configure_mechanism(setup=_setup(steps=12))
     assert mech.epsilon_of_segments([Segment(1.0, 0.1, 5), Segment(1.0, 0.1, 7)], 1e-5) == mech.epsilon(1.0, 1e-5, 12)
     with pytest.raises(ConfigError, match="sigma cannot change"):
         mech.epsilon_of_segments([Segment(1.0, 0.1, 5), Segment(2.0, 0.1, 7)], 1e-5)
-    other = FTRLPlugin().configure_mechanism(setup=_setup(steps=20))
+    other = FTRLPlugin(noise="blt").configure_mechanism(setup=_setup(steps=20))
     with pytest.raises(ConfigError, match="steps"):
         mech.load_state_dict(other.state_dict())
 
@@ -291,17 +296,17 @@ def test_sampler_participation_pattern_and_resume():
 
 
 def test_refusals():
-    with pytest.raises(ConfigError, match="poisson"):
-        FTRLPlugin(sampling="poisson")
-    with pytest.raises(ConfigError, match="noise must be"):
-        FTRLPlugin(noise="toeplitz")
+    with pytest.raises(ConfigError, match="needs noise: banded"):
+        FTRLPlugin(noise="blt", sampling="cyclic_poisson")
+    with pytest.raises(ConfigError, match="at most floor"):
+        FTRLPlugin(noise="banded", bands=9).validate_setup(setup=_setup(n=64, batch=8))
     with pytest.raises(ConfigError, match="divide"):
-        FTRLPlugin(drop_remainder=False).validate_setup(setup=_setup(n=65, batch=8))
-    FTRLPlugin().validate_setup(setup=_setup(n=65, batch=8))  # default: drop the remainder
+        FTRLPlugin(noise="blt", drop_remainder=False).validate_setup(setup=_setup(n=65, batch=8))
+    FTRLPlugin(noise="blt").validate_setup(setup=_setup(n=65, batch=8))  # default: drop the remainder
     with pytest.raises(ConfigError, match="secure_noise"):
         FTRLPlugin(noise="nu_ftrl").validate_setup(setup=_setup(secure_noise=True))
     FTRLPlugin(noise="nu_ftrl", memory="keep").validate_setup(setup=_setup(secure_noise=True))
-    plugin = FTRLPlugin()
+    plugin = FTRLPlugin(noise="blt")
     mech = plugin.configure_mechanism(setup=_setup())
     for obj in (plugin, mech):
         with pytest.raises(ConfigError, match="sidecar"):

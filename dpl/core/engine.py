@@ -34,7 +34,7 @@ from torch.utils.data import Sampler
 
 from dpl.core.accounting.calibration import smallest_noise_multiplier
 from dpl.core.gradients import GradientSum
-from dpl.core.mechanism import Mechanism, Segment
+from dpl.core.mechanism import Mechanism, Segment, apply_adjacency
 from dpl.core.noise import NoiseSource, SecureNormal
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
@@ -150,6 +150,7 @@ class PrivateEngine:
         mechanism = hook.configure_mechanism(setup=setup)
         if mechanism is None:
             raise ConfigError("no plugin configured a privacy mechanism")
+        apply_adjacency(mechanism, cfg.adjacency)  # before calibration: the adjacency sets the sensitivity
         self.plan, self.mechanism = plan, mechanism
         if cfg.noise_multiplier is not None:
             self.noise_multiplier = float(cfg.noise_multiplier)
@@ -167,9 +168,9 @@ class PrivateEngine:
                           stacklevel=2)
         self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
         self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
-        log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s]",
-                 num_examples, cfg.batch_size, plan.sampling_rate, steps, self.noise_multiplier, cfg.max_grad_norm,
-                 self.final_epsilon(), plan.delta, mechanism.name)
+        log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s, %s "
+                 "adjacency]", num_examples, cfg.batch_size, plan.sampling_rate, steps, self.noise_multiplier,
+                 cfg.max_grad_norm, self.final_epsilon(), plan.delta, mechanism.name, mechanism.adjacency)
 
     def _configured_plan(self) -> Plan:
         if self.plan is None:
@@ -293,7 +294,7 @@ class PrivateEngine:
                 "expected_batch_size": plan.expected_batch_size, "sampling_rate": plan.sampling_rate,
                 "num_examples": plan.num_examples, "steps_planned": plan.steps, "steps_done": self.steps_done,
                 "accountant": cfg.accountant, "mechanism": self.mechanism.name,
-                "adjacency": getattr(self.mechanism, "adjacency", "add/remove"),
+                "adjacency": self.mechanism.adjacency,
                 "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
                 "history": [s._asdict() for s in self.history]}
 

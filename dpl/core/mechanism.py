@@ -3,26 +3,38 @@
 A privatizing plugin returns a :class:`Mechanism` from the ``configure_mechanism`` hook. The default,
 :class:`PoissonGaussian`, is DP-SGD's: Poisson sampling with rate q = B/N and the PRV accountant for T
 compositions of the subsampled Gaussian (RDP as fallback).
+
+Every mechanism states the **adjacency** its guarantee is for (``adjacency``, one of :data:`ADJACENCIES`) and
+which ones it can be calibrated for (``adjacencies``); :func:`apply_adjacency` applies ``privacy.adjacency``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import Sampler
 
 from dpl.core.accounting.common import Segment
 from dpl.core.sampling import PoissonBatchSampler
+from dpl.errors import ConfigError
+
+Adjacency = Literal["add_remove", "zero_out", "replace_one"]
+ADJACENCIES: tuple[str, ...] = ("add_remove", "zero_out", "replace_one")
+"""``add_remove``: one example added or removed; ``zero_out``: one example's contribution replaced by zero (the
+data set's size is public); ``replace_one``: one example replaced by another."""
 
 
 @runtime_checkable
 class Mechanism(Protocol):
-    """What dpl needs from a mechanism. ``steps`` counts logical batches."""
+    """What dpl needs from a mechanism. ``steps`` counts logical batches. ``adjacency``: the neighbouring relation
+    of its guarantee (set by :func:`apply_adjacency`); ``adjacencies``: those it can give."""
 
     name: str
+    adjacency: str
+    adjacencies: tuple[str, ...]
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
@@ -51,6 +63,10 @@ class PoissonGaussian:
     """Poisson-subsampled Gaussian mechanism (DP-SGD, DPZero): rate ``sample_rate``, PRV accounting."""
 
     name = "gaussian"
+    adjacency = "add_remove"
+    # zero-out follows from add/remove here: the released sum with an example zeroed out has the distribution of the
+    # sum without it (the divisor is the public expected batch size)
+    adjacencies = ("add_remove", "zero_out")
 
     def __init__(self, sample_rate: float, accountant: str = "prv") -> None:
         self.sample_rate = sample_rate
@@ -96,7 +112,22 @@ class PoissonGaussian:
         return accountant.epsilon(delta)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sample_rate": self.sample_rate, "accountant": self.accountant}
+        return {"sample_rate": self.sample_rate, "accountant": self.accountant, "adjacency": self.adjacency}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("adjacency", self.adjacency) != self.adjacency:
+            raise ConfigError(f"the checkpoint's guarantee is for adjacency {state['adjacency']}, this run's for "
+                              f"{self.adjacency}: a resume cannot change it")
         self.accountant = state.get("accountant", self.accountant)
+
+
+def apply_adjacency(mechanism: Mechanism, requested: str | None) -> str:
+    """Make ``mechanism`` calibrate for ``requested`` (``privacy.adjacency``; ``None``: its own) and return the
+    adjacency its guarantee is for; a mechanism that cannot give it is refused with one line."""
+    if requested is None:
+        return mechanism.adjacency
+    if requested not in mechanism.adjacencies:
+        raise ConfigError(f"privacy.adjacency={requested}: mechanism {mechanism.name} proves "
+                          f"{' or '.join(mechanism.adjacencies)} only")
+    mechanism.adjacency = requested
+    return requested

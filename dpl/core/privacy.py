@@ -36,6 +36,11 @@ class PrivacyConfig:
         force_resume: resume from a checkpoint even though sigma, C, the sampling rate, delta or the mechanism
             changed; epsilon is then composed over both parts (never reset). Without it such a resume is refused.
         log_epsilon_every_n_steps: how often epsilon spent is logged (and at the end).
+        adjacency: the neighbouring relation the guarantee must hold for: ``add_remove`` (one example added or
+            removed), ``zero_out`` (one example's contribution replaced by zero) or ``replace_one`` (one example
+            replaced by another). Default: the mechanism's own (DP-SGD: add_remove; ftrl: zero_out). A
+            mechanism that cannot give the one asked for is refused (ftrl's shuffled order gives replace_one at
+            twice the noise).
     """
 
     target_epsilon: float | None = 3.0
@@ -50,6 +55,7 @@ class PrivacyConfig:
     secure_noise: bool = False
     force_resume: bool = False
     log_epsilon_every_n_steps: int = 1
+    adjacency: Literal["add_remove", "zero_out", "replace_one"] | None = None
 
     def validate(self) -> None:
         """Raise :class:`~dpl.errors.ConfigError` with one line for an unusable setting."""

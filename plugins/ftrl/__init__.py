@@ -1,16 +1,17 @@
-"""The ``ftrl`` plugin: correlated-noise DP training (nu-DP-FTRL, banded, BLT; ``independent`` = DP-SGD without
-amplification). It replaces ``privatize`` and ``configure_mechanism``.
+"""The ``ftrl`` plugin: correlated-noise DP training (nu-DP-FTRL, banded, BLT; amplified banded matrix
+factorization; ``independent`` = DP-SGD without amplification). It replaces ``privatize`` and
+``configure_mechanism``.
 
-Release at step t (0-based), for a run of T steps with b = floor(N / B) steps per epoch:
+Release at step t (0-based), for a run of T steps:
 
     g~_t = (sum_i clip(g_i) + sigma * C_clip * sens * w_t) / B,      w_t = (C^-1 Z)_t,  Z i.i.d. N(0, I)
 
-with C the lower-triangular Toeplitz *strategy* of the chosen family (``strategies.py``; the beta of Choquette-Choo
-et al. (ICLR 2024) are the coefficients of C^-1, the *noising* matrix), ``sens`` its sensitivity for the
-participation pattern of the mechanism's sampler (one secret shuffled order, the same every epoch: every example
-participates at most k = ceil(T / b) times, exactly b steps apart), and sigma the noise multiplier of the whole run,
-seen as one Gaussian mechanism (``mechanism.py``: calibrated with the exact analytic-Gaussian conversion, no
-amplification).
+with C the lower-triangular Toeplitz *strategy* of the chosen family (``strategies.py``; the beta of
+Choquette-Choo et al. (ICLR 2024) are the coefficients of C^-1, the *noising* matrix), sigma the noise multiplier and ``sens`` the strategy's
+sensitivity for the mechanism's sampler (``mechanism.py``): ``shuffle`` (one secret order, the same every epoch;
+sens for k = ceil(T / b) participations b = floor(N / B) steps apart; one Gaussian mechanism, no amplification) or
+``cyclic_poisson`` (amplified banded: b partitions, Poisson sampling within partition t mod b; sens = the column
+norm; ceil(T / b) subsampled Gaussian steps). Under replace-one adjacency the noise is doubled.
 
 ``PrivateGradient.noise_std`` is the per-step marginal std of one coordinate of the noise in g~_t:
 sigma * C_clip * sens * sqrt(sum_{s<=t} beta_s^2) / B. It changes with t; post-processing (denoise, adambc)
@@ -18,7 +19,8 @@ reads it from the release.
 
 State: public (``state_dict``, in the .ckpt): the step index and the family's parameters. Secret
 (``secret_state_dict``, only in the owner-only ``.secret`` sidecar): the stream's buffers / past noise /
-generator states; the mechanism keeps the secret permutation. Without the sidecar a resume is refused.
+generator states; the mechanism keeps the secret permutation and sampler states. Without the sidecar a resume is
+refused.
 """
 
 from __future__ import annotations
@@ -29,56 +31,58 @@ from typing import Any, Literal
 import torch
 
 from dpl.api import ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, StepContext, hookimpl, normal
-from dpl_plugins.ftrl.mechanism import FTRLMechanism, ShuffledBatchSampler
-from dpl_plugins.ftrl.strategies import FAMILIES, Strategy, make_strategy
+from dpl_plugins.ftrl.choice import band_range, choose
+from dpl_plugins.ftrl.mechanism import CyclicPoissonSampler, FTRLMechanism, Plan, ShuffledBatchSampler
+from dpl_plugins.ftrl.strategies import Strategy, make_strategy
 from dpl_plugins.ftrl.streams import BandedStream, BLTStream, DenseKeepStream, DenseRegenerateStream
 
-__all__ = ["FTRLMechanism", "FTRLPlugin", "ShuffledBatchSampler"]
+__all__ = ["CyclicPoissonSampler", "FTRLMechanism", "FTRLPlugin", "ShuffledBatchSampler"]
 
 log = logging.getLogger("dpl")
-
-MEMORY = ("regenerate", "keep")
-BANDED_COEFFICIENTS = ("optimized", "truncated")
 
 
 class FTRLPlugin:
     """Correlated Gaussian noise across steps (``privatize``) and its mechanism (``configure_mechanism``).
 
     Args:
-        noise: ``blt`` (default), ``banded``, ``nu_ftrl`` or ``independent``.
+        noise: ``blt``, ``banded``, ``nu_ftrl`` or ``independent``. Default (unset): chosen at calibration among
+            BLT (shuffled), independent (shuffled) and amplified banded (b in ``band_range``, b = 1 being amplified
+            DP-SGD) by the least expected prefix-sum error at the run's (epsilon, delta); with
+            ``privacy.noise_multiplier`` instead of a target epsilon: amplified banded with the largest b tried.
+        sampling: ``shuffle`` (fixed-size batches from one secret order, no amplification) or ``cyclic_poisson``
+            (amplified banded: ``banded`` only). Default: ``cyclic_poisson`` for ``banded`` and for an unset
+            ``noise``, ``shuffle`` otherwise (with ``shuffle`` and no ``noise``: BLT or independent, the least error).
         nu: nu of ``nu_ftrl`` (and the start / truncation of ``banded``, the start of ``blt``); default 1 / T.
-        bands: number of bands of ``banded`` (memory: bands - 1 vectors of the model's size).
+        bands: number of bands of ``banded`` (memory: bands - 1 vectors of the model's size). Default: the value in
+            1, 2, 4, ..., min(steps per epoch, T, ``max_bands``) with the least expected error (for
+            ``cyclic_poisson`` at the run's (epsilon, delta); with a fixed sigma the largest).
+        max_bands: the largest band count the automatic choice tries (memory: max_bands - 1 model-size vectors).
         banded_coefficients: ``optimized`` (fitted at setup for this run length and participation pattern) or
             ``truncated`` (the first ``bands`` nu-DP-FTRL coefficients, renormalized to unit column norm).
         nbuf: buffers of ``blt`` (memory: nbuf vectors of the model's size).
         memory: ``nu_ftrl`` only: ``regenerate`` (default: re-draw past noise from per-step generator states;
             O(d) memory, O(t d) work at step t) or ``keep`` (store all past noise: T x d floats).
-        sampling: ``shuffle`` (the only one: fixed-size batches from one secret order). ``poisson`` is refused:
-            there is no amplification analysis here for correlated noise.
-        drop_remainder: when B does not divide N, leave out N mod B examples (a secret random subset: the end of
-            the secret permutation). ``false``: refuse such a batch size instead.
+        drop_remainder: ``shuffle``: when B does not divide N, leave out N mod B examples (a secret random subset:
+            the end of the secret permutation). ``false``: refuse such a batch size instead.
     """
 
-    def __init__(self, noise: Literal["blt", "banded", "nu_ftrl", "independent"] = "blt", nu: float | None = None,
-                 bands: int = 4, banded_coefficients: Literal["optimized", "truncated"] = "optimized", nbuf: int = 4,
-                 memory: Literal["regenerate", "keep"] = "regenerate", sampling: Literal["shuffle"] = "shuffle",
-                 drop_remainder: bool = True) -> None:
-        if noise not in FAMILIES:
-            raise ConfigError(f"ftrl: noise must be one of {', '.join(FAMILIES)}, got {noise!r}")
-        if sampling != "shuffle":
-            raise ConfigError(f"ftrl: sampling {sampling!r} is not supported: correlated noise is accounted without "
-                              "amplification, for fixed-size batches from one shuffled order (sampling: shuffle)")
+    def __init__(self, noise: Literal["blt", "banded", "nu_ftrl", "independent"] | None = None,
+                 sampling: Literal["shuffle", "cyclic_poisson"] | None = None, nu: float | None = None,
+                 bands: int | None = None, max_bands: int = 16,
+                 banded_coefficients: Literal["optimized", "truncated"] = "optimized", nbuf: int = 4,
+                 memory: Literal["regenerate", "keep"] = "regenerate", drop_remainder: bool = True) -> None:
         if nu is not None and not 0 <= float(nu) < 1:
             raise ConfigError(f"ftrl: nu must be in [0, 1), got {nu}")
-        if int(bands) < 1 or int(nbuf) < 1:
-            raise ConfigError("ftrl: bands and nbuf must be >= 1")
-        if banded_coefficients not in BANDED_COEFFICIENTS:
-            raise ConfigError(f"ftrl: banded_coefficients must be optimized or truncated, got {banded_coefficients!r}")
-        if memory not in MEMORY:
-            raise ConfigError(f"ftrl: memory must be regenerate or keep, got {memory!r}")
+        if (bands is not None and int(bands) < 1) or int(nbuf) < 1 or int(max_bands) < 1:
+            raise ConfigError("ftrl: bands, max_bands and nbuf must be >= 1")
+        if sampling == "cyclic_poisson" and noise not in (None, "banded"):
+            raise ConfigError(f"ftrl: sampling: cyclic_poisson (amplified banded) needs noise: banded, not {noise}: "
+                              "its privacy analysis needs a banded strategy")
         self.noise = noise
+        self.sampling = sampling or ("cyclic_poisson" if noise in (None, "banded") else "shuffle")
         self.nu = None if nu is None else float(nu)
-        self.bands = int(bands)
+        self.bands = None if bands is None else int(bands)
+        self.max_bands = int(max_bands)
         self.banded_coefficients = banded_coefficients
         self.nbuf = int(nbuf)
         self.memory = memory
@@ -94,23 +98,43 @@ class FTRLPlugin:
             raise ConfigError("ftrl: memory: regenerate replays past noise from generator states, which "
                               "privacy.secure_noise (OS CSPRNG) cannot do; use memory: keep or another noise family")
         n, batch = setup.num_examples, setup.expected_batch_size
-        if n % batch and not self.drop_remainder:
+        if self.sampling == "shuffle" and n % batch and not self.drop_remainder:
             raise ConfigError(f"ftrl: batch size {batch} does not divide the {n} training examples into equal "
                               "batches; set drop_remainder: true or a batch size that divides N")
+        every = max(1, n // batch)
+        if self.sampling == "cyclic_poisson" and self.bands is not None and self.bands > every:
+            raise ConfigError(f"ftrl: bands={self.bands} with cyclic_poisson sampling needs partitions of at least "
+                              f"B={batch} examples: at most floor(N / B) = {every} bands")
+
+    def _strategy(self, family: str, steps: int, every: int, bands: int | None = None) -> Strategy:
+        return make_strategy(family, steps, every, nu=self.nu, bands=bands or 1,
+                             banded_coefficients=self.banded_coefficients, nbuf=self.nbuf)
 
     @hookimpl
     def configure_mechanism(self, setup: RunSetup) -> FTRLMechanism:
-        n, batch = setup.num_examples, setup.expected_batch_size
+        n, batch, steps = setup.num_examples, setup.expected_batch_size, setup.steps
         every = max(1, n // batch)
-        if n % batch:
+        bands = [self.bands] if self.bands is not None else band_range(every, steps, self.max_bands)
+        if self.sampling == "cyclic_poisson":
+            plans = [Plan(self._strategy("banded", steps, steps, b), "cyclic_poisson") for b in bands]
+            if self.noise is None:
+                plans += [Plan(self._strategy(f, steps, every)) for f in ("blt", "independent")]
+        elif self.noise in ("banded", None):  # shuffled: sigma is the same for every plan: the least error is best
+            shuffled = [Plan(self._strategy("banded", steps, every, b)) for b in bands] if self.noise else \
+                [Plan(self._strategy(f, steps, every)) for f in ("blt", "independent")]
+            plans = [min(shuffled, key=lambda p: p.strategy.expected_error)]
+        else:
+            plans = [Plan(self._strategy(self.noise, steps, every))]
+        if self.sampling == "shuffle" and n % batch:
             log.info("dpl: ftrl: %d examples, batch size %d: %d batches per epoch, the last %d examples of the secret "
                      "order (a random subset) are left out", n, batch, every, n % batch)
-        strategy = make_strategy(self.noise, setup.steps, every, nu=self.nu, bands=self.bands,
-                                 banded_coefficients=self.banded_coefficients, nbuf=self.nbuf)
-        log.info("dpl: ftrl noise: %s; fitted in %.2f s", strategy.describe(), strategy.fit_seconds)
+        for plan in plans:
+            log.info("dpl: ftrl candidate: %s; %s; fitted in %.2f s", plan.label(), plan.describe(),
+                     plan.strategy.fit_seconds)
         if self.noise == "nu_ftrl" and self.memory == "keep":
-            log.info("dpl: ftrl nu_ftrl memory: keep stores every step's noise: %d x d floats", setup.steps)
-        self.mechanism = FTRLMechanism(strategy, n, batch)
+            log.info("dpl: ftrl nu_ftrl memory: keep stores every step's noise: %d x d floats", steps)
+        self.mechanism = FTRLMechanism(plans[0], n, batch, accountant=setup.accountant, candidates=plans[1:],
+                                       chooser=choose)
         self.stream = None
         return self.mechanism
 
@@ -122,32 +146,37 @@ class FTRLPlugin:
 
     def _new_stream(self) -> Any:
         strategy = self.strategy
-        if self.noise == "banded":
-            return BandedStream(strategy.c[:self.bands])
-        if self.noise == "blt":
+        if strategy.family == "banded":
+            return BandedStream(strategy.c[:int(strategy.params["bands"])])
+        if strategy.family == "blt":
             return BLTStream(strategy.params["omega"], strategy.params["theta"])
-        if self.noise == "nu_ftrl":
+        if strategy.family == "nu_ftrl":
             return DenseKeepStream(strategy.beta) if self.memory == "keep" else DenseRegenerateStream(strategy.beta)
         return None
 
     # --- the step -------------------------------------------------------------------------------------
     @hookimpl
     def privatize(self, ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient:
-        strategy = self.strategy
+        mechanism = self.mechanism
+        if mechanism is None:
+            raise PluginError("ftrl: configure_mechanism has not run")
+        mechanism.settle(mechanism.plan)
+        strategy = mechanism.strategy
         if ctx.step != self.step:
             raise PluginError(f"ftrl: step {ctx.step} but the noise stream is at step {self.step}")
         if ctx.step >= strategy.steps:
             raise ConfigError(f"ftrl: step {ctx.step} is beyond the {strategy.steps} steps the noise was fitted for")
         sigma, clip, batch = ctx.noise_multiplier, ctx.max_grad_norm, float(ctx.expected_batch_size)
-        sens = strategy.sensitivity
+        sens = mechanism.noise_scale
         scale = (sigma * sens) * clip if sigma > 0 else 0.0
         totals = gradient_sum.values
         values: dict[str, torch.Tensor] = {}
         if scale == 0:
             values = {k: v / batch for k, v in totals.items()}
             noise_std = 0.0
-        elif self.noise == "independent":
-            # Exactly the default Gaussian step with noise multiplier sigma * sens (DP-SGD without amplification).
+        elif len(strategy.c) == 1 or not strategy.c[1:].any():
+            # C = I (independent; banded with b = 1): exactly the default Gaussian step with noise multiplier
+            # sigma * sens (with amplification when the sampling is cyclic_poisson with b = 1: DP-SGD itself)
             for key, total in totals.items():
                 noise = normal(total.shape, ctx.noise_generator, device=total.device, dtype=total.dtype)
                 values[key] = noise.mul_(scale).add_(total).div_(batch)
@@ -155,7 +184,6 @@ class FTRLPlugin:
         else:
             if self.stream is None:
                 self.stream = self._new_stream()
-
             if isinstance(self.stream, DenseRegenerateStream):
                 if not isinstance(ctx.noise_generator, torch.Generator):
                     raise ConfigError("ftrl: memory: regenerate needs a replayable torch.Generator noise source")
@@ -181,8 +209,9 @@ class FTRLPlugin:
             noise_std = scale * strategy.marginal_std(ctx.step) / batch
         self.step += 1
         ctx.log("ftrl/noise_std", noise_std)
-        return PrivateGradient(values, noise_std=noise_std, mechanism=FTRLMechanism.name, expected_batch_size=batch,
-                               step=ctx.step, info={"ftrl_family": self.noise, "ftrl_sensitivity": sens})
+        return PrivateGradient(values, noise_std=noise_std, mechanism=mechanism.name, expected_batch_size=batch,
+                               step=ctx.step, info={"ftrl_family": strategy.family, "ftrl_sampling": mechanism.sampling,
+                                                    "ftrl_sensitivity": sens, "adjacency": mechanism.adjacency})
 
     # --- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

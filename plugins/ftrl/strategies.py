@@ -18,6 +18,10 @@ have non-negative inner products, so the worst gradients are identical unit vect
 
     sens^2 = || sum_{j<k} shift(c, j b) ||^2        (exact; the design note's formula).
 
+Amplified banded (cyclic Poisson sampling, ``mechanism.py``) accounts each participation as its own subsampled
+Gaussian step, so its sensitivity is the largest column norm ||c|| of the b-banded C: that is this formula with one
+participation (``every = steps``), and the same fit with ``every = steps`` minimises its objective.
+
 The first t rows of C only see the participations before t, so the sensitivity of the first t releases is the
 norm of the first t entries of that vector (``sens_prefix``): epsilon after t steps is that of a Gaussian
 mechanism with noise multiplier sigma * sens_T / sens_t.

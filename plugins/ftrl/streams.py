@@ -3,10 +3,14 @@
 Every stream works on dicts of tensors (one per gradient key) and keeps only what its family needs:
 
 * ``BandedStream`` (bands m): C w = z solved forward, w_t = (z_t - sum_{j=1}^{m-1} c_j w_{t-j}) / c_0; keeps the
-  m - 1 last outputs: (m - 1) x d floats.
+  m - 1 last outputs in a ring: (m - 1) x d floats.
 * ``BLTStream`` (nbuf buffers): with C = I + sum_j omega_j Toeplitz(0, 1, theta_j, theta_j^2, ...),
   w_t = z_t - sum_j omega_j buf_j, then buf_j <- theta_j buf_j + w_t (buf_j = sum_{s<t} theta_j^{t-1-s} w_s):
   nbuf x d floats.
+
+Banded and BLT are *fused*: the weighted sum over the stacked buffers is one ``addmm_`` and the buffer update
+follows it chunk by chunk (``CHUNK`` columns on CPU), so each buffer is read from memory once and written once per
+step instead of once per elementwise operation.
 * ``DenseKeepStream`` (nu_ftrl, ``memory: keep``): keeps every z_s, w_t = sum_s beta_{t-s} z_s: T x d floats.
 * ``DenseRegenerateStream`` (nu_ftrl, ``memory: regenerate``): keeps the noise generator's state before each
   step's draw (a few KB per step, independent of d) and re-draws z_s to form the same sum: O(d) memory,
@@ -31,54 +35,93 @@ def _to_cpu(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}  # a snapshot, not a view
 
 
-class BandedStream:
-    """Per key: ``push(key, z)`` (z is consumed: it becomes w_t and joins the history); ``end_step()`` after all
-    keys. Memory: the bands - 1 last outputs."""
+CHUNK = 1 << 15  # columns per pass on CPU: a chunk of the stacked buffers stays in cache between its read and write
 
-    in_place = False  # w is kept in the history: the caller must not modify it
+
+def _fused(out: Tensor, stacked: Tensor, row: Tensor, after: Callable[[Tensor, Tensor], None]) -> None:
+    """out += row @ stacked (stacked: (m, *out.shape)), then ``after(out_chunk, stacked_chunk)``, one chunk of
+    columns at a time on CPU (each chunk of the m stacked buffers is read from memory once, updated in cache), the
+    whole tensor at once elsewhere."""
+    flat_out, flat = out.view(1, -1), stacked.view(stacked.shape[0], -1)
+    width = CHUNK if out.device.type == "cpu" else flat_out.shape[1]
+    for start in range(0, flat_out.shape[1], width):
+        o, b = flat_out[:, start:start + width], flat[:, start:start + width]
+        o.addmm_(row, b)
+        after(o, b)
+
+
+class _Coefficients:
+    """A coefficient vector as a tensor of the noise's dtype and device (cached)."""
+
+    def __init__(self, values: list[float], shape: tuple[int, ...]) -> None:
+        self.values, self.shape = values, shape
+        self._cache: dict[tuple[Any, Any], Tensor] = {}
+
+    def on(self, like: Tensor) -> Tensor:
+        key = (like.dtype, like.device)
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(self.values, dtype=like.dtype, device=like.device).view(self.shape)
+        return self._cache[key]
+
+
+class BandedStream:
+    """Per key: ``push(key, z)`` turns z into w_t in place and stores it in the key's ring of the bands - 1 last
+    outputs (one fused pass over the stacked ring); ``end_step()`` after all keys. Memory: (bands - 1) x d."""
+
+    in_place = True  # w is copied into the ring: the caller may reuse its memory
 
     def __init__(self, c_band: np.ndarray) -> None:
         self.c = [float(x) for x in c_band]
-        self.history: list[dict[str, Tensor]] = []  # newest first, at most len(c) - 1
-        self._current: dict[str, Tensor] = {}
+        self.rings: dict[str, Tensor] = {}  # key -> (bands - 1, *shape); w_s in slot s mod (bands - 1)
+        self.t = 0  # index of the step being pushed
+
+    def _row(self, like: Tensor) -> Tensor:
+        m = len(self.c) - 1
+        row = torch.zeros((1, m), dtype=like.dtype, device=like.device)
+        for j in range(1, m + 1):
+            row[0, (self.t - j) % m] = -self.c[j]  # slots not yet written hold zeros
+        return row
 
     def push(self, key: str, z: Tensor) -> Tensor:
-        out = z
-        for j, past in enumerate(self.history, start=1):
-            prev = past[key]
-            if prev.device != out.device:
-                prev = past[key] = prev.to(out.device)
-            out.sub_(prev, alpha=self.c[j])
+        m = len(self.c) - 1
+        if m > 0:
+            ring = self.rings.get(key)
+            if ring is None:
+                ring = self.rings[key] = torch.zeros((m, *z.shape), dtype=z.dtype, device=z.device)
+            elif ring.device != z.device:
+                ring = self.rings[key] = ring.to(z.device)
+            slot = self.t % m  # the oldest output, w_{t - m}: read by this step's sum, then overwritten by w_t
+            _fused(z, ring, self._row(z), lambda o, b: b[slot].copy_(o[0]))
         if self.c[0] != 1.0:
-            out.div_(self.c[0])
-        if len(self.c) > 1:
-            self._current[key] = out
-        return out
+            z.div_(self.c[0])
+            if m > 0:
+                self.rings[key][self.t % m].div_(self.c[0])
+        return z
 
     def end_step(self) -> None:
-        if len(self.c) > 1:
-            self.history.insert(0, self._current)
-            del self.history[len(self.c) - 1:]
-        self._current = {}
+        self.t += 1
 
     def memory_floats(self) -> int:
-        return sum(t.numel() for h in self.history for t in h.values())
+        return sum(t.numel() for t in self.rings.values())
 
     def secret_state(self) -> dict[str, Any]:
-        return {"history": [_to_cpu(h) for h in self.history]}
+        return {"rings": _to_cpu(self.rings), "t": self.t}
 
     def load_secret_state(self, state: dict[str, Any]) -> None:
-        self.history = [dict(h) for h in state["history"]]
+        self.rings, self.t = dict(state["rings"]), int(state["t"])
 
 
 class BLTStream:
-    """Per key: ``push(key, z)`` turns z into w_t in place and updates the key's nbuf buffers. Memory: nbuf x d."""
+    """Per key: ``push(key, z)`` turns z into w_t in place and updates the key's nbuf buffers, in one fused pass
+    over the stacked buffers: w_t = z_t - omega . buf, then buf <- theta * buf + w_t. Memory: nbuf x d."""
 
     in_place = True  # w is not kept: the caller may reuse its memory
 
     def __init__(self, omega: list[float], theta: list[float]) -> None:
         self.omega = [float(x) for x in omega]
         self.theta = [float(x) for x in theta]
+        self._neg_omega = _Coefficients([-x for x in self.omega], (1, len(self.omega)))
+        self._theta = _Coefficients(self.theta, (len(self.theta), 1))
         self.buffers: dict[str, Tensor] = {}  # key -> (nbuf, *shape)
 
     def push(self, key: str, z: Tensor) -> Tensor:
@@ -87,12 +130,9 @@ class BLTStream:
             buf = self.buffers[key] = torch.zeros((len(self.omega), *z.shape), dtype=z.dtype, device=z.device)
         elif buf.device != z.device:
             buf = self.buffers[key] = buf.to(z.device)
-        out = z
-        for j, om in enumerate(self.omega):
-            out.sub_(buf[j], alpha=om)
-        for j, th in enumerate(self.theta):
-            buf[j].mul_(th).add_(out)
-        return out
+        theta = self._theta.on(z)
+        _fused(z, buf, self._neg_omega.on(z), lambda o, b: torch.addcmul(o, b, theta, out=b))  # theta b + w
+        return z
 
     def end_step(self) -> None:
         pass

@@ -1,0 +1,44 @@
+"""ftrl's automatic choices: the candidate plans of a run and the one with the least expected error.
+
+The objective is the expected prefix-sum error of the run at its privacy target: sigma(plan; epsilon, delta) x
+``Strategy.expected_error`` (the RMS over the steps of the per-coordinate std of the noise in the prefix sums of
+the released gradients, in units of C_clip / B). sigma comes from each plan's own accounting -- the exact Gaussian
+mechanism for the shuffled plans (independent of the strategy), the PRV accountant for ceil(T / b) subsampled
+Gaussian steps at rate B / floor(N / b) for amplified banded -- so the comparison is at equal (epsilon, delta).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dpl_plugins.ftrl.mechanism import FTRLMechanism, Plan
+from dpl_plugins.ftrl.strategies import make_strategy
+
+log = logging.getLogger("dpl")
+
+
+def band_range(steps_per_epoch: int, steps: int, max_bands: int) -> list[int]:
+    """Band counts tried: powers of two up to the cap min(steps per epoch, T, max_bands), and the cap itself (first:
+    the fallback when there is no target epsilon to compare at)."""
+    cap = max(1, min(int(steps_per_epoch), int(steps), int(max_bands)))
+    return [cap] + [b for b in (2 ** i for i in range(cap.bit_length())) if b < cap]
+
+
+def amplified_plans(steps: int, bands: list[int], nu: float | None) -> list[Plan]:
+    """Amplified banded plans: b-banded Toeplitz strategies fitted for one participation per column (the column
+    norm is the sensitivity), so the fit minimises exactly the amplified objective up to sigma."""
+    return [Plan(make_strategy("banded", steps, steps, nu=nu, bands=b), "cyclic_poisson") for b in bands]
+
+
+def choose(mechanism: FTRLMechanism, target_epsilon: float, delta: float, steps: int) -> Plan:
+    """The candidate with the least expected error at (target_epsilon, delta); one log line with every candidate's
+    error (amplified DP-SGD's among them)."""
+    scored = []
+    for plan in [mechanism.plan, *mechanism.candidates]:
+        sigma = mechanism.calibrate_plan(plan, target_epsilon, delta, steps)
+        scored.append((sigma * plan.strategy.expected_error, sigma, plan))
+    best = min(scored, key=lambda s: s[0])
+    shown = "; ".join(f"{p.label()}: {e:.4g} (sigma={s:.3f})" for e, s, p in sorted(scored, key=lambda s: s[0]))
+    log.info("dpl: ftrl chose %s: least expected prefix-sum error at epsilon=%g, delta=%.3g over %d steps, in units "
+             "of C/B: %s", best[2].label(), target_epsilon, delta, steps, shown)
+    return best[2]
