@@ -243,17 +243,19 @@ class PrivateEngine:
                            optimizer=optimizer)
 
     # --- accounting ---------------------------------------------------------------------------------------
-    def epsilon(self, steps: int | None = None) -> float:
-        """Epsilon spent after ``steps`` steps in total (default: the steps done), earlier parts included."""
+    def epsilon(self, steps: int | None = None, delta: float | None = None) -> float:
+        """Epsilon spent after ``steps`` steps in total (default: the steps done), earlier parts included, at
+        ``delta`` (default: the run's)."""
         steps = self.steps_done if steps is None else steps
         plan = self._configured_plan()
+        delta = plan.delta if delta is None else float(delta)
         if self.noise_multiplier == 0 and steps > 0:
             return math.inf
         if not self.history:
-            return self.mechanism.epsilon(self.noise_multiplier, plan.delta, steps) if steps > 0 else 0.0
+            return self.mechanism.epsilon(self.noise_multiplier, delta, steps) if steps > 0 else 0.0
         done_before = sum(s.steps for s in self.history)
         current = Segment(self.noise_multiplier, plan.sampling_rate, max(0, steps - done_before))
-        return self.mechanism.epsilon_of_segments([*self.history, current], plan.delta)
+        return self.mechanism.epsilon_of_segments([*self.history, current], delta)
 
     def final_epsilon(self) -> float:
         """Epsilon after the planned steps."""
@@ -285,18 +287,32 @@ class PrivateEngine:
         except ValueError as exc:
             raise ConfigError(f"cannot calibrate sigma for the remaining steps ({exc})") from None
 
-    def summary(self) -> dict[str, Any]:
-        """The run's privacy, in plain values (for reports and logs)."""
-        plan = self._configured_plan()
-        cfg = self.privacy
-        return {"epsilon": self.epsilon(), "planned_epsilon": self.final_epsilon(), "delta": plan.delta,
-                "noise_multiplier": self.noise_multiplier, "max_grad_norm": cfg.max_grad_norm,
-                "expected_batch_size": plan.expected_batch_size, "sampling_rate": plan.sampling_rate,
-                "num_examples": plan.num_examples, "steps_planned": plan.steps, "steps_done": self.steps_done,
-                "accountant": cfg.accountant, "mechanism": self.mechanism.name,
-                "adjacency": self.mechanism.adjacency,
-                "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
-                "history": [s._asdict() for s in self.history]}
+    def summary(self, deltas: tuple[float, ...] = ()) -> dict[str, Any]:
+        """The run's privacy as plain values, nothing secret (for the privacy report and logs): epsilon spent at the
+        run's delta (and at each of ``deltas``), sigma, C, the batch and sampling, the steps planned and taken,
+        the accountant, the adjacency, the mechanism, the plugins with their options, the data size."""
+        from dpl import __version__
+
+        cfg, plan, mechanism = self.privacy, self.plan, self.mechanism
+        ready = self.configured
+        return {
+            "epsilon": self.epsilon() if ready else None,
+            "epsilon_planned": self.final_epsilon() if ready else None,
+            "epsilon_at_delta": {float(d): self.epsilon(delta=d) for d in deltas} if ready else {},
+            "delta": plan.delta if ready else None, "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": cfg.max_grad_norm, "batch_size": cfg.batch_size,
+            "sampling_rate": plan.sampling_rate if ready else None,
+            "sampling": getattr(mechanism, "sampling", "poisson" if hasattr(mechanism, "sample_rate") else "shuffle"),
+            "steps_per_epoch": plan.steps_per_epoch if ready else 0, "steps_planned": plan.steps if ready else 0,
+            "steps_taken": self.steps_done, "resumed_segments": [list(s) for s in self.history],
+            "accountant": getattr(mechanism, "accountant", "exact Gaussian mechanism"),
+            "adjacency": mechanism.adjacency if ready else None,
+            "mechanism": mechanism.name if ready else None,
+            "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
+            "num_examples": plan.num_examples if ready else 0, "target_epsilon": cfg.target_epsilon,
+            "max_epsilon": cfg.budget, "secure_noise": cfg.secure_noise, "seeded": cfg.seed is not None,
+            "dpl_version": __version__,
+        }
 
     # --- state --------------------------------------------------------------------------------------------
     def _named_stateful(self) -> list[tuple[str, Any]]:

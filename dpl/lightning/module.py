@@ -121,6 +121,10 @@ class DPModule(L.LightningModule):
     def final_epsilon(self) -> float:
         return self.engine.final_epsilon()
 
+    def privacy_summary(self, deltas: tuple[float, ...] = ()) -> dict[str, Any]:
+        """The run's privacy as plain values (:meth:`~dpl.core.engine.PrivateEngine.summary`)."""
+        return self.engine.summary(deltas)
+
     # --- setup ----------------------------------------------------------------------------------------
     def ensure_model(self, datamodule: L.LightningDataModule | None = None) -> nn.Module:
         """Build the model once (``datamodule`` may provide what it needs, e.g. the number of labels)."""
