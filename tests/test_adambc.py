@@ -142,9 +142,9 @@ class _VaryingNoise:
 
 
 def test_in_the_private_step_with_a_mechanism_whose_std_varies(monkeypatch):
-    from test_plugins import _fake_entry_points
+    from helpers import fake_entry_points
 
-    _fake_entry_points(monkeypatch, {"varying": _VaryingNoise})
+    fake_entry_points(monkeypatch, {"varying": _VaryingNoise})
     pm = create_plugin_manager({"varying": {}, "adambc": {"beta2": 0.5}})
     model = tiny_bert()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -215,9 +215,9 @@ class _OtherNoise:
 
 
 def test_wrapper_is_not_a_conflicting_privatize(monkeypatch):
-    from test_plugins import _fake_entry_points
+    from helpers import fake_entry_points
 
-    _fake_entry_points(monkeypatch, {"other_noise": _OtherNoise})
+    fake_entry_points(monkeypatch, {"other_noise": _OtherNoise})
     pm = create_plugin_manager({"denoise": {"nonprivate_diagnostics": True}})
     assert "privatize" not in replaced_hooks(pm)  # the default Gaussian mechanism still answers
     pm = create_plugin_manager({"other_noise": {}, "denoise": {"nonprivate_diagnostics": True}})

@@ -22,15 +22,19 @@ from common import arm_settings, fmt, save, save_figure, spread, sst2, study_par
 
 
 def arms(steps_per_epoch: int) -> list[dict]:
-    """The arms (one line each). ``banded`` gets bands = steps per epoch; ``extra`` arms (the plugin's default
-    ``bands: 4``) run only when named with ``--arms``."""
+    """The arms (one line each). ``banded`` (one shuffled order) gets bands = steps per epoch; ``extra`` arms run
+    only when named with ``--arms``: shuffled banded with 4 bands, and amplified banded matrix factorization (cyclic
+    Poisson sampling, bands chosen by the plugin)."""
     return [
         {"name": "DP-SGD (amplified)", "plugins": None},
         {"name": "independent", "plugins": {"ftrl": {"noise": "independent"}}},
-        {"name": "banded", "plugins": {"ftrl": {"noise": "banded", "bands": steps_per_epoch}}},
+        {"name": "banded", "plugins": {"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": steps_per_epoch}}},
         {"name": "BLT", "plugins": {"ftrl": {"noise": "blt"}}},
         {"name": "nu-FTRL", "plugins": {"ftrl": {"noise": "nu_ftrl", "memory": "keep"}}},
-        {"name": "banded (4 bands)", "plugins": {"ftrl": {"noise": "banded", "bands": 4}}, "extra": True},
+        {"name": "banded (4 bands)", "plugins": {"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": 4}},
+         "extra": True},
+        {"name": "amplified BandMF", "plugins": {"ftrl": {"noise": "banded", "sampling": "cyclic_poisson"}},
+         "extra": True},
     ]
 
 
