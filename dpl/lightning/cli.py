@@ -24,13 +24,20 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from dpl.lightning.data import DPDataModule
 from dpl.errors import ConfigError, DPLError
 from dpl.lightning.module import DPModule
+from dpl.lightning.report import PrivacyReport
 
 DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-SGD (Poisson sampling, per-example\n"
                "clipping, calibrated noise, PRV accounting) on Lightning; private-training methods plug in as hooks.")
 
-#: dpl's commands besides Lightning's (fit, validate, test, predict): name -> (one-line help, "module:function").
+#: dpl's commands besides Lightning's (fit, validate, test): name -> (one-line help, "module:function").
 #: The function gets the remaining arguments (list of str) and returns an exit code (or None for 0).
 COMMANDS: dict[str, tuple[str, str]] = {
+    "predict": ("labels and probabilities, or completions, for new inputs from a run or an exported folder",
+                "dpl.lightning.predict:predict_command"),
+    "export": ("a Hugging Face model folder (LoRA merged, or a PEFT adapter) with tokenizer, labels and privacy "
+               "report", "dpl.lightning.export:export_command"),
+    "report": ("plots of a run: loss/accuracy and epsilon over steps (PNG; needs matplotlib)",
+               "dpl.lightning.plots:report_command"),
     "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.lightning.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
               "(docs/audit.md)", "dpl.audit:audit_command"),
@@ -67,7 +74,7 @@ def _parser_kwargs() -> dict[str, Any]:
 
     sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES), 79)}
     return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
-            "fit": sub, "validate": sub, "test": sub, "predict": sub}
+            "fit": sub, "validate": sub, "test": sub}
 
 
 class DPLArgumentParser(LightningArgumentParser):
@@ -91,6 +98,11 @@ class DPLightningCLI(LightningCLI):
         kwargs.setdefault("parser_kwargs", _parser_kwargs())
         super().__init__(*args, **kwargs)
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's fit, validate and test (``dpl predict`` is dpl's own command)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
@@ -107,6 +119,8 @@ class DPLightningCLI(LightningCLI):
             if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
                 callbacks = [*callbacks, summary]
                 config = {**config, "enable_model_summary": False}
+        if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
+            callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
         trainer = super()._instantiate_trainer(config, callbacks)
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
@@ -133,9 +147,6 @@ class DPLightningCLI(LightningCLI):
         self._check_ckpt_path()
 
     def before_test(self) -> None:
-        self._check_ckpt_path()
-
-    def before_predict(self) -> None:
         self._check_ckpt_path()
 
     def _parse_ckpt_path(self) -> None:
@@ -260,7 +271,8 @@ def _no_tips(record: logging.LogRecord) -> bool:
 def _quiet() -> None:
     """Silence the messages that do not matter to a dpl user (the ones about privacy stay)."""
     for pattern in (r".*`tensorboardX` has been removed as a dependency", r".*`is_gradient_checkpointing` is deprecated",
-                    r".*LeafSpec.*deprecated"):
+                    r".*LeafSpec.*deprecated",
+                    r".*smaller than the logging interval"):  # dpl logs epsilon at the last step whatever the interval
         warnings.filterwarnings("ignore", message=pattern)
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
@@ -281,6 +293,8 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     _ARGV[:] = argv
     if argv[:1] and argv[0] in COMMANDS:
+        if argv[0] in ("predict", "export"):
+            _quiet()  # no loading bars or deprecation notices around the outputs
         _run_command(argv[0], argv[1:])
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -319,7 +333,7 @@ def summarize_parse_error(message: str, argv: list[str], parser: Any = None) -> 
         typed = _typed_option(group.group(1), key, argv)
         return _unknown_option(typed, (group.group(1), key, candidates), [])
     if re.search(r'expected "subcommand"', text):
-        return f"expected a command: fit, validate, test, predict, {', '.join(COMMANDS)} (see dpl --help)"
+        return f"expected a command: fit, validate, test, {', '.join(COMMANDS)} (see dpl --help)"
     if "arguments are required" in text and (".model" in text or ".data" in text):
         return f"{text.strip()} (give a config: dpl fit --config configs/quickstart.yaml)"
     keys = re.findall(r'Parser key "([^"]+)"', text)

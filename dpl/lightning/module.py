@@ -246,6 +246,39 @@ class DPModule(L.LightningModule):
         segments = [*self.history, (self.noise_multiplier, max(0, steps - done_before), rate)]
         return self.mechanism.epsilon_of_segments(segments, self.delta)
 
+    def privacy_summary(self, deltas: tuple[float, ...] = ()) -> dict[str, Any]:
+        """The run's privacy, as plain values (for :mod:`dpl.lightning.report`; nothing secret): epsilon spent at
+        the run's delta (and at each of ``deltas``: ``epsilon_at_delta``), sigma, C, the batch and sampling, the
+        steps planned and taken, the accountant, adjacency, mechanism, plugins with options and the data size."""
+        from dpl import __version__
+
+        mechanism, cfg, n = self.mechanism, self.privacy, self.num_train_examples
+        ready = mechanism is not None
+        at_delta = {}
+        for other in deltas if ready else ():
+            saved, self.delta = self.delta, float(other)
+            try:
+                at_delta[float(other)] = self.epsilon_after(self.steps_done)
+            finally:
+                self.delta = saved
+        return {
+            "epsilon": self.epsilon_after(self.steps_done) if ready else None,
+            "epsilon_planned": self.final_epsilon() if ready else None,
+            "epsilon_at_delta": at_delta,
+            "delta": self.delta, "noise_multiplier": self.noise_multiplier, "max_grad_norm": cfg.max_grad_norm,
+            "batch_size": cfg.batch_size, "sampling_rate": cfg.batch_size / n if n else None,
+            "sampling": getattr(mechanism, "sampling", "poisson" if hasattr(mechanism, "sample_rate") else "shuffle"),
+            "steps_per_epoch": self.steps_per_epoch, "steps_planned": self.planned_steps,
+            "steps_taken": self.steps_done, "resumed_segments": [list(h) for h in self.history],
+            "accountant": getattr(mechanism, "accountant", "exact Gaussian mechanism"),
+            "adjacency": getattr(mechanism, "adjacency", "add/remove"),
+            "mechanism": mechanism.name if ready else None,
+            "plugins": {name: dict(self.plugin_config.get(name) or {})
+                        for name in active_plugin_names(self.plugin_manager)},
+            "num_examples": n, "target_epsilon": cfg.target_epsilon, "max_epsilon": cfg.budget,
+            "secure_noise": cfg.secure_noise, "seeded": cfg.seed is not None, "dpl_version": __version__,
+        }
+
     def make_batch_sampler(self, num_examples: int) -> Sampler:
         """The training batch sampler (called by :class:`~dpl.tasks.data.DPDataModule`)."""
         self.prepare_privacy(num_examples)

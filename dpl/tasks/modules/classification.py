@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score
 
 from dpl.errors import ConfigError
-from dpl.lightning.module import DPModule
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import resolve_path
+from dpl.tasks.modules.base import DPTaskModule
 
 log = logging.getLogger("dpl")
 
@@ -125,7 +125,7 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
 
 
-class DPClassificationModule(DPModule):
+class DPClassificationModule(DPTaskModule):
     """DP fine-tuning of a sequence classifier (BERT/RoBERTa-style or Llama-style).
 
     Args:
@@ -165,6 +165,7 @@ class DPClassificationModule(DPModule):
         self.finetuning = finetuning if finetuning is not None else FinetuneOptions()
         self.val_accuracy: MulticlassAccuracy | None = None
         self.val_f1: MulticlassF1Score | None = None
+        self.label_names: list[str] | None = None  # class id -> name for predictions (else the data module's)
 
     def _num_labels(self) -> int:
         if self.num_labels is None:
@@ -262,6 +263,16 @@ class DPClassificationModule(DPModule):
 
     def per_example_loss(self, batch: dict[str, Any]) -> Tensor:
         return F.cross_entropy(self(batch).float(), batch["labels"], reduction="none")
+
+    @torch.no_grad()
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> list[dict[str, Any]]:
+        """``{"label": name, "probabilities": {name: p, ...}}`` for each example."""
+        names = self.label_names or self._label_names()
+        rows = []
+        for p in torch.softmax(self(batch).float(), dim=-1).tolist():
+            rows.append({"label": names[max(range(len(p)), key=p.__getitem__)],
+                         "probabilities": dict(zip(names, p))})
+        return rows
 
     def _evaluate(self, batch: dict[str, Any], prefix: str) -> None:
         logits = self(batch)

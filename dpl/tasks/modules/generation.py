@@ -24,10 +24,10 @@ from dpl.lightning import distributed
 from dpl.lightning.distributed import gather_objects
 from dpl.errors import ConfigError
 from dpl.tasks.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
-from dpl.lightning.module import DPModule
 from dpl.tasks.modules.classification import FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import load_pretrained, load_tokenizer
+from dpl.tasks.modules.base import DPTaskModule
 
 log = logging.getLogger("dpl")
 
@@ -88,7 +88,7 @@ def completion_token_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return token_loss.sum(1) / counts.clamp(min=1)
 
 
-class DPGenerationModule(DPModule):
+class DPGenerationModule(DPTaskModule):
     """DP fine-tuning of an ``AutoModelForCausalLM`` (Llama, Qwen, GPT-2 style ...) for text generation.
 
     Args:
@@ -130,6 +130,10 @@ class DPGenerationModule(DPModule):
             tokenizer = getattr(self.datamodule, "tokenizer", None)
             self._tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_location)
         return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
 
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -184,6 +188,10 @@ class DPGenerationModule(DPModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch)
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> list[dict[str, Any]]:
+        """``{"completion": text}`` for each left-padded prompt of ``batch``."""
+        return [{"completion": text} for text in self.generate(batch["input_ids"], batch["attention_mask"])]
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch)
