@@ -18,6 +18,7 @@ class MeanPoolForSequenceClassification(PreTrainedModel):
 
     config_class = PretrainedConfig
     base_model_prefix = "encoder"
+    _supports_sdpa = True  # the encoder's own attention does the work: it says what it supports
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)

@@ -130,9 +130,9 @@ def load_export(folder: str | Path) -> LoadedRun:
     else:
         from transformers import AutoModelForCausalLM
 
-        from dpl.tasks.modules import DPGenerationModule
+        from dpl.tasks.modules import DPGenerationModule, GenerationOptions
 
-        module = DPGenerationModule(model=str(folder))
+        module = DPGenerationModule(model=str(folder), generation=GenerationOptions(**meta.get("generation", {})))
         module.tokenizer = tokenizer
         module.model = _from_pretrained(AutoModelForCausalLM, folder)
     module.eval()
