@@ -79,6 +79,10 @@ def test_classification_journey(classification, tmp_path, capsys, pooling):
         logged = [row for row in csv.DictReader(f) if row.get("epsilon")]
     assert int(logged[-1]["step"]) == 5 and round(float(logged[-1]["epsilon"]), 3) == epsilon
 
+    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
+
+    assert bool(list(run_dir.glob("events.out.tfevents.*"))) == bool(_TENSORBOARD_AVAILABLE)
+
     # the checkpoint holds the trained parameters only
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     run = load_run(run_dir)
@@ -228,3 +232,23 @@ def test_generation_journey(generation, tmp_path, capsys):
         want = run.module.model(**ids).logits
         torch.testing.assert_close(hf(**ids).logits, want, atol=1e-5, rtol=1e-4)
     assert predict(load_run(exported), prompts) == rows
+
+
+def _metrics_csv(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.csv").write_text("epoch,epsilon,step,val_acc,val_loss\n0,1.5,1,,\n0,,1,0.75,0.5\n,2.0,3,,\n")
+    return folder
+
+
+def test_report_writes_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = _metrics_csv(tmp_path / "run")
+    assert main_code(["report", str(run)]) == 0
+    assert sorted(p.name for p in (run / "plots").iterdir()) == ["epsilon.png", "validation.png"]
+    assert all((run / "plots" / name).read_bytes()[:4] == b"\x89PNG" for name in ("epsilon.png", "validation.png"))
+
+
+def test_report_says_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    assert main_code(["report", str(_metrics_csv(tmp_path / "run"))]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err

@@ -119,6 +119,8 @@ class DPLightningCLI(LightningCLI):
             if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
                 callbacks = [*callbacks, summary]
                 config = {**config, "enable_model_summary": False}
+        if config.get("logger") in (None, True):
+            config = {**config, "logger": default_loggers(config.get("default_root_dir"))}
         if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
             callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
         trainer = super()._instantiate_trainer(config, callbacks)
@@ -197,6 +199,19 @@ class DPLightningCLI(LightningCLI):
         except Exception:
             _remove_partial_run(new_dirs)
             raise
+
+
+def default_loggers(root: str | None) -> list[Any]:
+    """``metrics.csv`` always (CSVLogger), and TensorBoard event files in the same run folder where tensorboard is
+    installed (``pip install tensorboard``; then ``tensorboard --logdir <default_root_dir>``)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
+
+    csv = CSVLogger(save_dir=root or os.getcwd())
+    if not _TENSORBOARD_AVAILABLE:
+        return [csv]
+    return [csv, TensorBoardLogger(save_dir=csv.save_dir, name=csv.name, version=csv.version,
+                                   default_hp_metric=False)]
 
 
 def _run_dir(trainer: Any) -> Path | None:
