@@ -592,4 +592,4 @@ def audit_command(argv: list[str]) -> int:
             json.dump(result.to_dict(), f, indent=2)
             f.write("\n")
         print(f"  report written to {args.output}")
-    return 0
+    return 1 if result.violation else 0  # a CI job fails on a VIOLATION
