@@ -75,7 +75,20 @@ def test_help_shows_dpl_and_its_commands(capsys):
     assert "plugins" in out and "fit" in out
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
-    assert "--model.help" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--model.help" in out and "max_grad_norm" in out and "--model.privacy.help" in out
+
+
+def test_privacy_help_lists_every_privacy_option(capsys):
+    import dataclasses
+
+    from dpl.core.privacy import PrivacyConfig
+
+    main(["fit", "--model.privacy.help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(PrivacyConfig):
+        assert f"--model.privacy.{f.name} (" in out
+    assert "calibrated" in out  # the meaning, from the docstring
 
 
 @pytest.mark.parametrize("content,pattern", [(None, "not found"), (b"", "not a readable checkpoint"),
@@ -156,3 +169,23 @@ def test_classification_data_stays_out_of_the_datasets_cache(tmp_path, monkeypat
     assert not any(cache.rglob("*")), list(cache.rglob("*"))
     assert not any(Path(p).is_file() and b"secret-row" in Path(p).read_bytes()
                    for p in tmp_path.rglob("*") if Path(p).parent != data and Path(p).is_file())
+
+
+def test_validate_a_run_writes_nothing_and_says_where_the_head_comes_from(tiny, tmp_path, capsys, caplog):
+    _, _, headless = tiny
+    root = tmp_path / "runs"
+    main(_args(tiny, root, model=headless))
+    capsys.readouterr()
+    ckpt = next(root.rglob("checkpoints/last.ckpt"))
+    before = sorted(p for p in root.rglob("*"))
+    import warnings
+
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["validate", *_args(tiny, root, "--ckpt_path", str(ckpt), model=headless)[1:]])
+    out, err = capsys.readouterr()
+    shown = err + " ".join(str(w.message) for w in caught)
+    assert "val_acc" in out and "dirpath has changed" not in shown and "callbacks used to create" not in shown
+    assert sorted(p for p in root.rglob("*")) == before  # no version_1, no config.yaml, no checkpoint
+    assert "new classification head classifier.bias, classifier.weight (not in" in caplog.text
+    assert "weights from the checkpoint" in caplog.text and "trained under DP" not in caplog.text

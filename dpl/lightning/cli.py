@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import textwrap
 import typing
 import warnings
 import zipfile
@@ -62,6 +63,35 @@ _SUBCOMMAND_EPILOG = (
     "dpl fit --config configs/quickstart.yaml --print_config")
 
 
+def _docstring_args(cls: type) -> dict[str, str]:
+    """``name -> text`` of the ``Args:`` section of ``cls``'s docstring (continuation lines joined)."""
+    found: dict[str, str] = {}
+    name = None
+    for line in (inspect.getdoc(cls) or "").split("Args:", 1)[-1].splitlines():
+        match = re.match(r"^    (\w+): (.*)", line)
+        if match:
+            name, found[match.group(1)] = match.group(1), match.group(2).strip()
+        elif name and line.startswith("        "):
+            found[name] += " " + line.strip()
+    return found
+
+
+def privacy_help() -> str:
+    """The privacy options (``--model.privacy.KEY``): type, default and meaning."""
+    import dataclasses
+
+    from dpl.core.privacy import PrivacyConfig
+
+    docs = _docstring_args(PrivacyConfig)
+    hints = typing.get_type_hints(PrivacyConfig)
+    lines = ["privacy options of every dpl model (--model.privacy.KEY VALUE, or model.init_args.privacy in a config):"]
+    for f in dataclasses.fields(PrivacyConfig):
+        kind = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        lines.append(f"  --model.privacy.{f.name} ({kind}, default {f.default!r})")
+        lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
 def _parser_kwargs() -> dict[str, Any]:
     import argparse
 
@@ -70,9 +100,14 @@ def _parser_kwargs() -> dict[str, Any]:
     class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
-    import textwrap
+    import dataclasses
 
-    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES), 79)}
+    from dpl.core.privacy import PrivacyConfig
+
+    keys = ", ".join(f.name for f in dataclasses.fields(PrivacyConfig))
+    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES), 79) + "\n\n"
+           + textwrap.fill(f"Privacy options (--model.privacy.KEY VALUE): {keys}. Their meaning: dpl fit "
+                           f"--model.privacy.help", 79)}
     return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
             "fit": sub, "validate": sub, "test": sub}
 
@@ -119,7 +154,13 @@ class DPLightningCLI(LightningCLI):
             if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
                 callbacks = [*callbacks, summary]
                 config = {**config, "enable_model_summary": False}
-        if config.get("logger") in (None, True):
+        if self.subcommand in ("validate", "test"):  # evaluate a run: no new run folder, no checkpoint callback
+            self.save_config_callback = None
+            config = {**config, "enable_checkpointing": False}
+            warnings.filterwarnings("ignore", message=r".*callbacks used to create the checkpoint need to be")
+            if config.get("logger") in (None, True):
+                config["logger"] = False
+        elif config.get("logger") in (None, True):
             config = {**config, "logger": default_loggers(config.get("default_root_dir"))}
         if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
             callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
@@ -147,9 +188,17 @@ class DPLightningCLI(LightningCLI):
 
     def before_validate(self) -> None:
         self._check_ckpt_path()
+        self._say_where_weights_come_from()
 
     def before_test(self) -> None:
         self._check_ckpt_path()
+        self._say_where_weights_come_from()
+
+    def _say_where_weights_come_from(self) -> None:
+        if hasattr(self.model, "head_origin"):  # a new classification head: from the checkpoint, or untrained
+            given = self.config_init[self.subcommand].get("ckpt_path") is not None
+            self.model.head_origin = ("weights from the checkpoint" if given else
+                                      "initialised randomly and not trained (no --ckpt_path given)")
 
     def _parse_ckpt_path(self) -> None:
         # Lightning reads the checkpoint here (before any hook), for hyperparameters: check it first, and make a
@@ -283,12 +332,23 @@ def _no_tips(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("\U0001f4a1 Tip:")  # Lightning's advertisements for its cloud
 
 
+def _rank_zero_info(record: logging.LogRecord) -> bool:
+    """dpl's informational lines once per run, not once per process (warnings stay on every rank)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    return record.levelno > logging.INFO or getattr(rank_zero_only, "rank", 0) == 0
+
+
 def _quiet() -> None:
     """Silence the messages that do not matter to a dpl user (the ones about privacy stay)."""
     for pattern in (r".*`tensorboardX` has been removed as a dependency", r".*`is_gradient_checkpointing` is deprecated",
                     r".*LeafSpec.*deprecated",
-                    r".*smaller than the logging interval"):  # dpl logs epsilon at the last step whatever the interval
+                    r".*smaller than the logging interval",  # dpl logs epsilon at the last step whatever the interval
+                    # dpl's epoch metrics are reduced over the ranks already (torchmetrics states, gathered outputs)
+                    r".*sync_dist=True\)` when logging on epoch level in distributed setting",
+                    r".*Total length of `list` across ranks is zero"):  # no validation split: dpl says so itself
         warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("dpl").addFilter(_rank_zero_info)  # the same function object: added once
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_no_tips)  # the same function object: added once
@@ -307,6 +367,9 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``dpl``; ``args`` defaults to the command line."""
     argv = sys.argv[1:] if args is None else list(args)
     _ARGV[:] = argv
+    if any(a in ("--model.privacy.help", "--model.init_args.privacy.help") for a in argv):
+        print(privacy_help())
+        return
     if argv[:1] and argv[0] in COMMANDS:
         if argv[0] in ("predict", "export"):
             _quiet()  # no loading bars or deprecation notices around the outputs

@@ -101,6 +101,7 @@ def load_run(path: str | Path) -> LoadedRun:
             raise ConfigError(f"{ckpt}: the checkpoint has no label map (written by an older dpl?)")
         module.label_names = labels
         module.num_labels = len(labels)
+        module.head_origin = "weights from the checkpoint"
     else:
         module.tokenizer = tokenizer
     module.ensure_model()
