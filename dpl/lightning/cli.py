@@ -245,7 +245,7 @@ class DPLightningCLI(LightningCLI):
         new_dirs = _missing_dirs(_run_dir(self.trainer))
         try:
             super()._run_subcommand(subcommand)
-        except Exception:
+        except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
             _remove_partial_run(new_dirs)
             raise
 
@@ -359,6 +359,7 @@ def _quiet() -> None:
 
             datasets.disable_progress_bars()
             transformers.utils.logging.disable_progress_bar()
+            os.environ.setdefault("TQDM_DISABLE", "1")  # bars drawn with tqdm directly (GGUF dequantization)
         except Exception:  # noqa: BLE001 - optional
             pass
 
@@ -378,9 +379,15 @@ def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet()
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     try:
         DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
                        save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+    except SIGTERMException:
+        print("dpl: stopped by SIGTERM after the current step; checkpoints already written are complete (a run "
+              "without one was removed)", file=sys.stderr)
+        raise SystemExit(143) from None
     except Exception as exc:
         error = _dpl_error_in(exc)
         if error is None or os.environ.get("DPL_DEBUG"):

@@ -176,10 +176,24 @@ class DPGenerationModule(DPTaskModule):
         output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                      max_new_tokens=options.max_new_tokens, num_beams=options.num_beams,
                                      do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                                     eos_token_id=tokenizer.eos_token_id,
+                                     eos_token_id=tokenizer.eos_token_id, stopping_criteria=self._stop_on_sigterm(),
                                      synced_gpus=distributed.shards_parameters(self.trainer) if self._trainer else False)
         new_tokens = output[:, input_ids.shape[1]:]
         return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+    def _stop_on_sigterm(self) -> Any:
+        """Stop generating at the next token once the trainer received SIGTERM (Lightning then stops after the
+        batch), so that a long validation does not hold the run for minutes."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        trainer = self._trainer
+
+        class SigtermStop(StoppingCriteria):
+            def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+                stop = bool(getattr(trainer, "received_sigterm", False))
+                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([SigtermStop()])
 
     def _evaluate(self, batch: dict[str, Any]) -> None:
         predictions = self.generate(batch["input_ids"], batch["attention_mask"])
