@@ -1,6 +1,7 @@
-"""The adambc seed's synthetic heavy-tail study, scaled to CPU minutes: DP-GD, DP-GDM, DP-Adam, DP-AdamBC.
+"""The synthetic heavy-tail study of Tang, Zhiyanov and Lécuyer (2025), scaled to CPU minutes: DP-GD, DP-GDM,
+DP-Adam, DP-AdamBC.
 
-Data (Kunstner et al.'s heavy-tailed construction, as in the seed's section 3): G groups of classes; group k
+Data (Kunstner et al.'s heavy-tailed construction, as in the paper's section 3): G groups of classes; group k
 (k = 0 .. G-1) has 2^k classes with ``per_class * 2^(G-1-k)`` examples each, so every group holds the same number
 of examples and class frequency falls like 1 / rank (Zipf). Inputs are uniform in [0, 1]^d, labels assigned as
 above (random w.r.t. the inputs): the task is to fit the training set. Model: linear softmax (W in R^{c x d}).

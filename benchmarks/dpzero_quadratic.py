@@ -1,4 +1,5 @@
-"""The DPZero seed's synthetic check: DPZero vs DPGD-0th on quadratics of effective rank 1, sqrt(d) and d.
+"""The synthetic check of DPZero (Zhang et al., ICML 2024): DPZero vs DPGD-0th on quadratics of effective rank
+1, sqrt(d) and d.
 
     OMP_NUM_THREADS=1 python benchmarks/dpzero_quadratic.py            # ~15 min on one core
     python benchmarks/dpzero_quadratic.py --report-only                # table + plot from the JSON

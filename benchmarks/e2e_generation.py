@@ -36,7 +36,7 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict:
     import lightning as L
     import torch
 
-    from dpl.tasks.data.generation import E2EDataModule
+    from dpl.tasks.data import E2EDataModule
     from dpl.tasks.modules import FinetuneOptions, LoraOptions
     from dpl.tasks.modules.generation import DPGenerationModule, GenerationOptions
     from dpl.core.privacy import PrivacyConfig
@@ -105,7 +105,7 @@ def timing(args: argparse.Namespace) -> None:
 
     import torch
 
-    from dpl.tasks.data.generation import E2EDataModule
+    from dpl.tasks.data import E2EDataModule
     from dpl.tasks.modules import FinetuneOptions, LoraOptions
     from dpl.tasks.modules.generation import DPGenerationModule
     from dpl.core.privacy import PrivacyConfig

@@ -1,17 +1,18 @@
-"""The seed's theory on linear regression (no clipping): stationary error of Noisy-SGD grows with the dimension d,
+"""Linear-regression theory of Choquette-Choo et al. (ICLR 2024), no clipping: stationary error of Noisy-SGD
+grows with the dimension d,
 that of nu-Noisy-FTRL with the effective dimension d_eff = tr(H) / ||H||.
 
     OMP_NUM_THREADS=1 python benchmarks/ftrl_linear_regression.py [--out docs/figures/ftrl_linear_regression.png]
 
 Model: f(theta) = 1/2 (theta - theta*)^T H (theta - theta*), H diagonal with eigenvalues
 lambda_i = max(i^-alpha, lambda_min), ||H|| = 1; exact gradients plus privacy noise (the streaming setting of the
-seed: every example is used once, so sens = 1 for Noisy-SGD and sens^2 = sum_t c_t^2 for nu-Noisy-FTRL, the same
+paper: every example is used once, so sens = 1 for Noisy-SGD and sens^2 = sum_t c_t^2 for nu-Noisy-FTRL, the same
 sigma = 1 for both):
 
     theta_{t+1} = theta_t - eta (H (theta_t - theta*) + sens * w_t),   w = z (SGD)  or  w = beta * z (FTRL)
 
 with beta the nu-DP-FTRL noising coefficients of the plugin (dpl_plugins.ftrl.strategies) and nu = eta lambda_min
-(the seed's choice for this problem). Theory: in each eigendirection the error is a linear filter of z, so the
+(the paper's choice for this problem). Theory: in each eigendirection the error is a linear filter of z, so the
 stationary E f = 1/2 sum_i lambda_i eta^2 sens^2 ||g_i * beta||^2 with g_i(k) = (1 - eta lambda_i)^k, computed
 exactly (to a truncation at 60 000 terms, where every factor is below e^-30). Simulation: the recursion itself,
 8 independent runs per point, E f averaged over the second half of 16 000 steps.

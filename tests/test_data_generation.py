@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dpl.errors import DataError
-from dpl.tasks.data.generation import DARTDataModule, E2EDataModule, GenerationDataModule, JSONLDataModule
+from dpl.tasks.data import DARTDataModule, E2EDataModule, GenerationDataModule, JSONLDataModule
 from dpl.errors import ConfigError
 from dpl.core.step import split_batch
 
@@ -354,7 +354,7 @@ def test_missing_column_names_file_and_columns(tok, tmp_path):
     with pytest.raises(DataError) as excinfo:
         build(E2EDataModule, tok, train_file=str(path)).prepare_data()
     message = one_line(excinfo)
-    assert str(path) in message and "['mr', 'ref']" in message and "columns found: MR" in message
+    assert str(path) in message and "['mr', 'ref']" in message and "columns: MR" in message
 
 
 def test_empty_reference_reports_the_line(tok, tmp_path):

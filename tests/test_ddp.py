@@ -1,4 +1,4 @@
-"""Issue 12: DDP with the privacy guarantee of one process.
+"""DDP with the privacy guarantee of one process.
 
 Two CPU processes (gloo, Lightning's ``ddp_fork``: the forked ranks share this process's imports, so a run
 costs about a second) against one process on the same data, seed and global batch: the same parameters (to

@@ -15,7 +15,7 @@ from dpl.core.hookspecs import hookimpl
 from dpl.core.plugin_manager import create_plugin_manager, replaced_hooks
 from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.denoise import NONPRIVATE_PREFIX, DenoisePlugin
-from dpl_plugins.denoise.shrinkage import denoise_matrices, optimal_shrinkage
+from dpl_plugins.denoise.shrinkage import ShrinkageOptions, denoise_matrices, optimal_shrinkage
 from dpl_plugins.gaussian import GaussianPlugin
 
 
@@ -62,11 +62,7 @@ def test_bad_options():
     with pytest.raises(ConfigError):
         DenoisePlugin(kappa=0)
     with pytest.raises(ConfigError):
-        DenoisePlugin(svd="qr")
-    with pytest.raises(ConfigError):
-        DenoisePlugin(parameters="some")
-    with pytest.raises(ConfigError):
-        DenoisePlugin(nonprivate_diagnostics="yes")
+        DenoisePlugin(rank=0)
     assert DenoisePlugin().svd == "auto"
 
 
@@ -141,7 +137,7 @@ def test_improvement_equals_an_independent_computation(noise_multiplier):
     private = GaussianPlugin().privatize(ctx=ctx, gradient_sum=total)
     noisy = {k: v.clone() for k, v in private.values.items()}
     matrices = {k: v for k, v in noisy.items() if v.dim() == 2}
-    denoised, stats = denoise_matrices(matrices, private.std_of("x"), method="full")
+    denoised, stats = denoise_matrices(matrices, private.std_of("x"), ShrinkageOptions(method="full"))
     assert 0 < stats.num_denoised  # the test means something
     full = {**noisy, **denoised}
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpl_plugins.denoise.shrinkage import (DenoiseStats, denoise_matrices, optimal_shrinkage, optimal_shrinker,
-                                           spike_inverse)
+from dpl_plugins.denoise.shrinkage import (DenoiseStats, ShrinkageOptions, denoise_matrices, optimal_shrinkage,
+                                           optimal_shrinker, spike_inverse)
 
 SHAPES = [(200, 200), (100, 400), (400, 100), (64, 768)]
 EXACT = ["auto", "full"]  # methods that must match the numpy reference to float rounding
@@ -78,7 +78,8 @@ def test_matches_numpy_reference_float64(shape, norm_correction, method):
     _, Y = signal_plus_noise(*shape, xs=[5.0, 3.0, 2.0], s=s, seed=1)
     ref, d_ref, denoised = np_denoise(Y, s, norm_correction=norm_correction)
     assert denoised
-    out, stats = optimal_shrinkage(torch.from_numpy(Y), s, norm_correction=norm_correction, method=method)
+    options = ShrinkageOptions(norm_correction=norm_correction, method=method)
+    out, stats = optimal_shrinkage(torch.from_numpy(Y), s, options)
     assert out.dtype == torch.float64 and out.shape == shape
     assert rel(out.numpy(), ref) < 1e-10
     # the shrunken singular values themselves
@@ -96,7 +97,7 @@ def test_matches_numpy_reference_float64(shape, norm_correction, method):
 def test_matches_numpy_reference_float32(shape, method):
     _, Y = signal_plus_noise(*shape, xs=[6.0, 3.0], seed=2)
     ref, _, _ = np_denoise(Y, 1.0)
-    out, _ = optimal_shrinkage(torch.from_numpy(Y).float(), 1.0, method=method)
+    out, _ = optimal_shrinkage(torch.from_numpy(Y).float(), 1.0, ShrinkageOptions(method=method))
     assert out.dtype == torch.float32
     assert rel(out.numpy(), ref) < 1e-4
 
@@ -105,8 +106,8 @@ def test_matches_numpy_reference_float32(shape, method):
 def test_denoising_helps(shape):
     X, Y = signal_plus_noise(*shape, xs=[4.0, 2.5, 1.8], seed=3)
     Yt = torch.from_numpy(Y)
-    plain, _ = optimal_shrinkage(Yt, 1.0, norm_correction=False)
-    corrected, _ = optimal_shrinkage(Yt, 1.0, norm_correction=True)
+    plain, _ = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(norm_correction=False))
+    corrected, _ = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(norm_correction=True))
     mse_noisy = np.mean((Y - X) ** 2)
     # the optimal shrinker removes most of the noise
     assert np.mean((plain.numpy() - X) ** 2) < 0.2 * mse_noisy
@@ -123,7 +124,7 @@ def test_pure_noise_is_returned_unchanged():
     Y = s * torch.randn(400, 1600, generator=torch.Generator().manual_seed(4))
     ratios = {}
     for method in ("full", "randomized", "auto"):
-        out, stats = optimal_shrinkage(Y, s, method=method)
+        out, stats = optimal_shrinkage(Y, s, ShrinkageOptions(method=method))
         assert out is Y
         assert stats.num_denoised == 0 and stats.num_spikes == 0 and stats.num_matrices == 1
         ratios[method] = stats.max_edge_ratio
@@ -136,7 +137,7 @@ def test_pure_noise_is_returned_unchanged():
     _, Z = signal_plus_noise(400, 1600, xs=[5.0], s=s, seed=5)
     batch = torch.stack([Y, torch.from_numpy(Z).float()])
     for method in ("full", "auto"):
-        out, stats = optimal_shrinkage(batch, s, method=method)
+        out, stats = optimal_shrinkage(batch, s, ShrinkageOptions(method=method))
         assert stats.num_denoised == 1
         assert torch.equal(out[0], Y) and not torch.equal(out[1], batch[1])
 
@@ -145,10 +146,10 @@ def test_pure_noise_is_returned_unchanged():
 def test_kappa_threshold_and_spike_count(method):
     _, Y = signal_plus_noise(200, 200, xs=[1.3], seed=6)  # weak spike: y ~ 2.15, edge 2
     Yt = torch.from_numpy(Y)
-    ratio = optimal_shrinkage(Yt, 1.0, method="full")[1].max_edge_ratio
+    ratio = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="full"))[1].max_edge_ratio
     assert 1.02 < ratio < 1.2
-    assert optimal_shrinkage(Yt, 1.0, kappa=ratio * 1.001, method=method)[0] is Yt
-    out, stats = optimal_shrinkage(Yt, 1.0, kappa=ratio * 0.999, method=method)
+    assert optimal_shrinkage(Yt, 1.0, ShrinkageOptions(kappa=ratio * 1.001, method=method))[0] is Yt
+    out, stats = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(kappa=ratio * 0.999, method=method))
     ref, d_ref, _ = np_denoise(Y, 1.0, kappa=ratio * 0.999)
     assert stats.num_denoised == 1 and stats.num_spikes == int((d_ref > 0).sum()) >= 1
     assert rel(out.numpy(), ref) < 1e-10
@@ -161,8 +162,8 @@ def test_kappa_threshold_and_spike_count(method):
 def test_transposition_invariance(method):
     _, Y = signal_plus_noise(120, 500, xs=[5.0, 3.0], seed=7)
     Yt = torch.from_numpy(Y).float()
-    out, stats = optimal_shrinkage(Yt, 1.0, method=method)
-    out_t, stats_t = optimal_shrinkage(Yt.T.contiguous(), 1.0, method=method)
+    out, stats = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method=method))
+    out_t, stats_t = optimal_shrinkage(Yt.T.contiguous(), 1.0, ShrinkageOptions(method=method))
     assert stats.num_denoised == 1 and stats == stats_t
     torch.testing.assert_close(out_t, out.T, rtol=1e-5, atol=1e-5 * out.abs().max().item())
 
@@ -173,10 +174,10 @@ def test_batched_equals_unbatched_with_per_matrix_std(method):
     mats = [signal_plus_noise(150, 90, xs=xs, s=s, seed=10 + i)[1]
             for i, (xs, s) in enumerate(zip([[4.0, 2.0], [3.0], [], [6.0, 1.5, 1.2]], stds))]
     batch = torch.from_numpy(np.stack(mats))
-    out, stats = optimal_shrinkage(batch, torch.tensor(stds), method=method)
+    out, stats = optimal_shrinkage(batch, torch.tensor(stds), ShrinkageOptions(method=method))
     total = DenoiseStats()
     for i, s in enumerate(stds):
-        single, st = optimal_shrinkage(batch[i], s, method=method)
+        single, st = optimal_shrinkage(batch[i], s, ShrinkageOptions(method=method))
         total = total + st
         torch.testing.assert_close(out[i], single, rtol=1e-10, atol=1e-12)
     assert stats == total and stats.num_matrices == 4 and stats.num_denoised == 3
@@ -188,7 +189,7 @@ def test_norm_correction_preserves_frobenius_norm(method):
     for shape in SHAPES:
         _, Y = signal_plus_noise(*shape, xs=[3.0, 2.0], seed=11)
         Yt = torch.from_numpy(Y).float()
-        out, stats = optimal_shrinkage(Yt, 1.0, method=method)
+        out, stats = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method=method))
         assert stats.num_denoised == 1
         assert torch.linalg.matrix_norm(out).item() == pytest.approx(torch.linalg.matrix_norm(Yt).item(), rel=1e-5)
 
@@ -207,8 +208,8 @@ def test_randomized_equals_full(shape):
     for j, xs in enumerate(cases):
         _, Y = signal_plus_noise(*shape, xs=xs, seed=20 + j)
         Yt = torch.from_numpy(Y).float()
-        full, st_full = optimal_shrinkage(Yt, 1.0, method="full")
-        fast, st_fast = optimal_shrinkage(Yt, 1.0, method="randomized")
+        full, st_full = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="full"))
+        fast, st_fast = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="randomized"))
         assert (st_fast.num_denoised, st_fast.num_spikes) == (st_full.num_denoised, st_full.num_spikes), xs
         if st_full.num_denoised:
             assert st_fast.max_edge_ratio == pytest.approx(st_full.max_edge_ratio, rel=1e-3)
@@ -221,7 +222,7 @@ def test_randomized_sketch_path_without_fallback(monkeypatch):
     shape = (400, 300)
     X, Y = signal_plus_noise(*shape, xs=[2.0 + 0.5 * i for i in range(12)], seed=30, noise_scale=0.7)
     Yt = torch.from_numpy(Y).float()
-    full, st_full = optimal_shrinkage(Yt, 1.0, method="full")
+    full, st_full = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="full"))
     calls = []
     real_svd = torch.linalg.svd
 
@@ -230,7 +231,7 @@ def test_randomized_sketch_path_without_fallback(monkeypatch):
         return real_svd(A, *args, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "svd", spy)
-    fast, st_fast = optimal_shrinkage(Yt, 1.0, method="randomized")
+    fast, st_fast = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="randomized"))
     assert calls and all(min(c) <= 32 for c in calls), calls  # only small projected SVDs (width <= 2 * 16)
     assert any(min(c) == 32 for c in calls)                    # the rank grew to 16 (sketch width 32)
     assert st_fast == DenoiseStats(1, 1, 12, pytest.approx(st_full.max_edge_ratio, rel=1e-5))
@@ -243,7 +244,7 @@ def test_randomized_pure_noise_is_cheap_and_keeps_global_rng(monkeypatch):
     calls = []
     real_svd = torch.linalg.svd
     monkeypatch.setattr(torch.linalg, "svd", lambda A, *a, **k: calls.append(tuple(A.shape)) or real_svd(A, *a, **k))
-    out, stats = optimal_shrinkage(Y, 1.0, method="randomized")
+    out, stats = optimal_shrinkage(Y, 1.0, ShrinkageOptions(method="randomized"))
     assert out is Y and stats.num_denoised == 0
     assert all(max(c[-2:]) <= 384 and min(c[-2:]) <= 16 for c in calls), calls
     assert torch.equal(torch.get_rng_state(), state)
@@ -264,10 +265,10 @@ def test_auto_equals_full_and_is_closer_to_float64(shape):
     ]
     for j, xs in enumerate(cases):
         _, Y = signal_plus_noise(*shape, xs=xs, seed=20 + j)
-        truth = optimal_shrinkage(torch.from_numpy(Y), 1.0, method="full")[0].numpy()   # float64 SVD
+        truth = optimal_shrinkage(torch.from_numpy(Y), 1.0, ShrinkageOptions(method="full"))[0].numpy()   # float64 SVD
         Yt = torch.from_numpy(Y).float()
-        full, st_full = optimal_shrinkage(Yt, 1.0, method="full")
-        auto, st_auto = optimal_shrinkage(Yt, 1.0, method="auto")
+        full, st_full = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="full"))
+        auto, st_auto = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="auto"))
         assert (st_auto.num_denoised, st_auto.num_spikes) == (st_full.num_denoised, st_full.num_spikes), xs
         if st_full.num_denoised:
             assert st_auto.max_edge_ratio == pytest.approx(st_full.max_edge_ratio, rel=1e-5)
@@ -295,12 +296,12 @@ def test_auto_pure_noise_needs_no_decomposition_and_keeps_global_rng(monkeypatch
     batch = torch.randn(3, 1536, 384, generator=torch.Generator().manual_seed(31))
     state = torch.get_rng_state()
     svd, eigh, chol = (_spy(monkeypatch, torch.linalg, n) for n in ("svd", "eigh", "cholesky_ex"))
-    out, stats = optimal_shrinkage(batch, 1.0, method="auto")
+    out, stats = optimal_shrinkage(batch, 1.0, ShrinkageOptions(method="auto"))
     assert out is batch and stats.num_denoised == 0 and stats.num_matrices == 3
     assert svd == [] and eigh == [] and chol == [(3, 384, 384)]
     assert torch.equal(torch.get_rng_state(), state)
     # the logged top is a lower estimate (5 Lanczos steps) of the exact one
-    exact = optimal_shrinkage(batch, 1.0, method="full")[1].max_edge_ratio
+    exact = optimal_shrinkage(batch, 1.0, ShrinkageOptions(method="full"))[1].max_edge_ratio
     assert 0.9 * exact < stats.max_edge_ratio <= exact * (1 + 1e-6)
 
 
@@ -309,14 +310,14 @@ def test_auto_certificate_margin_falls_back_to_the_exact_decision(monkeypatch):
     decides as the full SVD does; just above it: denoised as the full SVD does."""
     _, Y = signal_plus_noise(200, 200, xs=[1.3], seed=6)
     Yt = torch.from_numpy(Y).float()
-    ratio = optimal_shrinkage(Yt.double(), 1.0, method="full")[1].max_edge_ratio
+    ratio = optimal_shrinkage(Yt.double(), 1.0, ShrinkageOptions(method="full"))[1].max_edge_ratio
     eigh = _spy(monkeypatch, torch.linalg, "eigh")
-    out, stats = optimal_shrinkage(Yt, 1.0, kappa=ratio * (1 + 1e-4), method="auto")
+    out, stats = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(kappa=ratio * (1 + 1e-4), method="auto"))
     assert out is Yt and stats.num_denoised == 0
     assert eigh == [(1, 200, 200)]  # not certified below: decided by the eigenvalues
     assert stats.max_edge_ratio == pytest.approx(ratio, rel=1e-6)
-    out, stats = optimal_shrinkage(Yt, 1.0, kappa=ratio * (1 - 1e-4), method="auto")
-    full, st_full = optimal_shrinkage(Yt, 1.0, kappa=ratio * (1 - 1e-4), method="full")
+    out, stats = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(kappa=ratio * (1 - 1e-4), method="auto"))
+    full, st_full = optimal_shrinkage(Yt, 1.0, ShrinkageOptions(kappa=ratio * (1 - 1e-4), method="full"))
     assert stats.num_denoised == st_full.num_denoised == 1
     assert rel(out.numpy(), full.numpy()) < 1e-4
 
@@ -327,8 +328,8 @@ def test_auto_overflowing_gram_goes_to_the_svd():
     big = 1e18
     Yt = (torch.from_numpy(Y) * big).float()
     assert bool(torch.isfinite(Yt).all()) and not bool(torch.isfinite(Yt.mT @ Yt).all())
-    out, stats = optimal_shrinkage(Yt, big, method="auto")
-    full, st_full = optimal_shrinkage(Yt, big, method="full")
+    out, stats = optimal_shrinkage(Yt, big, ShrinkageOptions(method="auto"))
+    full, st_full = optimal_shrinkage(Yt, big, ShrinkageOptions(method="full"))
     assert stats == st_full and stats.num_denoised == 1
     torch.testing.assert_close(out, full)
 
@@ -347,11 +348,11 @@ def test_auto_denoise_matrices_does_not_stack(monkeypatch):
     real_stack = torch.stack
     monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stack.extend(tuple(t.shape) for t in ts)
                         or real_stack(ts, *a, **k))
-    out, stats = denoise_matrices(grads, stds, method="auto")
+    out, stats = denoise_matrices(grads, stds, ShrinkageOptions(method="auto"))
     monkeypatch.undo()
     assert chol == [(3, 64, 64)]
     assert all(shape[-2:] != (96, 64) for shape in stack)  # only (small) Gram matrices of the denoised ones
-    full, st_full = denoise_matrices(grads, stds, method="full")
+    full, st_full = denoise_matrices(grads, stds, ShrinkageOptions(method="full"))
     assert stats == DenoiseStats(3, 2, 3, pytest.approx(st_full.max_edge_ratio, rel=1e-5))
     assert out["c"] is grads["c"] and out["bias"] is grads["bias"]
     for key in ("a", "b"):
@@ -377,13 +378,13 @@ def test_denoise_matrices_groups_and_passes_through(monkeypatch):
     batches = []
     real_svd = torch.linalg.svd
     monkeypatch.setattr(torch.linalg, "svd", lambda A, *a, **k: batches.append(tuple(A.shape)) or real_svd(A, *a, **k))
-    out, stats = denoise_matrices(grads, stds, method="full")
+    out, stats = denoise_matrices(grads, stds, ShrinkageOptions(method="full"))
     monkeypatch.undo()
     assert list(out) == list(grads)
     for key in ("a.bias", "scalar", "conv", "c.weight"):
         assert out[key] is grads[key]
     for key in ("a.weight", "b.weight", "d.weight"):
-        single, st = optimal_shrinkage(grads[key], stds[key], method="full")
+        single, st = optimal_shrinkage(grads[key], stds[key], ShrinkageOptions(method="full"))
         assert st.num_denoised == 1
         torch.testing.assert_close(out[key], single, rtol=1e-5, atol=1e-6)
         assert out[key].is_contiguous() and out[key].shape == grads[key].shape
@@ -392,7 +393,8 @@ def test_denoise_matrices_groups_and_passes_through(monkeypatch):
     with pytest.raises(KeyError, match="d.weight"):
         denoise_matrices(grads, {k: v for k, v in stds.items() if k != "d.weight"})
     # one std for all, and the randomized method, agree with the per-matrix calls too
-    out2, _ = denoise_matrices({"a": grads["a.weight"], "b": grads["a.bias"]}, 0.5, method="randomized")
+    out2, _ = denoise_matrices({"a": grads["a.weight"], "b": grads["a.bias"]}, 0.5,
+                               ShrinkageOptions(method="randomized"))
     torch.testing.assert_close(out2["a"], out["a.weight"], rtol=1e-3, atol=1e-3 * out["a.weight"].abs().max().item())
     assert out2["b"] is grads["a.bias"]
 
@@ -402,17 +404,18 @@ def test_denoise_matrices_groups_and_passes_through(monkeypatch):
 def test_low_precision_input(dtype, method):
     _, Y = signal_plus_noise(128, 256, [6.0, 3.0], seed=50)
     Yl = torch.from_numpy(Y).to(dtype)
-    out, stats = optimal_shrinkage(Yl, 1.0, method=method)
+    out, stats = optimal_shrinkage(Yl, 1.0, ShrinkageOptions(method=method))
     assert out.dtype == dtype and stats.num_denoised == 1
-    ref, _ = optimal_shrinkage(Yl.float(), 1.0, method=method)  # computed in float32 from the same values
+    # computed in float32 from the same values
+    ref, _ = optimal_shrinkage(Yl.float(), 1.0, ShrinkageOptions(method=method))
     assert torch.equal(out, ref.to(dtype))
     assert rel(out.float().numpy(), np_denoise(Yl.double().numpy(), 1.0)[0]) < 1e-2
-    d, st = denoise_matrices({"w": Yl, "b": torch.ones(3, dtype=dtype)}, 1.0, method=method)
+    d, st = denoise_matrices({"w": Yl, "b": torch.ones(3, dtype=dtype)}, 1.0, ShrinkageOptions(method=method))
     assert d["w"].dtype == dtype and st.num_denoised == 1
     # batched vs single decomposition: equal up to one rounding of a low-precision value
     torch.testing.assert_close(d["w"], out)
     noise = torch.randn(128, 256, dtype=torch.float32, generator=torch.Generator().manual_seed(51)).to(dtype)
-    assert optimal_shrinkage(noise, 1.0, method=method)[0] is noise
+    assert optimal_shrinkage(noise, 1.0, ShrinkageOptions(method=method))[0] is noise
 
 
 # ------------------------------------------------------------------------------------------ helpers and edges
@@ -424,7 +427,7 @@ def test_spike_inverse_and_seed_form_of_the_shrinker(beta):
     y = torch.sqrt((1 + x ** 2) * (beta + x ** 2)) / x                    # where they land (BBP / Benaych-Georges)
     assert bool((y > 1 + math.sqrt(beta)).all())
     torch.testing.assert_close(spike_inverse(y, beta), x, rtol=1e-10, atol=0)
-    # the seed's form eta = x * c_u * c_v is the same estimator as the closed form in y
+    # the paper's form (Dadsetan and Rudzicz, 2025) eta = x * c_u * c_v is the same estimator as the closed form in y
     cu = torch.sqrt((x ** 4 - beta) / (x ** 4 + beta * x ** 2))
     cv = torch.sqrt((x ** 4 - beta) / (x ** 4 + x ** 2))
     torch.testing.assert_close(optimal_shrinker(y, beta), x * cu * cv, rtol=1e-10, atol=0)
@@ -438,16 +441,16 @@ def test_spike_inverse_and_seed_form_of_the_shrinker(beta):
 def test_zero_std_and_non_finite(method, bad_value):
     _, Y = signal_plus_noise(60, 80, [5.0], seed=60)
     Yt = torch.from_numpy(Y).float()
-    out, stats = optimal_shrinkage(Yt, 0.0, method=method)  # no noise: nothing to remove
+    out, stats = optimal_shrinkage(Yt, 0.0, ShrinkageOptions(method=method))  # no noise: nothing to remove
     assert out is Yt and stats == DenoiseStats(1, 0, 0, 0.0)
     bad = Yt.clone()
     bad[3, 4] = bad_value
-    out, stats = optimal_shrinkage(torch.stack([bad, Yt]), 1.0, method=method)
+    out, stats = optimal_shrinkage(torch.stack([bad, Yt]), 1.0, ShrinkageOptions(method=method))
     assert stats.num_denoised == 1
     assert torch.equal(torch.isnan(out[0]), torch.isnan(bad))  # left as it was (NaN != NaN, so two checks)
     assert torch.equal(torch.nan_to_num(out[0]), torch.nan_to_num(bad))
     assert not torch.equal(out[1], Yt)
-    out, stats = optimal_shrinkage(torch.stack([Yt, bad]), torch.tensor([0.0, 1.0]), method=method)
+    out, stats = optimal_shrinkage(torch.stack([Yt, bad]), torch.tensor([0.0, 1.0]), ShrinkageOptions(method=method))
     assert stats.num_denoised == 0 and torch.equal(out[0], Yt)
 
 
@@ -461,11 +464,11 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         optimal_shrinkage(Yt, float("nan"))
     with pytest.raises(ValueError):
-        optimal_shrinkage(Yt, 1.0, kappa=0.0)
+        optimal_shrinkage(Yt, 1.0, ShrinkageOptions(kappa=0.0))
     with pytest.raises(ValueError):
-        optimal_shrinkage(Yt, 1.0, method="lanczos")
+        optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="lanczos"))
     with pytest.raises(ValueError):
-        optimal_shrinkage(Yt, 1.0, method="randomized", rank=0)
+        optimal_shrinkage(Yt, 1.0, ShrinkageOptions(method="randomized", rank=0))
     with pytest.raises(ValueError):
         optimal_shrinkage(Yt[0], 1.0)
     with pytest.raises(TypeError):
@@ -473,13 +476,13 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         optimal_shrinkage(torch.stack([Yt, Yt]), torch.tensor([1.0, 1.0, 1.0]))
     for method in ("auto", "full"):
-        empty, st = optimal_shrinkage(torch.zeros(0, 5), 1.0, method=method)
+        empty, st = optimal_shrinkage(torch.zeros(0, 5), 1.0, ShrinkageOptions(method=method))
         assert empty.shape == (0, 5) and st.num_denoised == 0
-        empty, st = optimal_shrinkage(torch.zeros(0, 4, 3), 1.0, method=method)
+        empty, st = optimal_shrinkage(torch.zeros(0, 4, 3), 1.0, ShrinkageOptions(method=method))
         assert empty.shape == (0, 4, 3) and st == DenoiseStats()
     column = torch.from_numpy(signal_plus_noise(300, 1, [4.0], seed=61)[1]).float()  # a single column: n = 1
     for method in ("auto", "full"):
-        out, st = optimal_shrinkage(column, 1.0, method=method)
-        ref, st_ref = optimal_shrinkage(column, 1.0, method="full")
+        out, st = optimal_shrinkage(column, 1.0, ShrinkageOptions(method=method))
+        ref, st_ref = optimal_shrinkage(column, 1.0, ShrinkageOptions(method="full"))
         assert st.num_denoised == st_ref.num_denoised and rel(out.numpy(), ref.numpy()) < 1e-5
     assert denoise_matrices({}, 1.0) == ({}, DenoiseStats())

@@ -91,6 +91,37 @@ def test_privacy_help_lists_every_privacy_option(capsys):
     assert "calibrated" in out  # the meaning, from the docstring
 
 
+def test_help_lists_every_task_class_and_finds_it_by_name(capsys):
+    import importlib
+    import inspect
+    import pkgutil
+
+    import dpl.tasks
+    from dpl.lightning.cli import task_classes
+    from dpl.lightning.data import DPDataModule
+    from dpl.lightning.module import DPModule
+
+    shipped: dict[type, set[str]] = {DPModule: set(), DPDataModule: set()}
+    for info in pkgutil.walk_packages(dpl.tasks.__path__, "dpl.tasks."):
+        for _, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):
+            for base, names in shipped.items():
+                abstract = base is DPModule and issubclass(cls, base) and cls.build_model is DPModule.build_model  # DPTaskModule: a base class
+                if issubclass(cls, base) and cls is not base and cls.__module__ == info.name and not abstract:
+                    names.add(cls.__name__)
+    models, data = task_classes()
+    assert set(models) == shipped[DPModule] and set(data) == shipped[DPDataModule]
+    assert "DPPromptClassificationModule" in models and "PromptClassificationDataModule" in data
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    epilog = " ".join(capsys.readouterr().out.split())
+    assert all(name in epilog for name in models + data)
+    for group, names in (("model", models), ("data", data)):
+        for name in names:  # a short name is enough
+            with pytest.raises(SystemExit) as info:
+                main(["fit", f"--{group}.help", name])
+            assert info.value.code == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content,pattern", [(None, "not found"), (b"", "not a readable checkpoint"),
                                              (b"PK\x03\x04 truncated", "not a readable checkpoint")])
 def test_bad_ckpt_path_is_one_line(tiny, tmp_path, capsys, content, pattern):

@@ -1,4 +1,4 @@
-"""Issue 12: FSDP (sharded parameters, ``dpl.lightning.fsdp.DPFSDPStrategy``) with the privacy guarantee of one process.
+"""FSDP (sharded parameters, ``dpl.lightning.fsdp.DPFSDPStrategy``) with the privacy guarantee of one process.
 
 Two CPU processes (gloo, FSDP2 ``fully_shard``, forked) against one process on the same data, seed and global
 batch: the same parameters (to float tolerance) for the default mechanism and each plugin that supports sharding,

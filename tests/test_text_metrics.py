@@ -12,7 +12,8 @@ import os
 import pytest
 
 from dpl.tasks.metrics import METRICS, MeteorFallbackWarning, compute_metrics, meteor_java_available, tokenize
-from dpl.tasks.metrics import text as text_metrics
+from dpl.tasks.metrics import meteor as meteor_module
+from dpl.tasks.metrics.meteor10 import meteor_align, meteor_python
 
 PY = {"meteor_backend": "python"}  # deterministic, no JVM: used everywhere except the jar tests
 
@@ -234,7 +235,7 @@ def test_meteor_components_by_hand():
     # reference:  my(0) old(1) dog(2) walks(3) to(4) school(5)
     # exact stage: dog 1->2, to 3->4, my 4->0, school 5->5; stem stage: walked/walks -> "walk": 2->3
     pred, ref = ["the", "dog", "walked", "to", "my", "school"], ["my", "old", "dog", "walks", "to", "school"]
-    assert text_metrics._meteor_align(pred, ref) == [(1, 2), (2, 3), (3, 4), (4, 0), (5, 5)]
+    assert meteor_align(pred, ref) == [(1, 2), (2, 3), (3, 4), (4, 0), (5, 5)]
     # m = 5; chunks: (1,2)(2,3)(3,4) | (4,0) | (5,5) = 3; P = R = 5/6 so Fmean = 5/6;
     # penalty = 0.5 * (3/5)^3 = 0.108; METEOR = 5/6 * (1 - 0.108)
     expected = 5 / 6 * (1 - 0.5 * (3 / 5) ** 3)
@@ -268,7 +269,7 @@ def test_meteor_alignment_prefers_fewer_chunks_among_equal_alignments():
     # Prediction "a b", reference "a x a b": "a" can link to reference word 0 or 2. Both have no
     # crossings; linking to 2 makes "a b" one chunk. m = 2, P = 1, R = 2/4,
     # Fmean = P R / (0.9 P + 0.1 R) = 0.5 / 0.95, penalty = 0.5 * (1/2)^3.
-    assert text_metrics._meteor_align(["a", "b"], ["a", "x", "a", "b"]) == [(0, 2), (1, 3)]
+    assert meteor_align(["a", "b"], ["a", "x", "a", "b"]) == [(0, 2), (1, 3)]
     expected = 0.5 / 0.95 * (1 - 0.5 * 0.5**3)
     assert score("meteor", ["a b"], [["a x a b"]]) == pytest.approx(expected, rel=1e-12)
 
@@ -368,7 +369,7 @@ def test_multiple_references_are_all_used():
 
 
 def test_auto_backend_falls_back_to_python_with_a_warning(monkeypatch):
-    monkeypatch.setattr(text_metrics.shutil, "which", lambda name: None)  # no java on PATH
+    monkeypatch.setattr(meteor_module.shutil, "which", lambda name: None)  # no java on PATH
     assert not meteor_java_available()
     preds, refs = ["the dog walked to my school"], [["my old dog walks to school"]]
     with pytest.warns(MeteorFallbackWarning, match="METEOR 1.0"):
@@ -386,11 +387,11 @@ def test_meteor_jar_protocol_and_synonyms():
     # The paraphrase table is left out here (it takes ~15 s to load); see the slow test below.
     modules = ("exact", "stem", "synonym")
     identical = [tokenize("the pub is cheap"), tokenize("zizzi is near the river")]
-    assert text_metrics._meteor_java(identical, [[t] for t in identical], modules) == pytest.approx(1.0)
+    assert meteor_module.meteor_java(identical, [[t] for t in identical], modules) == pytest.approx(1.0)
     # WordNet synonyms: "film" ~ "movie" matches in METEOR 1.5, not in the Python METEOR 1.0.
     hyp, refs = [tokenize("the film was good"), []], [[tokenize("the movie was good")], [tokenize("a b")]]
-    with_synonyms = text_metrics._meteor_java(hyp, refs, modules)
-    assert with_synonyms > text_metrics._meteor_python(hyp, refs) > 0.0
+    with_synonyms = meteor_module.meteor_java(hyp, refs, modules)
+    assert with_synonyms > meteor_python(hyp, refs) > 0.0
 
 
 @needs_java

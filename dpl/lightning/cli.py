@@ -44,9 +44,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "(docs/audit.md)", "dpl.audit:audit_command"),
 }
 
-MODEL_CLASSES = "DPClassificationModule, DPGenerationModule"
-DATA_CLASSES = "ClassificationDataModule, QuickstartDataModule, E2EDataModule, DARTDataModule, JSONLDataModule"
 _ARGV: list[str] = []
+
+
+def task_classes() -> tuple[list[str], list[str]]:
+    """The names of the model and data classes dpl ships: those that ``dpl.tasks.modules`` / ``dpl.tasks.data``
+    export and that subclass :class:`DPModule` / :class:`DPDataModule`. Importing them here also lets
+    ``--model.help NAME`` and ``class_path: NAME`` find them by their short name."""
+    import dpl.tasks.data
+    import dpl.tasks.modules
+
+    def names(package: Any, base: type) -> list[str]:
+        classes = [getattr(package, name) for name in package.__all__]
+        return [c.__name__ for c in classes if inspect.isclass(c) and issubclass(c, base) and c is not base]
+
+    return names(dpl.tasks.modules, DPModule), names(dpl.tasks.data, DPDataModule)
 
 
 def _epilog() -> str:
@@ -104,10 +116,11 @@ def _parser_kwargs() -> dict[str, Any]:
 
     from dpl.core.privacy import PrivacyConfig
 
+    models, data = task_classes()
     keys = ", ".join(f.name for f in dataclasses.fields(PrivacyConfig))
-    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=MODEL_CLASSES, data=DATA_CLASSES), 79) + "\n\n"
-           + textwrap.fill(f"Privacy options (--model.privacy.KEY VALUE): {keys}. Their meaning: dpl fit "
-                           f"--model.privacy.help", 79)}
+    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
+           + "\n\n" + textwrap.fill(f"Privacy options (--model.privacy.KEY VALUE): {keys}. Their meaning: dpl fit "
+                                    f"--model.privacy.help", 79)}
     return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
             "fit": sub, "validate": sub, "test": sub}
 

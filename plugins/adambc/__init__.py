@@ -15,9 +15,9 @@ whichever mechanism produced the noise (sigma C / B for the default Gaussian mec
 std of ``ftrl``). When the std is the same at every step Phi^ equals it exactly; when it changes (ftrl), Phi^ is
 what the noise contributes in expectation to v^, E[v^] = E[g^2]^ + Phi^.
 
-``bias_correction: false`` drops Phi (plain DP-Adam with the floor gamma under the square root, the seed's
-baseline). The moments are functions of the released gradients only: post-processing, no privacy cost, and
-they go into the public ``state_dict`` (checkpoint); there is no secret state.
+``bias_correction: false`` drops Phi (plain DP-Adam with the floor gamma under the square root, the baseline of
+Tang, Shpilevskiy and Lécuyer, AAAI 2024). The moments are functions of the released gradients only:
+post-processing, no privacy cost, and they go into the public ``state_dict`` (checkpoint); there is no secret state.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class AdamBCPlugin:
         weight_decay: decoupled weight decay (AdamW-style): ``weight_decay * theta`` is added to the direction,
             not to the gradient, so it bypasses the moments; the optimizer's lr multiplies it.
         bias_correction: remove the DP noise variance Phi from the second moment (DP-AdamBC). ``false`` gives
-            plain DP-Adam (Phi = 0), the seed's baseline. (Adam's usual 1 - beta^t correction is always on.)
+            plain DP-Adam (Phi = 0), the papers' baseline. (Adam's usual 1 - beta^t correction is always on.)
     """
 
     def __init__(self, beta1: float = 0.9, beta2: float = 0.999, gamma: float = 1e-8, weight_decay: float = 0.0,

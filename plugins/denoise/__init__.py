@@ -5,8 +5,9 @@ gradient's metadata) whose top singular value exceeds kappa * s * (sqrt(m) + sqr
 Shabalin-Nobel optimal low-rank estimate, rescaled to Y's Frobenius norm (norm correction). It reads only the
 released gradient, so it is post-processing: no privacy cost. See ``shrinkage.py`` for the formulas.
 
-Opt-in and NOT private: ``nonprivate_diagnostics`` logs the seed paper's Improvement(t) = cos(D(g~), g) -
-cos(g~, g), which reads the clean clipped gradient g (see :meth:`DenoisePlugin.privatize`).
+Opt-in and NOT private: ``nonprivate_diagnostics`` logs the Improvement(t) = cos(D(g~), g) - cos(g~, g) of
+Dadsetan and Rudzicz (arXiv 2510.01137, 2025), which reads the clean clipped gradient g (see
+:meth:`DenoisePlugin.privatize`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import fnmatch
 import math
 import warnings
 from collections.abc import Generator, Mapping
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -24,10 +26,11 @@ from dpl.errors import ConfigError, PrivacyWarning
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
 from dpl.core.step import RunSetup, StepContext
-from dpl_plugins.denoise.shrinkage import DenoiseStats, denoise_matrices
+from dpl_plugins.denoise.shrinkage import DenoiseStats, Method, ShrinkageOptions, denoise_matrices
 
 RANK_ONE_ESTIMATORS = ("dpzero",)
-SVD_METHODS = ("auto", "full", "randomized")
+#: the parameter presets of ``parameters`` (else a list of glob patterns)
+PARAMETER_PRESETS = {"all": ["*"], "lora": ["*lora_A*", "*lora_B*"]}
 NONPRIVATE_PREFIX = "nonprivate/"
 NONPRIVATE_WARNING = ("denoise: non-private diagnostics enabled: logged values read the clean gradient and are not "
                       "covered by the privacy guarantee (metrics named 'nonprivate/...'; use for research only, "
@@ -47,8 +50,8 @@ class DenoisePlugin:
             any decomposition; the others get an eigendecomposition of their float64 Gram matrix), ``full``
             (batched SVD, the reference) or ``randomized`` (leading components, growing the rank as needed).
             All three give the same result (to float rounding; ``randomized`` to about 1e-3).
-        rank: first rank tried by ``randomized``.
-        nonprivate_diagnostics: NOT PRIVATE, off by default. Log, every step, the seed paper's
+        rank: first rank tried by ``randomized`` (at least 1; default 8).
+        nonprivate_diagnostics: NOT PRIVATE, off by default. Log, every step, the paper's
             Improvement = cos(D(g~), g) - cos(g~, g) of the denoiser D on the privatized gradient g~ against the
             clean clipped gradient g (clipped sum / expected batch size), for the whole gradient and per denoised
             matrix, under ``nonprivate/...`` names. The values are functions of the clean gradient: they are not
@@ -57,21 +60,16 @@ class DenoisePlugin:
 
     def __init__(self, kappa: float = 1.02, norm_correction: bool = True,
                  parameters: Literal["all", "lora"] | list[str] = "all",
-                 svd: Literal["auto", "full", "randomized"] = "auto", rank: int | None = None,
-                 nonprivate_diagnostics: bool = False) -> None:
+                 svd: Method = "auto", rank: int | None = None, nonprivate_diagnostics: bool = False) -> None:
         if not kappa > 0:
             raise ConfigError(f"denoise: kappa must be > 0, got {kappa}")
-        if svd not in SVD_METHODS:
-            raise ConfigError(f"denoise: svd must be one of {', '.join(SVD_METHODS)}, got {svd!r}")
-        if not isinstance(nonprivate_diagnostics, bool):
-            raise ConfigError(f"denoise: nonprivate_diagnostics must be true or false, got {nonprivate_diagnostics!r}")
+        if rank is not None and rank < 1:
+            raise ConfigError(f"denoise: rank must be at least 1, got {rank}")
         self.kappa = kappa
         self.norm_correction = norm_correction
-        self.patterns = {"all": ["*"], "lora": ["*lora_A*", "*lora_B*"]}.get(parameters, parameters) \
-            if isinstance(parameters, str) else list(parameters)
-        if isinstance(parameters, str) and parameters not in ("all", "lora"):
-            raise ConfigError(f"denoise: parameters must be 'all', 'lora' or a list of patterns, got {parameters!r}")
+        self.patterns = PARAMETER_PRESETS[parameters] if isinstance(parameters, str) else list(parameters)
         self.svd = svd
+        self.options = ShrinkageOptions(kappa=kappa, norm_correction=norm_correction, method=svd, rank=rank)
         self.rank = rank
         self.nonprivate_diagnostics = nonprivate_diagnostics
         self.step_calls = 0
@@ -84,8 +82,7 @@ class DenoisePlugin:
         """D applied to ``values`` (a new dict; the input tensors are not modified)."""
         selected = {k: v for k, v in values.items() if v.dim() == 2 and self._selected(k)}
         stds = {k: gradient.std_of(k) for k in selected}
-        return denoise_matrices(selected, stds, kappa=self.kappa, norm_correction=self.norm_correction,
-                                method=self.svd, rank=self.rank, seed=seed)
+        return denoise_matrices(selected, stds, replace(self.options, seed=seed))
 
     @hookimpl
     def validate_setup(self, setup: RunSetup) -> None:

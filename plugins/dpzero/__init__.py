@@ -15,7 +15,7 @@ z ~ N(0, I) regenerated tensor by tensor from it (:mod:`dpl_plugins.dpzero.direc
   by tensor), applied in place by plain SGD: theta <- theta - lr * g * z.
 
 MeZO is the same plugin with ``privacy.noise_multiplier: 0`` and ``privacy.max_grad_norm: .inf``.
-``estimator: dpgd0`` is the seed paper's Algorithm 1 baseline (DPGD-0th): it clips each example's whole
+``estimator: dpgd0`` is the Algorithm 1 baseline (DPGD-0th) of Zhang et al. (ICML 2024): it clips each example's whole
 estimated gradient vector d_i z to norm C and the default ``gaussian`` adds d-dimensional noise.
 """
 
@@ -62,7 +62,7 @@ class DPZeroPlugin:
     """DPZero (``estimate_gradient`` + ``precondition``).
 
     Args:
-        mu: perturbation scale (the seed's default 1e-3).
+        mu: perturbation scale (Zhang et al.'s default 1e-3).
         estimator: ``dpzero`` (clip the per-example scalar finite difference; one scalar of noise) or ``dpgd0``
             (baseline: clip the per-example vector d_i z to norm C; d-dimensional noise; the update goes through
             ``.grad`` and any optimizer).

@@ -5,11 +5,12 @@ Release at step t (0-based), for a run of T steps with b = floor(N / B) steps pe
 
     g~_t = (sum_i clip(g_i) + sigma * C_clip * sens * w_t) / B,      w_t = (C^-1 Z)_t,  Z i.i.d. N(0, I)
 
-with C the lower-triangular Toeplitz *strategy* of the chosen family (``strategies.py``; the seed paper's beta
-are the coefficients of C^-1, the *noising* matrix), ``sens`` its sensitivity for the participation pattern of
-the mechanism's sampler (one secret shuffled order, the same every epoch: every example participates at most
-k = ceil(T / b) times, exactly b steps apart), and sigma the noise multiplier of the whole run, seen as one
-Gaussian mechanism (``mechanism.py``: calibrated with the exact analytic-Gaussian conversion, no amplification).
+with C the lower-triangular Toeplitz *strategy* of the chosen family (``strategies.py``; the beta of Choquette-Choo
+et al. (ICLR 2024) are the coefficients of C^-1, the *noising* matrix), ``sens`` its sensitivity for the
+participation pattern of the mechanism's sampler (one secret shuffled order, the same every epoch: every example
+participates at most k = ceil(T / b) times, exactly b steps apart), and sigma the noise multiplier of the whole run,
+seen as one Gaussian mechanism (``mechanism.py``: calibrated with the exact analytic-Gaussian conversion, no
+amplification).
 
 ``PrivateGradient.noise_std`` is the per-step marginal std of one coordinate of the noise in g~_t:
 sigma * C_clip * sens * sqrt(sum_{s<=t} beta_s^2) / B. It changes with t; post-processing (denoise, adambc)

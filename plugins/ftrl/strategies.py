@@ -7,7 +7,7 @@ c = (c_0, c_1, ..., c_{T-1}), c_0 = 1. The release at step t is
 
 i.e. the post-processing C^-1 (C X + sigma * sens * Z) of one Gaussian mechanism on C X with sensitivity
 ``sens`` (per unit clipping norm). C^-1 is Toeplitz too, with first column beta (the *noising* coefficients:
-the seed paper's beta are these, its "strategy" is their inverse c -- mind the naming).
+the beta of Choquette-Choo et al. (ICLR 2024) are these, their "strategy" is the inverse c -- mind the naming).
 
 Participation: fixed-size batches from one secret shuffled order, the same every epoch, so every example takes
 part in steps i, i + b, i + 2b, ... (b = steps per epoch), at most k = ceil(T / b) times. For such a pattern the
@@ -56,7 +56,7 @@ def nu_strategy_coefficients(n: int, nu: float) -> np.ndarray:
 
 
 def nu_noising_coefficients(n: int, nu: float) -> np.ndarray:
-    """First column of C^-1 (the seed's beta): beta_0 = 1, beta_t = beta_{t-1} (t - 3/2) / t (1 - nu).
+    """First column of C^-1 (the paper's beta): beta_0 = 1, beta_t = beta_{t-1} (t - 3/2) / t (1 - nu).
 
     Generating function (1 - (1 - nu) x)^(1/2); sum over all t is sqrt(nu)."""
     t = np.arange(1, n, dtype=np.float64)

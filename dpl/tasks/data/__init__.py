@@ -1,9 +1,22 @@
 """Data modules. Each provides datasets and a collate function; the training loader's batch sampler comes
-from the DP module (Poisson by default), because the privacy analysis owns how batches are drawn."""
+from the DP module (Poisson by default), because the privacy analysis owns how batches are drawn.
 
+Classification: :class:`ClassificationDataModule` (files found and read by :mod:`~dpl.tasks.data.files` and
+:mod:`~dpl.tasks.data.tables`, labels by :mod:`~dpl.tasks.data.labels`), the masked-LM prompt variant
+(:mod:`~dpl.tasks.data.prompt`) and the quickstart data (:mod:`~dpl.tasks.data.quickstart`). Generation:
+:class:`GenerationDataModule` and its readers :class:`E2EDataModule`, :class:`DARTDataModule`,
+:class:`JSONLDataModule` (one module each)."""
+
+from dpl.errors import DataError
 from dpl.lightning.data import DPDataModule
-from dpl.tasks.data.classification import ClassificationDataModule, DataError
-from dpl.tasks.data.generation import DARTDataModule, E2EDataModule, GenerationDataModule, JSONLDataModule, Record
+from dpl.tasks.data.classification import ClassificationDataModule
+from dpl.tasks.data.dart import DARTDataModule
+from dpl.tasks.data.e2e import E2EDataModule
+from dpl.tasks.data.generation import GenerationDataModule
+from dpl.tasks.data.jsonl import JSONLDataModule
+from dpl.tasks.data.prompt import PromptClassificationDataModule
+from dpl.tasks.data.quickstart import QuickstartDataModule
+from dpl.tasks.data.templates import Record
 
-__all__ = ["DPDataModule", "ClassificationDataModule", "DataError", "GenerationDataModule", "E2EDataModule",
-           "DARTDataModule", "JSONLDataModule", "Record"]
+__all__ = ["DPDataModule", "ClassificationDataModule", "PromptClassificationDataModule", "QuickstartDataModule",
+           "DataError", "GenerationDataModule", "E2EDataModule", "DARTDataModule", "JSONLDataModule", "Record"]

@@ -1,6 +1,7 @@
 """``ClassificationDataModule``: text (or text-pair) classification from local TSV/CSV/JSON(L)/Parquet files.
 
-The files are read with ``datasets`` (csv / json / parquet builders), checked before anything is tokenized
+The files are found by :func:`~dpl.tasks.data.files.split_files`, read into ``datasets`` and checked by
+:func:`~dpl.tasks.data.tables.load_split` before anything is tokenized
 (missing files and columns, malformed rows, labels outside the label set, empty files: each fails with one
 :class:`DataError` line naming the file and the line or row), tokenized once, and padded per batch by
 :meth:`ClassificationDataModule.collate`.
@@ -8,22 +9,19 @@ The files are read with ``datasets`` (csv / json / parquet builders), checked be
 
 from __future__ import annotations
 
-import csv
-import json
 import logging
-import numbers
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dpl.errors import DataError
 from dpl.lightning.data import DPDataModule
-from dpl.errors import ConfigError, DataError
-from dpl.tasks.loading import resolve_path
+from dpl.tasks.data.files import resolve_location, split_files
+from dpl.tasks.data.labels import label_key, show_labels, sort_labels
+from dpl.tasks.data.tables import FORMATS, SplitData, column_values, load_split
 
 log = logging.getLogger(__name__)
 
@@ -32,280 +30,10 @@ SPLIT_STEMS: dict[str, tuple[str, ...]] = {
     "validation": ("validation", "dev", "val"),
     "test": ("test",),
 }
-#: file extension -> format name (``tsv`` is read by the csv builder with a tab delimiter)
-FORMATS: dict[str, str] = {".tsv": "tsv", ".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+#: glob patterns of each split's file name in ``data_dir``: one of the stems, one of the :data:`FORMATS` extensions
+SPLIT_PATTERNS: dict[str, tuple[str, ...]] = {split: tuple(stem + ext for stem in stems for ext in FORMATS)
+                                              for split, stems in SPLIT_STEMS.items()}
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-_INT = re.compile(r"[+-]?\d+")
-_SHOW_LABELS = 20
-
-
-# ---------------------------------------------------------------------------------------------- labels
-
-
-def label_key(value: Any, names: list[str] | None = None) -> str | None:
-    """The canonical string of a label value (``None`` for a missing label).
-
-    Integers (and integral floats) become their decimal string, strings are stripped, booleans become
-    ``true``/``false``; with ``names`` (a ``ClassLabel`` feature) an integer is replaced by its name.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, numbers.Integral):
-        if names is not None:
-            return names[int(value)] if 0 <= int(value) < len(names) else None
-        return str(int(value))
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return None
-        return str(int(value)) if value.is_integer() else str(value)
-    if isinstance(value, str):
-        return value.strip() or None
-    return str(value)
-
-
-def sort_labels(keys: Any) -> list[str]:
-    """Stable label order: numerically if every label is an integer, else lexicographically."""
-    keys = set(keys)
-    if keys and all(_INT.fullmatch(k) for k in keys):
-        return sorted(keys, key=lambda k: (int(k), k))
-    return sorted(keys)
-
-
-def _show(labels: list[str]) -> str:
-    shown = ", ".join(repr(x) for x in labels[:_SHOW_LABELS])
-    return f"[{shown}, ... ({len(labels)} labels)]" if len(labels) > _SHOW_LABELS else f"[{shown}]"
-
-
-# ----------------------------------------------------------------------------------------- file checks
-
-
-def find_data_files(data_dir: str | Path) -> dict[str, Path]:
-    """The split files in ``data_dir``: ``train``, ``validation`` (stem validation, dev or val) and ``test``,
-    each with one of the extensions in :data:`FORMATS`. Raises :class:`DataError` when a split has several
-    candidate files."""
-    folder = Path(data_dir)
-    if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "not found"
-        raise DataError(f"data_dir {str(folder)!r} {what}")
-    found: dict[str, Path] = {}
-    for split, stems in SPLIT_STEMS.items():
-        matches = sorted(p for p in folder.iterdir()
-                         if p.is_file() and p.suffix.lower() in FORMATS and p.stem.lower() in stems)
-        if len(matches) > 1:
-            raise DataError(f"data_dir {str(folder)!r} has several {split} files "
-                            f"({', '.join(p.name for p in matches)}); keep one or name it with data.{_ARG[split]}")
-        if matches:
-            found[split] = matches[0]
-    return found
-
-
-_ARG = {"train": "train_file", "validation": "val_file", "test": "test_file"}
-
-
-def file_format(path: Path) -> str:
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DataError(f"{path}: unsupported file type {path.suffix!r} (use one of {', '.join(FORMATS)})")
-    return fmt
-
-
-def scan_delimited(path: Path, delimiter: str, required: list[str]) -> tuple[list[str], list[int]]:
-    """Check a CSV/TSV file with Python's csv module (standard double-quote quoting): a header naming every
-    ``required`` column, no duplicate column, and the same number of fields on every row.
-
-    Returns the header and the (1-based, physical) line number where each data row starts.
-    """
-    kind = "TSV" if delimiter == "\t" else "CSV"
-    lines: list[int] = []
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f, delimiter=delimiter)
-            header = None
-            while header is None:
-                start = reader.line_num + 1
-                row = next(reader, None)
-                if row is None:
-                    raise DataError(f"{path}: the file is empty (expected a header line naming the columns)")
-                if row:
-                    header = [c.strip() for c in row]
-            _check_header(path, header, required, kind)
-            width = len(header)
-            while True:
-                start = reader.line_num + 1
-                row = next(reader, None)
-                if row is None:
-                    break
-                if not row:  # blank line (the csv builder skips these too)
-                    continue
-                if len(row) != width:
-                    hint = ""
-                    if reader.line_num > start:
-                        hint = (f" (the row runs to line {reader.line_num}: an unbalanced double quote? Quote a "
-                                f"field that starts with \" and double the quotes inside it)")
-                    raise DataError(f"{path} line {start}: expected {width} {kind} fields "
-                                    f"({', '.join(header)}), found {len(row)}{hint}")
-                lines.append(start)
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except csv.Error as exc:
-        raise DataError(f"{path} line {reader.line_num}: {exc}") from None
-    return header, lines
-
-
-def _check_header(path: Path, header: list[str], required: list[str], kind: str) -> None:
-    seen: set[str] = set()
-    for name in header:
-        if name in seen:
-            raise DataError(f"{path}: column {name!r} appears twice in the header")
-        seen.add(name)
-    hint = ""
-    if len(header) == 1 and kind == "TSV" and "," in header[0]:
-        hint = "; the file looks comma-separated: name it .csv"
-    elif len(header) == 1 and kind == "CSV" and "\t" in header[0]:
-        hint = "; the file looks tab-separated: name it .tsv"
-    _check_columns(path, header, required, hint)
-
-
-def _check_columns(path: Path, columns: list[str], required: list[str], hint: str = "") -> None:
-    missing = [name for name in required if name not in columns]
-    if missing:
-        raise DataError(f"{path}: missing column(s) {missing} (columns: {', '.join(columns) or 'none'}){hint}")
-
-
-def scan_json(path: Path) -> list[int]:
-    """Check that a .json/.jsonl file parses: a JSON array of objects, or JSON lines (one object per line).
-
-    Returns the line number of each row (JSON lines) or zeros (a JSON array: rows are numbered instead)."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    if not text.strip():
-        raise DataError(f"{path}: the file is empty")
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
-        for i, item in enumerate(data):
-            if not isinstance(item, dict):
-                raise DataError(f"{path} row {i + 1}: expected a JSON object, found {type(item).__name__}")
-        return [0] * len(data)
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None  # several objects: JSON lines
-        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-            raise DataError(f"{path}: a JSON object of columns is not supported; write a JSON array of objects "
-                            f"or JSON lines (one object per line)")
-    lines = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {number}: invalid JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise DataError(f"{path} line {number}: expected a JSON object, found {type(item).__name__}")
-        lines.append(number)
-    return lines
-
-
-@dataclass
-class SplitData:
-    """One split as read and checked (before tokenizing)."""
-
-    name: str
-    path: Path
-    dataset: Any  # datasets.Dataset with the raw columns
-    lines: list[int] | None = None  # line number of each row (CSV/TSV/JSON lines), else rows are numbered
-    label_names: list[str] | None = None  # set when the label column is a ClassLabel
-    keys: list[str | None] = field(default_factory=list)  # canonical label of each row
-
-    def where(self, index: int) -> str:
-        if self.lines is not None and index < len(self.lines):
-            return f"line {self.lines[index]}"
-        return f"row {index + 1}"
-
-
-def load_split(name: str, path: Path, columns: list[str], cache_dir: str | None = None) -> SplitData:
-    """Read one file into an in-memory ``datasets.Dataset`` after checking it; ``columns`` must all be present.
-
-    Nothing is written to disk: private rows never land in the shared ``datasets`` cache (``cache_dir`` is
-    accepted for compatibility and unused)."""
-    import datasets
-
-    if not path.is_file():
-        what = "is not a file" if path.exists() else "not found"
-        raise DataError(f"{name} file {str(path)!r} {what}")
-    fmt = file_format(path)
-    lines = None
-    try:
-        if fmt in ("tsv", "csv"):
-            delimiter = "\t" if fmt == "tsv" else ","
-            header, lines = scan_delimited(path, delimiter, columns)
-            _check_not_empty(name, path, len(lines))
-            features = datasets.Features({c: datasets.Value("string") for c in header})
-            # keep_default_na=False: a text "NA" or "None" stays a string; all columns are read as strings
-            # so labels compare exactly as written. Read into memory: no copy of private rows in a cache.
-            import pandas as pd
-
-            frame = pd.read_csv(path, sep=delimiter, dtype=str, keep_default_na=False, encoding="utf-8-sig",
-                                skip_blank_lines=True)
-            dataset = datasets.Dataset.from_pandas(frame, features=features, preserve_index=False)
-        elif fmt == "json":
-            lines = scan_json(path)
-            _check_not_empty(name, path, len(lines))
-            if not any(lines):
-                lines = None
-            rows = _json_rows(path)
-            keys = list(dict.fromkeys(k for row in rows for k in row))
-            dataset = datasets.Dataset.from_dict({k: [row.get(k) for row in rows] for k in keys})
-        else:
-            import pyarrow.parquet as pq
-
-            _check_not_empty(name, path, pq.read_metadata(path).num_rows)
-            dataset = datasets.Dataset(pq.read_table(path))
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow errors are many and cryptic: one line instead
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"cannot read {name} file {str(path)!r}: {message}") from exc
-    if lines is not None and len(lines) != len(dataset):
-        lines = None  # parsers disagree on the row count: fall back to row numbers
-    if fmt not in ("tsv", "csv"):
-        _check_columns(path, dataset.column_names, columns)
-    _check_not_empty(name, path, len(dataset))
-    return SplitData(name=name, path=path, dataset=dataset, lines=lines)
-
-
-def _json_rows(path: Path) -> list[dict[str, Any]]:
-    """The objects of a JSON array or JSON-lines file (already checked by :func:`scan_json`)."""
-    text = path.read_text(encoding="utf-8-sig")
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None
-        if isinstance(data, dict):
-            return [data]
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def _check_not_empty(name: str, path: Path, rows: int) -> None:
-    if rows == 0:
-        raise DataError(f"{name} file {str(path)!r} has no rows")
-
-
-def _column(dataset: Any, name: str) -> list[Any]:
-    """A whole column as a Python list (one Arrow conversion, not one query per row)."""
-    return dataset.data.column(name).to_pylist()
 
 
 # ------------------------------------------------------------------------------------------- tokenizing
@@ -417,33 +145,8 @@ class ClassificationDataModule(DPDataModule):
 
     def data_files(self) -> dict[str, Path]:
         """The file of each configured split (``train``, and ``validation`` / ``test`` when present)."""
-        files = find_data_files(self._resolve(self.data_dir)) if self.data_dir is not None else {}
-        for split, value in (("train", self.train_file), ("validation", self.val_file), ("test", self.test_file)):
-            if value is not None:
-                files[split] = self._file_path(value)
-        if "train" not in files:
-            folder = Path(self._resolve(self.data_dir))
-            entries = sorted(p.name for p in folder.iterdir())
-            names = ", ".join(entries[:10]) + (f", ... ({len(entries)} entries)" if len(entries) > 10 else "")
-            names = names or "nothing"
-            raise DataError(f"data_dir {str(folder)!r} has no training file (train.tsv, train.csv, train.json, "
-                            f"train.jsonl or train.parquet; it holds: {names}); or set data.train_file")
-        return files
-
-    @staticmethod
-    def _resolve(location: str) -> str:
-        try:
-            return resolve_path(location)
-        except ConfigError as exc:
-            raise DataError(str(exc)) from None
-
-    def _file_path(self, value: str) -> Path:
-        path = Path(self._resolve(value))
-        if not path.is_absolute() and self.data_dir is not None:
-            inside = Path(self._resolve(self.data_dir)) / path
-            if inside.exists():
-                return inside
-        return path
+        return split_files(self.data_dir, {"train": self.train_file, "validation": self.val_file,
+                                           "test": self.test_file}, SPLIT_PATTERNS)
 
     def _columns(self) -> list[str]:
         return [c for c in (self.text_column, self.text_pair_column, self.label_column) if c is not None]
@@ -470,14 +173,14 @@ class ClassificationDataModule(DPDataModule):
             feature = split.dataset.features.get(self.label_column)
             if isinstance(feature, datasets.ClassLabel):
                 split.label_names = list(feature.names)
-            split.keys = [label_key(v, split.label_names) for v in _column(split.dataset, self.label_column)]
+            split.keys = [label_key(v, split.label_names) for v in column_values(split.dataset, self.label_column)]
             for i, key in enumerate(split.keys):
                 if key is None:
                     raise DataError(f"{split.path} {split.where(i)}: missing label in column {self.label_column!r}")
             for column in (self.text_column, self.text_pair_column):
                 if column is None or split.dataset.data.column(column).null_count == 0:
                     continue
-                i = _column(split.dataset, column).index(None)
+                i = column_values(split.dataset, column).index(None)
                 raise DataError(f"{split.path} {split.where(i)}: missing text in column {column!r}")
         train = splits["train"]
         if self.labels is not None:
@@ -501,7 +204,7 @@ class ClassificationDataModule(DPDataModule):
                 if len(bad) > 1:
                     more = f"; {len(bad) - 1} more row{'s' if len(bad) > 2 else ''} outside the set"
                 raise DataError(f"{split.path} {split.where(i)}: label {split.keys[i]!r} is not in the label set "
-                                f"{_show(order)} (from {source}{more})")
+                                f"{show_labels(order)} (from {source}{more})")
         return label_map
 
     @property
@@ -535,7 +238,7 @@ class ClassificationDataModule(DPDataModule):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            location = self._resolve(self.tokenizer_location)
+            location = resolve_location(self.tokenizer_location)
             try:
                 tokenizer = AutoTokenizer.from_pretrained(location)
             except (OSError, ValueError) as exc:
@@ -625,8 +328,8 @@ class ClassificationDataModule(DPDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("label_map")
         if saved is not None and dict(saved) != self.label_map:
-            raise DataError(f"the checkpoint's labels {_show(list(saved))} differ from this data's labels "
-                            f"{_show(list(self.label_map))} (set data.labels to the checkpoint's list)")
+            raise DataError(f"the checkpoint's labels {show_labels(list(saved))} differ from this data's labels "
+                            f"{show_labels(list(self.label_map))} (set data.labels to the checkpoint's list)")
 
     def val_dataloader(self) -> Any:
         if self.val_set is None:

