@@ -105,7 +105,8 @@ def test_help_lists_every_task_class_and_finds_it_by_name(capsys):
     for info in pkgutil.walk_packages(dpl.tasks.__path__, "dpl.tasks."):
         for _, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):
             for base, names in shipped.items():
-                abstract = base is DPModule and issubclass(cls, base) and cls.build_model is DPModule.build_model  # DPTaskModule: a base class
+                # DPTaskModule is a base class, not a task
+                abstract = base is DPModule and issubclass(cls, base) and cls.build_model is DPModule.build_model
                 if issubclass(cls, base) and cls is not base and cls.__module__ == info.name and not abstract:
                     names.add(cls.__name__)
     models, data = task_classes()

@@ -95,7 +95,7 @@ def _generation_batches(run: LoadedRun, prompts: list[str], size: int) -> Iterat
 
 
 def predict(run: LoadedRun, rows: list[dict[str, Any]], batch_size: int = 32) -> list[dict[str, Any]]:
-    """One output row per input row: the input's fields plus ``label``/``probabilities`` or ``prompt``/``completion``."""
+    """One output row per input row: its fields plus ``label``/``probabilities`` or ``prompt``/``completion``."""
     module = run.module
     if run.task == "generation":
         prompts = [render_prompt(run, row, i + 1) for i, row in enumerate(rows)]
