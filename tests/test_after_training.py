@@ -150,11 +150,14 @@ def test_adapter_export_loads_with_peft(classification, tmp_path, capsys):
     assert main_code(["export", str(run_dir), str(tmp_path / "adapter")]) == 2  # not into a non-empty folder
 
 
-def test_predict_command_reads_stdin_and_writes_csv(classification, tmp_path, capsys, monkeypatch):
+def test_fit_export_option_and_predict_command_reads_stdin_and_writes_csv(classification, tmp_path, capsys, monkeypatch):
     tmp, model = classification
-    args = _classification_args(tmp, model)  # full fine-tuning: the checkpoint holds every parameter
+    args = _classification_args(tmp, model, "--export", str(tmp_path / "fit-export"))  # full fine-tuning
     args[args.index("--trainer.default_root_dir") + 1] = str(tmp_path / "runs")
     run_dir, _ = _fit(args, capsys)
+    from transformers import AutoModelForSequenceClassification
+
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "fit-export").config.id2label[1] == "positive"
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TEXTS) + "\n"))
     assert main_code(["predict", str(run_dir), "--format", "csv"]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))

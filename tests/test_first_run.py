@@ -221,3 +221,29 @@ def test_validate_a_run_writes_nothing_and_says_where_the_head_comes_from(tiny, 
     assert sorted(p for p in root.rglob("*")) == before  # no version_1, no config.yaml, no checkpoint
     assert "new classification head classifier.bias, classifier.weight (not in" in caplog.text
     assert "weights from the checkpoint" in caplog.text and "trained under DP" not in caplog.text
+
+
+def test_plain_progress_while_validating():
+    import io
+
+    stream = io.StringIO()
+    bar = PlainProgress(interval=0.0, stream=stream)
+    trainer = SimpleNamespace(sanity_checking=False, num_val_batches=[3])
+    bar.on_validation_start(trainer, None)
+    bar.on_validation_batch_end(trainer, None, None, None, 0)
+    assert stream.getvalue().startswith("dpl: validating: batch 1/3 after ")
+
+
+def test_dpl_info_lines_once_per_run(caplog, monkeypatch):
+    import logging
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from dpl.lightning.cli import _rank_zero_info
+
+    record = logging.LogRecord("dpl", logging.INFO, __file__, 1, "dpl: N=10", None, None)
+    warning = logging.LogRecord("dpl", logging.WARNING, __file__, 1, "dpl: careful", None, None)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert not _rank_zero_info(record) and _rank_zero_info(warning)
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    assert _rank_zero_info(record)

@@ -194,10 +194,26 @@ class DPLightningCLI(LightningCLI):
         self._check_val_check_interval()
         self.model.defer_fit_summary = True  # printed by after_fit, below the finished progress bar
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--export", type=typing.Optional[str], default=None,
+                            help="fit: after training, export the last checkpoint to this folder (as dpl export)")
+
     def after_fit(self) -> None:
+        folder = self.config[self.subcommand].get("export")
+        if folder and self.trainer.is_global_zero:
+            self._export(folder)
         summary = getattr(self.model, "fit_summary", None)
         if summary and self.trainer.is_global_zero:
             print(summary, flush=True)
+
+    def _export(self, folder: str) -> None:
+        from dpl.lightning.export import export_run
+        from dpl.lightning.runs import load_run
+
+        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or ""
+        if not last or not Path(last).is_file():
+            raise ConfigError("--export needs a checkpoint, and this run wrote none (trainer.enable_checkpointing)")
+        print(f"dpl: exported to {export_run(load_run(last), folder)}", flush=True)
 
     def before_validate(self) -> None:
         self._check_ckpt_path()

@@ -155,7 +155,8 @@ class PlainProgress(ProgressBar):
         now = time.monotonic()
         if now - self._last >= self.interval:
             self._last = now
-            total = self.total_val_batches_current_dataloader
+            totals = trainer.num_val_batches
+            total = totals[dataloader_idx] if isinstance(totals, list) and dataloader_idx < len(totals) else totals
             of = f"/{int(total)}" if isinstance(total, (int, float)) and total < float("inf") else ""
             self._write(f"dpl: validating: batch {batch_idx + 1}{of} after {now - self._validation_start:.0f} s")
 
