@@ -275,3 +275,25 @@ def test_quickstart_lora_checkpoint_is_small(tmp_path, capsys):
     assert main_code(["export", str(ckpt), str(tmp_path / "export")]) == 0
     rows = predict(load_run(tmp_path / "export"), [{"sentence": "a wonderful film"}])
     assert rows[0]["label"] in load_run(tmp_path / "export").label_names
+
+
+def test_prompt_classification_predicts_through_its_template(classification, tmp_path, capsys):
+    tmp, model = classification
+    args = _classification_args(tmp, model, "--model.label_words", "[bad, good]")
+    args[args.index("--model") + 1] = "dpl.tasks.modules.DPPromptClassificationModule"
+    args[args.index("--data") + 1] = "dpl.tasks.data.PromptClassificationDataModule"
+    args[args.index("--trainer.default_root_dir") + 1] = str(tmp_path / "runs")
+    run_dir, _ = _fit(args, capsys)
+    run = load_run(run_dir)
+    from dpl.tasks.data import PromptClassificationDataModule
+
+    data = PromptClassificationDataModule(tokenizer=model, data_dir=str(tmp / "data"), max_length=16)
+    data.setup("validate")
+    sentences = [line.split("\t")[0] for line in (tmp / "data" / "validation.tsv").read_text().splitlines()[1:5]]
+    with torch.no_grad():
+        want = torch.softmax(run.module(data.collate([data.val_set[i] for i in range(4)])).float(), -1)
+    rows = predict(run, [{"sentence": s} for s in sentences])
+    for row, p in zip(rows, want.tolist()):
+        assert list(row["probabilities"].values()) == pytest.approx(p, abs=1e-6)
+    assert main_code(["export", str(run_dir), str(tmp_path / "export")]) == 2  # not a transformers model
+    assert "not a transformers model" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from dpl.errors import ConfigError, DPLError
 from dpl.lightning.report import REPORT_KEY, write_report
 from dpl.lightning.runs import EXPORT_META, LoadedRun, load_run
 
-DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template")
+DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template")
 
 
 def _merged(model: Any) -> Any:
@@ -66,6 +66,9 @@ def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Pat
     module, names = run.module, run.label_names
     model = module.model
     mean_pooled = type(model).__name__ == "MeanPoolClassifier"
+    if not mean_pooled and not callable(getattr(model, "save_pretrained", None)):
+        raise ConfigError(f"{type(model).__name__} is not a transformers model: export supports sequence "
+                          f"classifiers (pooling: model or mean) and causal LMs; use dpl predict on the run itself")
     if adapter and (mean_pooled or not isinstance(model, PeftModel)):
         raise ConfigError("--adapter needs a LoRA run whose model is a transformers model (not pooling: mean)"
                           if mean_pooled or isinstance(getattr(model, "encoder", None), PeftModel) else

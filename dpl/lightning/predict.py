@@ -65,12 +65,19 @@ def _prompt_fields(template: str) -> list[str]:
 def _classification_batches(run: LoadedRun, rows: list[dict[str, Any]], size: int) -> Iterator[dict[str, Any]]:
     column = run.data.get("text_column") or "sentence"
     pair = run.data.get("text_pair_column")
+    length = run.data.get("max_length") or 512
     for start in range(0, len(rows), size):
         chunk = rows[start:start + size]
         texts = [_field(r, column, start + i + 1) for i, r in enumerate(chunk)]
         pairs = [_field(r, pair, start + i + 1) for i, r in enumerate(chunk)] if pair else None
-        yield dict(run.tokenizer(texts, pairs, truncation=True, max_length=run.data.get("max_length") or 512,
-                                 padding=True, return_tensors="pt"))
+        if run.data.get("template"):  # prompt-based classification: each text in its cloze template
+            from dpl.tasks.data.prompt import render_ids
+
+            ids = [{"input_ids": render_ids(run.tokenizer, run.data["template"], t, length)} for t in texts]
+            yield dict(run.tokenizer.pad(ids, return_tensors="pt"))
+        else:
+            yield dict(run.tokenizer(texts, pairs, truncation=True, max_length=length, padding=True,
+                                     return_tensors="pt"))
 
 
 def render_prompt(run: LoadedRun, row: dict[str, Any], where: int) -> str:
