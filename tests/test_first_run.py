@@ -247,3 +247,18 @@ def test_dpl_info_lines_once_per_run(caplog, monkeypatch):
     assert not _rank_zero_info(record) and _rank_zero_info(warning)
     monkeypatch.setattr(rank_zero_only, "rank", 0)
     assert _rank_zero_info(record)
+
+
+def test_no_gguf_bar_off_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from dpl.tasks.loading import _no_gguf_bar_in_logs
+
+    original = gguf_utils.tqdm
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with _no_gguf_bar_in_logs(True):
+        assert gguf_utils.tqdm([1]).disable
+    assert gguf_utils.tqdm is original

@@ -388,7 +388,6 @@ def _quiet() -> None:
 
             datasets.disable_progress_bars()
             transformers.utils.logging.disable_progress_bar()
-            os.environ.setdefault("TQDM_DISABLE", "1")  # bars drawn with tqdm directly (GGUF dequantization)
         except Exception:  # noqa: BLE001 - optional
             pass
 
