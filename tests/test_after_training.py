@@ -297,3 +297,25 @@ def test_prompt_classification_predicts_through_its_template(classification, tmp
         assert list(row["probabilities"].values()) == pytest.approx(p, abs=1e-6)
     assert main_code(["export", str(run_dir), str(tmp_path / "export")]) == 2  # not a transformers model
     assert "not a transformers model" in capsys.readouterr().err
+
+
+def test_privacy_report_of_a_shuffled_mechanism(tmp_path):
+    import lightning as L
+    from helpers import VectorDataModule, VectorModule
+
+    from dpl.core.privacy import PrivacyConfig
+    from dpl.lightning.report import PrivacyReport, build_report, report_markdown
+
+    module = VectorModule(privacy=PrivacyConfig(target_epsilon=3.0, batch_size=8, physical_batch_size=8),
+                          plugins={"ftrl": {"noise": "banded", "bands": 3}},
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp_path),
+                        callbacks=[PrivacyReport()])
+    trainer.fit(module, datamodule=VectorDataModule())
+    report = build_report(module)
+    assert report["sampling"] == "shuffle" and report["mechanism"] == "ftrl"
+    assert report["plugins"] == {"ftrl": {"noise": "banded", "bands": 3}}
+    assert report["epochs_planned"] == pytest.approx(10 / 8) and report["steps_taken"] == 10
+    assert report["epsilon"] == pytest.approx(module.epsilon_after(10)) and report["accountant"] != "prv"
+    assert "fixed-size batches of 8 from one secret shuffled order" in report_markdown(report)
