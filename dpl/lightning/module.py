@@ -25,7 +25,8 @@ from dpl.errors import ConfigError, PrivacyWarning
 from dpl.lightning.fsdp import full_parameters
 from dpl.core.mechanism import Mechanism
 from dpl.core.noise import NoiseSource, SecureNormal
-from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, replaced_hooks
+from dpl.core.plugin_manager import (active_plugin_names, create_plugin_manager, normalize_plugin_config,
+                                     replaced_hooks)
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_seed, secure_generator
 from dpl.core.step import RunSetup, StepContext, private_step
@@ -273,7 +274,7 @@ class DPModule(L.LightningModule):
             "accountant": getattr(mechanism, "accountant", "exact Gaussian mechanism"),
             "adjacency": getattr(mechanism, "adjacency", "add/remove"),
             "mechanism": mechanism.name if ready else None,
-            "plugins": {name: dict(self.plugin_config.get(name) or {})
+            "plugins": {name: normalize_plugin_config(self.plugin_config).get(name, {})
                         for name in active_plugin_names(self.plugin_manager)},
             "num_examples": n, "target_epsilon": cfg.target_epsilon, "max_epsilon": cfg.budget,
             "secure_noise": cfg.secure_noise, "seeded": cfg.seed is not None, "dpl_version": __version__,
