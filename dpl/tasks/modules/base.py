@@ -47,6 +47,10 @@ class DPTaskModule(DPModule):
 
     _frozen_fingerprint: str | None = None
 
+    def _sharded(self) -> bool:
+        """Whether FSDP shards this module's parameters (its checkpoints are then kept whole)."""
+        return any(_is_sharded(p) for p in self.ensure_model().parameters())
+
     def _frozen_state(self) -> dict[str, torch.Tensor]:
         """This module's state-dict entries that do not train (frozen parameters and buffers)."""
         trainable = {f"model.{name}" for name in self.trainable}
@@ -61,8 +65,10 @@ class DPTaskModule(DPModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         state = checkpoint.get("state_dict") or {}
+        if self._sharded() or any(_is_sharded(v) for v in state.values()):
+            return  # FSDP: the full state as Lightning wrote it
         frozen = self._frozen_state()
-        if not frozen or len(frozen) == len(state) or any(_is_sharded(v) for v in state.values()):
+        if not frozen or len(frozen) == len(state):
             return
         for key in frozen:
             state.pop(key, None)
@@ -78,7 +84,7 @@ class DPTaskModule(DPModule):
         frozen weights back into a trainable-only checkpoint, after checking they are those it was trained on."""
         self.ensure_model()
         state = checkpoint.get("state_dict")
-        if state is None or any(_is_sharded(v) for v in state.values()):
+        if state is None or self._sharded() or any(_is_sharded(v) for v in state.values()):
             return
         base = checkpoint.get(BASE_KEY)
         frozen = self._frozen_state() if base is not None else {}
