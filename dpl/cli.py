@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+import textwrap
 import typing
 import warnings
 import zipfile
@@ -25,13 +26,20 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from dpl.lightning.data import DPDataModule
 from dpl.errors import ConfigError, DPLError
 from dpl.lightning.module import DPModule
+from dpl.lightning.report import PrivacyReport
 
 DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-SGD (Poisson sampling, per-example\n"
                "clipping, calibrated noise, PRV accounting) on Lightning; private-training methods plug in as hooks.")
 
-#: dpl's commands besides Lightning's (fit, validate, test, predict): name -> (one-line help, "module:function").
+#: dpl's commands besides Lightning's (fit, validate, test): name -> (one-line help, "module:function").
 #: The function gets the remaining arguments (list of str) and returns an exit code (or None for 0).
 COMMANDS: dict[str, tuple[str, str]] = {
+    "predict": ("labels and probabilities, or completions, for new inputs from a run or an exported folder",
+                "dpl.trained.predict:predict_command"),
+    "export": ("a Hugging Face model folder (LoRA merged, or a PEFT adapter) with tokenizer, labels and privacy "
+               "report", "dpl.trained.export:export_command"),
+    "report": ("plots of a run: loss/accuracy and epsilon over steps (PNG; needs matplotlib)",
+               "dpl.trained.plots:report_command"),
     "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
               "(docs/audit.md)", "dpl.audit.command:audit_command"),
@@ -68,6 +76,35 @@ _SUBCOMMAND_EPILOG = (
     "dpl fit --config configs/quickstart.yaml --print_config")
 
 
+def _docstring_args(cls: type) -> dict[str, str]:
+    """``name -> text`` of the ``Args:`` section of ``cls``'s docstring (continuation lines joined)."""
+    found: dict[str, str] = {}
+    name = None
+    for line in (inspect.getdoc(cls) or "").split("Args:", 1)[-1].splitlines():
+        match = re.match(r"^    (\w+): (.*)", line)
+        if match:
+            name, found[match.group(1)] = match.group(1), match.group(2).strip()
+        elif name and line.startswith("        "):
+            found[name] += " " + line.strip()
+    return found
+
+
+def privacy_help() -> str:
+    """The privacy options (``--model.privacy.KEY``): type, default and meaning."""
+    import dataclasses
+
+    from dpl.core.privacy import PrivacyConfig
+
+    docs = _docstring_args(PrivacyConfig)
+    hints = typing.get_type_hints(PrivacyConfig)
+    lines = ["privacy options of every dpl model (--model.privacy.KEY VALUE, or model.init_args.privacy in a config):"]
+    for f in dataclasses.fields(PrivacyConfig):
+        kind = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        lines.append(f"  --model.privacy.{f.name} ({kind}, default {f.default!r})")
+        lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
 def _parser_kwargs() -> dict[str, Any]:
     import argparse
 
@@ -76,12 +113,17 @@ def _parser_kwargs() -> dict[str, Any]:
     class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
-    import textwrap
+    import dataclasses
+
+    from dpl.core.privacy import PrivacyConfig
 
     models, data = task_classes()
-    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)}
+    keys = ", ".join(f.name for f in dataclasses.fields(PrivacyConfig))
+    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
+           + "\n\n" + textwrap.fill(f"Privacy options (--model.privacy.KEY VALUE): {keys}. Their meaning: dpl fit "
+                                    f"--model.privacy.help", 79)}
     return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
-            "fit": sub, "validate": sub, "test": sub, "predict": sub}
+            "fit": sub, "validate": sub, "test": sub}
 
 
 class DPLArgumentParser(LightningArgumentParser):
@@ -105,6 +147,11 @@ class DPLightningCLI(LightningCLI):
         kwargs.setdefault("parser_kwargs", _parser_kwargs())
         super().__init__(*args, **kwargs)
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's fit, validate and test (``dpl predict`` is dpl's own command)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
@@ -121,6 +168,16 @@ class DPLightningCLI(LightningCLI):
             if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
                 callbacks = [*callbacks, summary]
                 config = {**config, "enable_model_summary": False}
+        if self.subcommand in ("validate", "test"):  # evaluate a run: no new run folder, no checkpoint callback
+            self.save_config_callback = None
+            config = {**config, "enable_checkpointing": False}
+            warnings.filterwarnings("ignore", message=r".*callbacks used to create the checkpoint need to be")
+            if config.get("logger") in (None, True):
+                config["logger"] = False
+        elif config.get("logger") in (None, True):
+            config = {**config, "logger": default_loggers(config.get("default_root_dir"))}
+        if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
+            callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
         trainer = super()._instantiate_trainer(config, callbacks)
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
@@ -138,19 +195,40 @@ class DPLightningCLI(LightningCLI):
         self._check_val_check_interval()
         self.model.print_fit_summary = False  # printed by after_fit, below the finished progress bar
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--export", type=typing.Optional[str], default=None,
+                            help="fit: after training, export the last checkpoint to this folder (as dpl export)")
+
     def after_fit(self) -> None:
+        folder = self.config[self.subcommand].get("export")
+        if folder and self.trainer.is_global_zero:
+            self._export(folder)
         summary = self.model.fit_summary
         if summary and self.trainer.is_global_zero:
             print(summary, flush=True)
 
+    def _export(self, folder: str) -> None:
+        from dpl.trained.export import export_run
+        from dpl.trained.runs import load_run
+
+        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or ""
+        if not last or not Path(last).is_file():
+            raise ConfigError("--export needs a checkpoint, and this run wrote none (trainer.enable_checkpointing)")
+        print(f"dpl: exported to {export_run(load_run(last), folder)}", flush=True)
+
     def before_validate(self) -> None:
         self._check_ckpt_path()
+        self._say_where_weights_come_from()
 
     def before_test(self) -> None:
         self._check_ckpt_path()
+        self._say_where_weights_come_from()
 
-    def before_predict(self) -> None:
-        self._check_ckpt_path()
+    def _say_where_weights_come_from(self) -> None:
+        if hasattr(self.model, "head_origin"):  # a new classification head: from the checkpoint, or untrained
+            given = self.config_init[self.subcommand].get("ckpt_path") is not None
+            self.model.head_origin = ("weights from the checkpoint" if given else
+                                      "initialised randomly and not trained (no --ckpt_path given)")
 
     def _parse_ckpt_path(self) -> None:
         # Lightning reads the checkpoint here (before any hook), for hyperparameters: check it first, and make a
@@ -197,9 +275,22 @@ class DPLightningCLI(LightningCLI):
         new_dirs = _missing_dirs(_run_dir(self.trainer))
         try:
             super()._run_subcommand(subcommand)
-        except Exception:
+        except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
             _remove_partial_run(new_dirs)
             raise
+
+
+def default_loggers(root: str | None) -> list[Any]:
+    """``metrics.csv`` always (CSVLogger), and TensorBoard event files in the same run folder where tensorboard is
+    installed (``pip install tensorboard``; then ``tensorboard --logdir <default_root_dir>``)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
+
+    csv = CSVLogger(save_dir=root or os.getcwd())
+    if not _TENSORBOARD_AVAILABLE:
+        return [csv]
+    return [csv, TensorBoardLogger(save_dir=csv.save_dir, name=csv.name, version=csv.version,
+                                   default_hp_metric=False)]
 
 
 def _run_dir(trainer: Any) -> Path | None:
@@ -271,11 +362,23 @@ def _no_tips(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("\U0001f4a1 Tip:")  # Lightning's advertisements for its cloud
 
 
+def _rank_zero_info(record: logging.LogRecord) -> bool:
+    """dpl's informational lines once per run, not once per process (warnings stay on every rank)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    return record.levelno > logging.INFO or getattr(rank_zero_only, "rank", 0) == 0
+
+
 def _quiet() -> None:
     """Silence the messages that do not matter to a dpl user (the ones about privacy stay)."""
     for pattern in (r".*`tensorboardX` has been removed as a dependency", r".*`is_gradient_checkpointing` is deprecated",
-                    r".*LeafSpec.*deprecated"):
+                    r".*LeafSpec.*deprecated",
+                    r".*smaller than the logging interval",  # dpl logs epsilon at the last step whatever the interval
+                    # dpl's epoch metrics are reduced over the ranks already (torchmetrics states, gathered outputs)
+                    r".*sync_dist=True\)` when logging on epoch level in distributed setting",
+                    r".*Total length of `list` across ranks is zero"):  # no validation split: dpl says so itself
         warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("dpl").addFilter(_rank_zero_info)  # the same function object: added once
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_no_tips)  # the same function object: added once
@@ -294,15 +397,26 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``dpl``; ``args`` defaults to the command line."""
     argv = sys.argv[1:] if args is None else list(args)
     _ARGV[:] = argv
+    if any(a in ("--model.privacy.help", "--model.init_args.privacy.help") for a in argv):
+        print(privacy_help())
+        return
     if argv[:1] and argv[0] in COMMANDS:
+        if argv[0] in ("predict", "export"):
+            _quiet()  # no loading bars or deprecation notices around the outputs
         _run_command(argv[0], argv[1:])
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet()
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     try:
         DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
                        save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+    except SIGTERMException:
+        print("dpl: stopped by SIGTERM after the current step; checkpoints already written are complete (a run "
+              "without one was removed)", file=sys.stderr)
+        raise SystemExit(143) from None
     except Exception as exc:
         error = _dpl_error_in(exc)
         if error is None or os.environ.get("DPL_DEBUG"):
@@ -336,7 +450,7 @@ def summarize_parse_error(message: str, argv: list[str], parser: Any = None) -> 
         typed = _typed_option(group.group(1), key, argv)
         return _unknown_option(typed, (group.group(1), key, candidates), [])
     if re.search(r'expected "subcommand"', text):
-        return f"expected a command: fit, validate, test, predict, {', '.join(COMMANDS)} (see dpl --help)"
+        return f"expected a command: fit, validate, test, {', '.join(COMMANDS)} (see dpl --help)"
     if "arguments are required" in text and (".model" in text or ".data" in text):
         return f"{text.strip()} (give a config: dpl fit --config configs/quickstart.yaml)"
     keys = re.findall(r'Parser key "([^"]+)"', text)

@@ -208,6 +208,8 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         return [], f"__missing__ {missing}"
     if args[0] in ("plugins",):
         return args, None
+    if args[0] in ("predict", "export", "report"):  # after training: a run (trained first if need be) and inputs
+        return [_after_training_path(a, world) for a in args], None
     if args[0] == "audit":
         return args + ["--steps", "3", "--canaries", "20", "--examples", "20", "--batch_size", "4"], None
     merged = _merged(configs, work)
@@ -232,19 +234,7 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
             else:
                 args[i] = str(world[kind.lower()])
         elif "/.../" in a:
-            head, tail = a.split("/.../")
-            found = sorted((work / head).glob(f"**/{tail}"))
-            if not found and head.startswith("runs/quickstart"):  # run alone: train the quickstart first
-                fit, _ = prepare("dpl fit --config configs/quickstart.yaml", world)
-                cwd = Path.cwd()
-                try:
-                    os.chdir(work)
-                    main(fit)
-                finally:
-                    os.chdir(cwd)
-                found = sorted((work / head).glob(f"**/{tail}"))
-            assert found, f"{a}: no such file after the runs before it"
-            args[i] = str(found[-1])
+            args[i] = _run_file(a, world)
     init = (merged.get("data") or {}).get("init_args") or {}
     shared = _option(args, "--data.data_dir") or str(init.get("data_dir") or "")
     if kind == "classification" and shared.startswith("../shared/data/") and not (work / shared).exists():
@@ -263,6 +253,36 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         if generation or "Generation" in model_class:
             args += ["--model.init_args.generation.max_new_tokens", "4"]
     return args, None
+
+
+def _run_file(pattern: str, world: dict) -> str:
+    """``runs/<name>/.../<file>``: the newest such file of the runs before (the quickstart is trained if need be)."""
+    work = world["work"]
+    head, tail = pattern.split("/.../")
+    found = sorted((work / head).glob(f"**/{tail}"))
+    if not found and head.startswith("runs/quickstart"):  # run alone: train the quickstart first
+        fit, _ = prepare("dpl fit --config configs/quickstart.yaml", world)
+        cwd = Path.cwd()
+        try:
+            os.chdir(work)
+            main(fit)
+        finally:
+            os.chdir(cwd)
+        found = sorted((work / head).glob(f"**/{tail}"))
+    assert found, f"{pattern}: no such file after the runs before it"
+    return str(found[-1])
+
+
+def _after_training_path(arg: str, world: dict) -> str:
+    """An argument of dpl predict/export/report: a run's file, or an input file of a few sentences."""
+    if "/.../" in arg:
+        return _run_file(arg, world)
+    if arg.startswith("path/to/"):
+        path = world["tmp"] / "inputs" / Path(arg).name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("the movie was very good\nthe plot was awful\n")
+        return str(path)
+    return arg
 
 
 def _multi_process(args: list[str], world: dict) -> bool:

@@ -75,7 +75,20 @@ def test_help_shows_dpl_and_its_commands(capsys):
     assert "plugins" in out and "fit" in out
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
-    assert "--model.help" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--model.help" in out and "max_grad_norm" in out and "--model.privacy.help" in out
+
+
+def test_privacy_help_lists_every_privacy_option(capsys):
+    import dataclasses
+
+    from dpl.core.privacy import PrivacyConfig
+
+    main(["fit", "--model.privacy.help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(PrivacyConfig):
+        assert f"--model.privacy.{f.name} (" in out
+    assert "calibrated" in out  # the meaning, from the docstring
 
 
 def test_help_lists_every_task_class_and_finds_it_by_name(capsys):
@@ -92,7 +105,9 @@ def test_help_lists_every_task_class_and_finds_it_by_name(capsys):
     for info in pkgutil.walk_packages(dpl.tasks.__path__, "dpl.tasks."):
         for _, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):
             for base, names in shipped.items():
-                if issubclass(cls, base) and cls is not base and cls.__module__ == info.name:
+                # DPTaskModule is a base class, not a task
+                abstract = base is DPModule and issubclass(cls, base) and cls.build_model is DPModule.build_model
+                if issubclass(cls, base) and cls is not base and cls.__module__ == info.name and not abstract:
                     names.add(cls.__name__)
     models, data = task_classes()
     assert set(models) == shipped[DPModule] and set(data) == shipped[DPDataModule]
@@ -186,3 +201,64 @@ def test_classification_data_stays_out_of_the_datasets_cache(tmp_path, monkeypat
     assert not any(cache.rglob("*")), list(cache.rglob("*"))
     assert not any(Path(p).is_file() and b"secret-row" in Path(p).read_bytes()
                    for p in tmp_path.rglob("*") if Path(p).parent != data and Path(p).is_file())
+
+
+def test_validate_a_run_writes_nothing_and_says_where_the_head_comes_from(tiny, tmp_path, capsys, caplog):
+    _, _, headless = tiny
+    root = tmp_path / "runs"
+    main(_args(tiny, root, model=headless))
+    capsys.readouterr()
+    ckpt = next(root.rglob("checkpoints/last.ckpt"))
+    before = sorted(p for p in root.rglob("*"))
+    import warnings
+
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["validate", *_args(tiny, root, "--ckpt_path", str(ckpt), model=headless)[1:]])
+    out, err = capsys.readouterr()
+    shown = err + " ".join(str(w.message) for w in caught)
+    assert "val_acc" in out and "dirpath has changed" not in shown and "callbacks used to create" not in shown
+    assert sorted(p for p in root.rglob("*")) == before  # no version_1, no config.yaml, no checkpoint
+    assert "new classification head classifier.bias, classifier.weight (not in" in caplog.text
+    assert "weights from the checkpoint" in caplog.text and "trained under DP" not in caplog.text
+
+
+def test_plain_progress_while_validating():
+    import io
+
+    stream = io.StringIO()
+    bar = PlainProgress(interval=0.0, stream=stream)
+    trainer = SimpleNamespace(sanity_checking=False, num_val_batches=[3])
+    bar.on_validation_start(trainer, None)
+    bar.on_validation_batch_end(trainer, None, None, None, 0)
+    assert stream.getvalue().startswith("dpl: validating: batch 1/3 after ")
+
+
+def test_dpl_info_lines_once_per_run(caplog, monkeypatch):
+    import logging
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from dpl.lightning.cli import _rank_zero_info
+
+    record = logging.LogRecord("dpl", logging.INFO, __file__, 1, "dpl: N=10", None, None)
+    warning = logging.LogRecord("dpl", logging.WARNING, __file__, 1, "dpl: careful", None, None)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert not _rank_zero_info(record) and _rank_zero_info(warning)
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    assert _rank_zero_info(record)
+
+
+def test_no_gguf_bar_off_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from dpl.tasks.loading import _no_gguf_bar_in_logs
+
+    original = gguf_utils.tqdm
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with _no_gguf_bar_in_logs(True):
+        assert gguf_utils.tqdm([1]).disable
+    assert gguf_utils.tqdm is original

@@ -93,8 +93,8 @@ def _number(value: Any) -> float | None:
 
 
 class PlainProgress(ProgressBar):
-    """Plain progress lines for logs (stdout not a terminal): every ``interval`` seconds, after the first and the
-    last step and after each validation, e.g.::
+    """Plain progress lines for logs (stdout not a terminal): every ``interval`` seconds (also while validating),
+    after the first and the last step and after each validation, e.g.::
 
         dpl: step 40/93 (epoch 1/3) | epsilon 5.121 | 0.92 steps/s, 59.1 examples/s | val_acc 0.8125
     """
@@ -109,6 +109,7 @@ class PlainProgress(ProgressBar):
         self._examples = 0
         self._steps = 0
         self._planned = 0
+        self._validation_start = 0.0
 
     def disable(self) -> None:
         self._enabled = False
@@ -144,6 +145,20 @@ class PlainProgress(ProgressBar):
         if self._steps == 1 or last or now - self._last >= self.interval:
             self._last = now
             self._write(self._line(trainer, pl_module, now))
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validation_start = self._last = time.monotonic()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        """A line every ``interval`` seconds during a long validation (generating text can take minutes)."""
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            totals = trainer.num_val_batches
+            total = totals[dataloader_idx] if isinstance(totals, list) and dataloader_idx < len(totals) else totals
+            of = f"/{int(total)}" if isinstance(total, (int, float)) and total < float("inf") else ""
+            self._write(f"dpl: validating: batch {batch_idx + 1}{of} after {now - self._validation_start:.0f} s")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":

