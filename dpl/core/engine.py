@@ -169,8 +169,14 @@ class PrivateEngine:
         self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
         self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
         log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s, %s "
-                 "adjacency]", num_examples, cfg.batch_size, plan.sampling_rate, steps, self.noise_multiplier,
+                 "adjacency]", num_examples, cfg.batch_size, self.sampling_rate, steps, self.noise_multiplier,
                  cfg.max_grad_norm, self.final_epsilon(), plan.delta, mechanism.name, mechanism.adjacency)
+
+    @property
+    def sampling_rate(self) -> float:
+        """The rate at which an example is sampled in a step it can be sampled in: the mechanism's own where it has
+        one (amplified banded samples one partition per step at B b / N), else B / N."""
+        return float(getattr(self.mechanism, "sample_rate", self._configured_plan().sampling_rate))
 
     def _configured_plan(self) -> Plan:
         if self.plan is None:
@@ -301,7 +307,7 @@ class PrivateEngine:
             "epsilon_at_delta": {float(d): self.epsilon(delta=d) for d in deltas} if ready else {},
             "delta": plan.delta if ready else None, "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": cfg.max_grad_norm, "batch_size": cfg.batch_size,
-            "sampling_rate": plan.sampling_rate if ready else None,
+            "sampling_rate": self.sampling_rate if ready else None,
             "sampling": getattr(mechanism, "sampling", "poisson" if hasattr(mechanism, "sample_rate") else "shuffle"),
             "steps_per_epoch": plan.steps_per_epoch if ready else 0, "steps_planned": plan.steps if ready else 0,
             "steps_taken": self.steps_done, "resumed_segments": [list(s) for s in self.history],
