@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
 
-from dpl.lightning.cli import main
+from dpl.cli import main
 from dpl.trained.predict import predict, write_outputs
 from dpl.trained.runs import load_run
 

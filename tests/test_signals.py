@@ -38,7 +38,7 @@ def _start(world, root: Path, *extra: str) -> subprocess.Popen:
             "--data.data_dir", str(tmp / "data"), "--data.max_length", "16", "--trainer.max_steps", "3000",
             "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "dpl.lightning.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "dpl.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
