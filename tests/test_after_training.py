@@ -70,7 +70,7 @@ def test_classification_journey(classification, tmp_path, capsys, pooling):
     # the privacy report: in the run folder and in the checkpoint, epsilon as in the summary and in metrics.csv
     report = json.loads((run_dir / "privacy.json").read_text())
     assert round(report["epsilon"], 3) == epsilon and report["steps_taken"] == report["steps_planned"] == 6
-    assert report["mechanism"] == "gaussian" and report["adjacency"] == "add/remove"
+    assert report["mechanism"] == "gaussian" and report["adjacency"] == "add_remove"
     assert report["sampling"] == "poisson" and report["sampling_rate"] == pytest.approx(16 / 160)
     deltas = [row["delta"] for row in report["epsilon_delta_table"]]
     epsilons = [row["epsilon"] for row in report["epsilon_delta_table"]]
@@ -307,7 +307,7 @@ def test_privacy_report_of_a_shuffled_mechanism(tmp_path):
     from dpl.lightning.report import PrivacyReport, build_report, report_markdown
 
     module = VectorModule(privacy=PrivacyConfig(target_epsilon=3.0, batch_size=8, physical_batch_size=8),
-                          plugins={"ftrl": {"noise": "banded", "bands": 3}},
+                          plugins={"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": 3}},
                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp_path),
@@ -315,7 +315,7 @@ def test_privacy_report_of_a_shuffled_mechanism(tmp_path):
     trainer.fit(module, datamodule=VectorDataModule())
     report = build_report(module)
     assert report["sampling"] == "shuffle" and report["mechanism"] == "ftrl"
-    assert report["plugins"] == {"ftrl": {"noise": "banded", "bands": 3}}
+    assert report["plugins"] == {"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": 3}}
     assert report["epochs_planned"] == pytest.approx(10 / 8) and report["steps_taken"] == 10
     assert report["epsilon"] == pytest.approx(module.epsilon_after(10)) and report["accountant"] != "prv"
     assert "fixed-size batches of 8 from one secret shuffled order" in report_markdown(report)

@@ -27,7 +27,8 @@ def build_parser() -> Any:
 
 
 def audit_command(argv: list[str]) -> int:
-    """``dpl audit [--config FILE] [--KEY VALUE ...]``: run an audit, print the report, optionally write JSON."""
+    """``dpl audit [--config FILE] [--KEY VALUE ...]``: run an audit, print the report, optionally write JSON; exit code
+    1 when the report says VIOLATION (so that a CI job fails), 2 on bad input."""
     import os
 
     parser = build_parser()
@@ -47,4 +48,4 @@ def audit_command(argv: list[str]) -> int:
             json.dump(result.to_dict(), f, indent=2)
             f.write("\n")
         print(f"  report written to {args.output}")
-    return 0
+    return 1 if result.violation else 0

@@ -311,7 +311,7 @@ class PrivateEngine:
             "sampling": getattr(mechanism, "sampling", "poisson" if hasattr(mechanism, "sample_rate") else "shuffle"),
             "steps_per_epoch": plan.steps_per_epoch if ready else 0, "steps_planned": plan.steps if ready else 0,
             "steps_taken": self.steps_done, "resumed_segments": [list(s) for s in self.history],
-            "accountant": getattr(mechanism, "accountant", "exact Gaussian mechanism"),
+            "accountant": getattr(mechanism, "accounting", None) or getattr(mechanism, "accountant", cfg.accountant),
             "adjacency": mechanism.adjacency if ready else None,
             "mechanism": mechanism.name if ready else None,
             "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from dpl.lightning.checkpoint import _write_atomic
@@ -46,14 +47,24 @@ def accountant_note(summary: dict[str, Any]) -> str:
     return f"{accountant}: exact for the released stream"
 
 
+#: the neighbouring relation of each adjacency a mechanism can state (``Mechanism.adjacency``)
+ADJACENCY_TEXT = {"add_remove": "adding or removing one training example",
+                  "zero_out": "replacing one training example's contribution by zero (zero-out)",
+                  "replace_one": "replacing one training example by another"}
+
+
+def adjacency_text(adjacency: str | None) -> str:
+    return ADJACENCY_TEXT.get(adjacency, f"{adjacency} adjacency of one training example")
+
+
 def build_report(module: Any) -> dict[str, Any]:
     """The report of ``module`` (a :class:`~dpl.lightning.module.DPModule` whose privacy is prepared)."""
     delta = module.privacy_summary()["delta"]
     deltas = tuple(delta * f for f in DELTA_FACTORS if delta * f < 1) if delta else ()
     summary = module.privacy_summary(deltas)
     report = {
-        "guarantee": f"(epsilon, delta)-DP with respect to {summary['adjacency']} of one training example "
-                     "(example-level), for the model's weights and everything computed from them",
+        "guarantee": f"(epsilon, delta)-DP with respect to {adjacency_text(summary['adjacency'])} (example-level), "
+                     "for the model's weights and everything computed from them",
         **{k: v for k, v in summary.items() if k != "epsilon_at_delta"},
         "epsilon_delta_table": [{"delta": d, "epsilon": e} for d, e in summary["epsilon_at_delta"].items()],
         "accountant_note": accountant_note(summary),
@@ -74,6 +85,9 @@ def _sampling_text(report: dict[str, Any]) -> str:
     if report["sampling"] == "poisson":
         return (f"Poisson sampling with rate q = {_fmt(report['sampling_rate'], '.4g')} (expected batch size "
                 f"{report['batch_size']})")
+    if report["sampling"] == "cyclic_poisson":
+        return (f"Poisson sampling with rate q = {_fmt(report['sampling_rate'], '.4g')} within one secret partition "
+                f"of the data per step (expected batch size {report['batch_size']})")
     epochs = report.get("epochs_planned")
     return (f"fixed-size batches of {report['batch_size']} from one secret shuffled order"
             + (f", {_fmt(epochs, '.3g')} epochs" if epochs is not None else ""))
@@ -84,7 +98,7 @@ def model_card_paragraph(report: dict[str, Any]) -> str:
     plugins = ", ".join(report["plugins"]) or "none"
     return (f"This model was fine-tuned with differential privacy using dpl {report['dpl_version']}. It satisfies "
             f"({_fmt(report['epsilon'], '.2f')}, {_fmt(report['delta'], '.2g')})-differential privacy with respect "
-            f"to {report['adjacency']} of one training example, among {report['num_examples']} training examples, "
+            f"to {adjacency_text(report['adjacency'])}, among {report['num_examples']} training examples, "
             f"for its weights and everything computed from them. Training ran {report['steps_taken']} private steps "
             f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, each example's "
             f"gradient clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
@@ -104,7 +118,7 @@ def report_markdown(report: dict[str, Any]) -> str:
             ("mechanism", str(report["mechanism"])),
             ("plugins", json.dumps(report["plugins"]) if report["plugins"] else "none (defaults: clip, gaussian)"),
             ("accountant", report["accountant_note"]),
-            ("adjacency", f"{report['adjacency']} one example"),
+            ("adjacency", f"{report['adjacency']}: {adjacency_text(report['adjacency'])}"),
             ("dpl version", str(report["dpl_version"]))]
     lines = ["# Privacy report", "", report["guarantee"] + ".", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
@@ -149,7 +163,8 @@ class PrivacyReport(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if getattr(pl_module, "mechanism", None) is None:
             return
-        epsilon = pl_module.epsilon_after(pl_module.steps_done)
+        # float32, as the values the module logs every step (Lightning logs tensors), so that the column stays monotone
+        epsilon = float(torch.tensor(pl_module.epsilon_after(pl_module.steps_done), dtype=torch.float32))
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics({"epsilon": epsilon}, step=max(0, trainer.global_step - 1))

@@ -186,6 +186,12 @@ class FTRLMechanism:
         return self.strategy.steps
 
     @property
+    def accounting(self) -> str:
+        """How epsilon is computed: the PRV (or RDP) accountant of the subsampled Gaussian for amplified banded, the
+        exact Gaussian mechanism for a shuffled order."""
+        return self.accountant if self.sampling == "cyclic_poisson" else "exact Gaussian mechanism"
+
+    @property
     def bands(self) -> int:
         return self.plan.bands
 
