@@ -366,7 +366,8 @@ def test_epsilon_schedule_bounds_and_costs():
         return math.sqrt(n) / 10
 
     schedule = EpsilonSchedule(epsilon_of, spacing=0.02)
-    assert schedule(5000) == epsilon_of(5000)  # the first ask: exact
+    assert schedule(5000) == epsilon_of(5000)  # the first ask: exact, and no thread for a one-off question
+    assert schedule._thread is None and len(calls) == 2
     values = [schedule(t) for t in range(1, 5001)]
     assert len(set(calls)) <= 300  # grid points (every count to 50, then 2% apart) and a few exact counts
     for t, value in zip(range(1, 5001), values):
