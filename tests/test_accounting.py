@@ -386,3 +386,22 @@ def test_mechanism_epsilon_is_exact_when_first_asked_and_an_upper_bound_per_step
     import copy
 
     assert copy.deepcopy(mechanism).epsilon(1.1, DELTA, 300) == epsilon_for(1.1, 0.03, 300, DELTA)
+
+
+def test_epsilon_of_segments_exact_when_first_asked_and_bounded_per_step():
+    from dpl.core.mechanism import PoissonGaussian
+
+    mechanism = PoissonGaussian(0.03)
+    before = [(1.0, 100, 0.03)]
+
+    def exact(n: int) -> float:
+        accountant = PoissonGaussianAccountant()
+        accountant.step(1.0, 0.03, 100)
+        accountant.step(1.3, 0.05, n)
+        return accountant.epsilon(DELTA)
+
+    assert mechanism.epsilon_of_segments([*before, (1.3, 200, 0.05)], DELTA) == exact(200)
+    for n in (1, 2, 60, 61, 150, 200):
+        assert exact(n) <= mechanism.epsilon_of_segments([*before, (1.3, n, 0.05)], DELTA) <= 1.026 * exact(n)
+    assert mechanism.epsilon_of_segments([*before, (1.3, 0, 0.05)], DELTA) == epsilon_for(1.0, 0.03, 100, DELTA)
+    assert mechanism.epsilon_of_segments([*before, (0.0, 3, 0.05)], DELTA) == math.inf
