@@ -366,7 +366,8 @@ def test_epsilon_schedule_bounds_and_costs():
         return math.sqrt(n) / 10
 
     schedule = EpsilonSchedule(epsilon_of, spacing=0.02)
-    assert schedule(5000) == epsilon_of(5000)  # the first ask: exact
+    assert schedule(5000) == epsilon_of(5000)  # the first ask: exact, and no thread for a one-off question
+    assert schedule._thread is None and len(calls) == 2
     values = [schedule(t) for t in range(1, 5001)]
     assert len(set(calls)) <= 300  # grid points (every count to 50, then 2% apart) and a few exact counts
     for t, value in zip(range(1, 5001), values):
@@ -385,3 +386,22 @@ def test_mechanism_epsilon_is_exact_when_first_asked_and_an_upper_bound_per_step
     import copy
 
     assert copy.deepcopy(mechanism).epsilon(1.1, DELTA, 300) == epsilon_for(1.1, 0.03, 300, DELTA)
+
+
+def test_epsilon_of_segments_exact_when_first_asked_and_bounded_per_step():
+    from dpl.core.mechanism import PoissonGaussian, Segment
+
+    mechanism = PoissonGaussian(0.03)
+    before = [Segment(1.0, 0.03, 100)]
+
+    def exact(n: int) -> float:
+        accountant = PoissonGaussianAccountant()
+        accountant.step(1.0, 0.03, 100)
+        accountant.step(1.3, 0.05, n)
+        return accountant.epsilon(DELTA)
+
+    assert mechanism.epsilon_of_segments([*before, Segment(1.3, 0.05, 200)], DELTA) == exact(200)
+    for n in (1, 2, 60, 61, 150, 200):
+        assert exact(n) <= mechanism.epsilon_of_segments([*before, Segment(1.3, 0.05, n)], DELTA) <= 1.026 * exact(n)
+    assert mechanism.epsilon_of_segments([*before, Segment(1.3, 0.05, 0)], DELTA) == epsilon_for(1.0, 0.03, 100, DELTA)
+    assert mechanism.epsilon_of_segments([*before, Segment(0.0, 0.05, 3)], DELTA) == math.inf

@@ -71,7 +71,7 @@ class PoissonGaussian:
     def __init__(self, sample_rate: float, accountant: str = "prv") -> None:
         self.sample_rate = sample_rate
         self.accountant = accountant
-        self._schedules: dict[tuple[float, float, str], Any] = {}
+        self._schedules: dict[tuple, Any] = {}  # epsilon schedules by mechanism settings
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
@@ -84,30 +84,42 @@ class PoissonGaussian:
         return accounting.calibrate_noise_multiplier(target_epsilon, delta, self.sample_rate, steps,
                                                      method=self.accountant)
 
+    def _schedule(self, key: tuple, epsilon_of) -> Any:
+        from dpl.core.accounting import EpsilonSchedule
+
+        if key not in self._schedules:
+            self._schedules[key] = EpsilonSchedule(epsilon_of)
+        return self._schedules[key]
+
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
         """Epsilon after ``steps`` steps from an :class:`~dpl.core.accounting.EpsilonSchedule` computed ahead:
         exact on a grid 5% apart and at counts first asked beyond it (the plan's total, asked at setup), otherwise
         the next grid point's value (at most ~2.5% above), computed ahead by a background thread."""
         from dpl.core import accounting
 
-        key = (float(noise_multiplier), float(delta), self.accountant)
-        schedule = self._schedules.get(key)
-        if schedule is None:
-            rate, method = self.sample_rate, self.accountant
-            schedule = self._schedules[key] = accounting.EpsilonSchedule(
-                lambda n: accounting.epsilon_for(noise_multiplier, rate, n, delta, method=method))
-        return schedule(steps)
+        rate, method = self.sample_rate, self.accountant
+        return self._schedule((float(noise_multiplier), float(delta), method), lambda n: accounting.epsilon_for(
+            noise_multiplier, rate, n, delta, method=method))(steps)
 
     def __getstate__(self) -> dict[str, Any]:  # schedules hold a thread: copies start without them
         return {**self.__dict__, "_schedules": {}}
 
     def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
+        """Epsilon of the segments; the steps of the last one read from a schedule as :meth:`epsilon` does."""
+        plain = [Segment(float(s.noise_multiplier), float(s.sample_rate), int(s.steps)) for s in segments]
+        if any(s.noise_multiplier == 0 and s.steps > 0 for s in plain):
+            return math.inf
+        if not plain or plain[-1].steps == 0:
+            return self._composed(plain, delta)
+        *done, last = plain
+        return self._schedule((tuple(done), last.noise_multiplier, last.sample_rate, float(delta), self.accountant),
+                              lambda n: self._composed([*done, last._replace(steps=n)], delta))(last.steps)
+
+    def _composed(self, segments: Sequence[Segment], delta: float) -> float:
         from dpl.core.accounting import PoissonGaussianAccountant
 
         accountant = PoissonGaussianAccountant(self.accountant)
         for segment in segments:
-            if segment.noise_multiplier == 0 and segment.steps > 0:
-                return math.inf
             accountant.step(segment.noise_multiplier, segment.sample_rate, segment.steps)
         return accountant.epsilon(delta)
 

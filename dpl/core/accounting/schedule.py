@@ -3,18 +3,32 @@
 A PRV evaluation costs 30-300 ms; a training step may take 50 ms. :class:`EpsilonSchedule` answers
 ``epsilon(steps)`` for a fixed mechanism from values a background thread computes ahead, in order, on a grid of
 step counts (every count up to 1 / spacing, then ratio ``1 + spacing``) up to the largest count asked so far
-(the plan's total, asked at setup). A count between grid points gets the value of the next grid point: an upper
-bound (epsilon grows with the steps), at most ~``spacing / 2`` above the exact value (epsilon grows about as the
-square root of the steps). A count beyond every grid point asked about (the plan's total at setup) is computed
-exactly in the caller; a step that outruns the thread waits for it.
+(the plan's total, asked at setup), from the second question on (a one-off question starts no thread). A count
+between grid points gets the value of the next grid point: an upper bound (epsilon grows with the steps), at most
+~``spacing / 2`` above the exact value (epsilon grows about as the square root of the steps). A count with no
+known value up to its grid point (the plan's total at setup, the first step) is computed exactly in the caller;
+a step that outruns the thread waits for it.
 """
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import math
 import threading
+import weakref
 from collections.abc import Callable
+
+
+_running: weakref.WeakSet[EpsilonSchedule] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Let every schedule's thread finish its evaluation before the interpreter shuts down (a thread still inside
+    native code at shutdown aborts the process)."""
+    for schedule in list(_running):
+        schedule.stop()
 
 
 class EpsilonSchedule:
@@ -35,6 +49,7 @@ class EpsilonSchedule:
         self._horizon = 0  # the thread computes grid points up to this one
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._largest = 0  # the largest count asked so far
 
     def grid_point(self, steps: int) -> int:
         """The smallest grid step count >= ``steps``: every count up to 1 / spacing, then ceil(e^(k l) / spacing)
@@ -78,13 +93,23 @@ class EpsilonSchedule:
                     self._changed.wait(1.0)
         if value is None:
             value = self.exact(steps)
-        self._ahead(self.grid_point(steps))
+        if self._largest:  # asked again: a training loop, worth computing ahead (a one-off question is not)
+            self._ahead(self.grid_point(max(self._largest, steps + 1)))
+        self._largest = max(self._largest, steps)
         return value
+
+    def stop(self) -> None:
+        """Stop computing ahead (after the evaluation under way)."""
+        with self._changed:
+            self._horizon, thread = 0, self._thread
+        if thread is not None:
+            thread.join()
 
     def _ahead(self, horizon: int) -> None:
         """Have the thread compute every grid point up to ``horizon``."""
         with self._changed:
             self._horizon = max(self._horizon, horizon)
+            _running.add(self)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="dpl-epsilon", daemon=True)
                 self._thread.start()
