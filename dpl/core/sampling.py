@@ -78,3 +78,12 @@ def derive_seed(seed: int | None, purpose: str) -> int | None:
 
     digest = hashlib.sha256(f"{seed}:{purpose}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def derive_key(seed: int | None, purpose: str) -> bytes | None:
+    """A per-purpose 256-bit key derived from the user's ``privacy.seed`` (``None`` stays ``None``: OS entropy)."""
+    if seed is None:
+        return None
+    import hashlib
+
+    return hashlib.sha256(f"{seed}:{purpose}:key".encode()).digest()

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dpl.errors import PluginError
 from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.noise import NoiseSource
 
 #: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
 PADDING_KEY = "dpl_padding"
@@ -51,7 +52,7 @@ class StepContext:
     noise_multiplier: float
     expected_batch_size: int
     step: int
-    noise_generator: torch.Generator
+    noise_generator: NoiseSource
     log: Callable[[str, float], None]
     scratch: dict[str, Any] = field(default_factory=dict)  # per-step values shared by estimate_gradient / privatize
     public_seed: int = 0

@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 import torch
 
-from dpl.api import ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, StepContext, hookimpl, normal
+from dpl.api import (ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, SecureNormal, StepContext,
+                     hookimpl, normal)
 from dpl_plugins.ftrl.choice import band_range, choose
 from dpl_plugins.ftrl.mechanism import CyclicPoissonSampler, FTRLMechanism, Plan, ShuffledBatchSampler
 from dpl_plugins.ftrl.strategies import Strategy, make_strategy
@@ -185,8 +186,8 @@ class FTRLPlugin:
             if self.stream is None:
                 self.stream = self._new_stream()
             if isinstance(self.stream, DenseRegenerateStream):
-                if not isinstance(ctx.noise_generator, torch.Generator):
-                    raise ConfigError("ftrl: memory: regenerate needs a replayable torch.Generator noise source")
+                if isinstance(ctx.noise_generator, SecureNormal):
+                    raise ConfigError("ftrl: memory: regenerate needs a replayable noise source (not secure_noise)")
 
                 def draw(source: Any) -> dict[str, torch.Tensor]:
                     return {k: normal(v.shape, source, device=v.device, dtype=v.dtype) for k, v in totals.items()}

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dpl.api import replay_source
+
 Draw = Callable[[Any], dict[str, Tensor]]  # draw(source) -> {key: z}
 
 
@@ -190,16 +192,15 @@ class DenseRegenerateStream:
         self.beta = [float(x) for x in beta]
         self.states: list[Tensor] = []
 
-    def record(self, generator: torch.Generator) -> None:
-        self.states.append(generator.get_state())
+    def record(self, source: Any) -> None:
+        self.source = source
+        self.states.append(source.get_state())
 
     def push(self, z: dict[str, Tensor], draw: Draw, device: torch.device | str) -> dict[str, Tensor]:
         t = len(self.states) - 1
         w = {k: v.clone() for k, v in z.items()}
-        replay = torch.Generator(device=device)
         for s in range(t):
-            replay.set_state(self.states[s])
-            past = draw(replay)
+            past = draw(replay_source(self.source, self.states[s]))
             for key, out in w.items():
                 out.add_(past[key], alpha=self.beta[t - s])
         return w
