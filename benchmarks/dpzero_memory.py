@@ -121,6 +121,7 @@ def _operation(mode: str, module, batch, batch_size: int):
     """The timed operation of ``mode`` on ``module``'s model."""
     import torch
 
+    from dpl.core.noise import noise_source
     from dpl.core.plugin_manager import create_plugin_manager
     from dpl.core.step import StepContext, private_step
     from dpl.core.update import apply_direction
@@ -143,7 +144,7 @@ def _operation(mode: str, module, batch, batch_size: int):
     pm = create_plugin_manager(plugins)
     optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if zeroth
                  else torch.optim.AdamW(trainable.values(), lr=1e-6))
-    noise = torch.Generator().manual_seed(0)
+    noise = noise_source(None)  # the default noise source
 
     def op():
         model.train()

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dpl.core.noise import noise_source
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.ftrl.streams import BandedStream, BLTStream
@@ -82,7 +83,7 @@ def variant(model, batch, plugins: dict | None, steps: int, unfused: bool = Fals
         new_stream = plugin._new_stream
         plugin._new_stream = lambda: UNFUSED[plugin.strategy.family](*_stream_args(new_stream()))
     state = {"step": 0}
-    gen = torch.Generator().manual_seed(0)
+    gen = noise_source(None)  # the default noise source
 
     def loss(b):
         out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from step_time import load, make_batch
 
 import dpl.core.per_example as pe
+from dpl.core.noise import normal, noise_source
 
 
 def main() -> None:
@@ -27,6 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     model, batch = load("full", freeze_embeddings=args.freeze_embeddings), make_batch(32, 64)
     clipper = pe.PerExampleClipper(model)
+    source = noise_source(None)  # the default noise source
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def losses():
@@ -65,7 +67,7 @@ def main() -> None:
         t.update(by_kind)
         clipper._clear()
         start = time.perf_counter()
-        torch.randn(numel)
+        normal((numel,), source)
         t[f"noise ({numel / 1e6:.1f}M)"] = time.perf_counter() - start
         print("  ".join(f"{k} {v:.3f}s" for k, v in t.items()))
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+from dpl.core.noise import noise_source
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.step import StepContext, private_step
 from dpl.tasks.loading import resolve_path
@@ -67,7 +68,7 @@ def dpl_step(model, batch, plugins: dict | None = None, noise_device: str = "cpu
     size = batch["labels"].shape[0]
     ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
                       noise_multiplier=1.0, expected_batch_size=size, step=0,
-                      noise_generator=torch.Generator(device=noise_device).manual_seed(0), log=lambda *a: None)
+                      noise_generator=noise_source(None, noise_device), log=lambda *a: None)
 
     def step():
         direction = private_step(pm.hook, ctx, batch, physical_batch_size=size)

@@ -17,7 +17,7 @@ from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment
 from dpl.core.noise import NoiseSource, SecureNormal, normal, replay_source
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import Contract
-from dpl.core.sampling import PoissonBatchSampler
+from dpl.core.sampling import PoissonBatchSampler, poisson_mask
 from dpl.core.step import PADDING_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
 from dpl.core.update import StreamingDirection, streaming_refusal
 from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarning
@@ -26,4 +26,5 @@ __all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource",
            "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
            "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "Segment", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
-           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "normal", "replay_source", "streaming_refusal"]
+           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "normal", "poisson_mask", "replay_source",
+           "streaming_refusal"]

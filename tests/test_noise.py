@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dpl.core.noise import KeyedNormal, SecureNormal, box_muller, noise_source, normal, replay_source
+from dpl.core.sampling import PoissonBatchSampler, poisson_mask
 
 N = 400_000
 Sampler = Callable[[int], torch.Tensor]
@@ -171,3 +172,14 @@ def test_cuda_noise_source_draws_float64_rounded_once():
     values = normal((1 << 20,), source)
     assert values.dtype == torch.float32 and values.device.type == "cuda"
     assert torch.equal(values, torch.randn(1 << 20, generator=copy, device="cuda", dtype=torch.float64).float())
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+def test_poisson_inclusion_uses_53_bit_uniforms():
+    """Inclusion compares float64 uniforms, so P(include) is the accounted rate. float32 ``rand`` returns u = 0 with
+    probability 2^-24: a rate of 2^-30 would include examples 64 times too often. Seeded: deterministic."""
+    g, copy = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(poisson_mask(1000, 0.3, g), torch.rand(1000, generator=copy, dtype=torch.float64) < 0.3)
+    rate, n, steps = 2.0 ** -30, 1 << 22, 16  # expected inclusions: 1/16 (float32 uniforms: 4)
+    assert (torch.rand(n * steps, generator=torch.Generator().manual_seed(1)) < rate).sum() > 0
+    assert sum(map(len, PoissonBatchSampler(n, rate, steps, torch.Generator().manual_seed(1)))) == 0

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Sampler
 
 from dpl.api import (ConfigError, Segment, calibrate_gaussian_mechanism, calibrate_noise_multiplier, epsilon_for,
-                     gaussian_mechanism_epsilon)
+                     gaussian_mechanism_epsilon, poisson_mask)
 from dpl_plugins.ftrl.strategies import Strategy, strategy_from_params
 
 log = logging.getLogger("dpl")
@@ -132,7 +132,7 @@ class CyclicPoissonSampler(_StepSampler):
         b, m = mech.bands, mech.num_examples // mech.bands
         members = mech.ensure_permutation(self.generator)[(step % b) * m:(step % b + 1) * m] if b > 1 else None
         mech.record_sampler_state(step, self.generator.get_state())
-        mask = torch.rand(m, generator=self.generator) < mech.sample_rate
+        mask = poisson_mask(m, mech.sample_rate, self.generator)
         return (mask.nonzero().flatten() if members is None else members[mask]).tolist()
 
 
