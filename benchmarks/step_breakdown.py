@@ -1,6 +1,6 @@
-"""Where the private step's time goes, phase by phase (MiniLM full fine-tuning).
+"""Where the private step's time goes, phase by phase (MiniLM full fine-tuning or LoRA).
 
-    python benchmarks/step_breakdown.py [--repeats 4] [--freeze-embeddings]
+    python benchmarks/step_breakdown.py [--repeats 4] [--method full|lora] [--freeze-embeddings]
 
 Phases: the recorded forward pass, ``autograd.grad`` at the layer outputs, per-example norms ("prepare"),
 the clipped weighted sums (norms and sums also per module kind), and drawing Gaussian noise for every trainable
@@ -24,9 +24,10 @@ from dpl.core.noise import normal, noise_source
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--method", choices=("full", "lora"), default="full")
     parser.add_argument("--freeze-embeddings", action="store_true")
     args = parser.parse_args()
-    model, batch = load("full", freeze_embeddings=args.freeze_embeddings), make_batch(32, 64)
+    model, batch = load(args.method, freeze_embeddings=args.freeze_embeddings), make_batch(32, 64)
     clipper = pe.PerExampleClipper(model)
     source = noise_source(None)  # the default noise source
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
