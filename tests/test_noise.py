@@ -148,6 +148,19 @@ def test_keyed_normal_is_a_function_of_key_and_counter():
         a.set_state(torch.zeros(5056, dtype=torch.uint8))  # a torch CPU generator's state
 
 
+def test_keyed_draws_do_not_depend_on_the_thread_count():
+    """Blocks of the keystream are computed by torch's thread count of workers; the values must not change."""
+    threads = torch.get_num_threads()
+    try:
+        draws = []
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            draws.append(normal((200_001,), KeyedNormal(bytes(32))))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*draws)
+
+
 def test_unkeyed_sources_take_their_key_from_os_urandom(monkeypatch):
     monkeypatch.setattr(os, "urandom", lambda k: bytes(range(k)))
     assert torch.equal(normal((100,), KeyedNormal()), normal((100,), KeyedNormal(bytes(range(32)))))

@@ -71,9 +71,10 @@ def privatize(ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient | 
     right after. The returned :class:`~dpl.core.gradients.PrivateGradient` must carry the per-coordinate standard
     deviation of the noise it contains (``noise_std``) so that later hooks can use it.
 
-    Privacy contract: the noise is drawn from ``ctx.noise_generator`` (its whole state filled from OS entropy
-    unless the user set ``privacy.seed``; identical on every DDP rank, so the noise is added once); no public
-    value may determine it (never ``ctx.public_seed``). The release's ``mechanism`` must be the name of the
+    Privacy contract: the noise is drawn from ``ctx.noise_generator`` through :func:`dpl.core.noise.normal` (a
+    secret ChaCha20 key from OS entropy unless the user set ``privacy.seed``; identical on every DDP rank, so the
+    noise is added once; never torch's float32 ``randn``, whose tails stop at 5.77 sigma); no public value may
+    determine it (never ``ctx.public_seed``). The release's ``mechanism`` must be the name of the
     mechanism the run accounts for (``configure_mechanism``); dpl checks it every step.
     Default: ``gaussian`` (independent N(0, sigma^2 C^2) per coordinate).
     Example: FTRL adds correlated noise built from the current and past draws.

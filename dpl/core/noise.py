@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -41,26 +42,42 @@ from torch import Tensor
 _MANTISSA = (1 << 52) - 1
 _ONE = 0x3FF0_0000_0000_0000  # bit pattern of the float64 1.0: OR-ed with 52 random mantissa bits, a value in [1, 2)
 _PAIRS = 1 << 15  # Box-Muller pairs per keystream block (512 KiB: the block's work stays in cache)
+_BLOCKS = 16 * _PAIRS // 64  # ChaCha20 blocks (64 bytes) per keystream block
 _KEY_BYTES = 32
 _MAX_DRAW = (1 << 32) * 64 // 16 * 2  # values per nonce: ChaCha20's 32-bit block counter, 16 bytes per pair
 
 
 def _gaussians(key: bytes, nonce: int, n: int, dtype: torch.dtype) -> Tensor:
     """n draws of N(0, 1) from the ChaCha20 keystream of (key, nonce): 52-bit uniforms, Box-Muller in float64,
-    each value rounded once to ``dtype``."""
+    each value rounded once to ``dtype``. Block k (``_PAIRS`` pairs) starts at ChaCha20 block ``k * _BLOCKS``, so the
+    blocks can be computed by several threads (torch's thread count) with the same result as by one."""
     if n > _MAX_DRAW:
         raise ValueError(f"one noise draw is limited to {_MAX_DRAW:,} values, asked for {n:,}")
     out = torch.empty(n, dtype=dtype)
-    # cryptography's 16-byte ChaCha20 nonce: a 32-bit little-endian block counter, then the 96-bit nonce
-    stream = Cipher(algorithms.ChaCha20(key, bytes(4) + nonce.to_bytes(12, "little")), mode=None).encryptor()
-    zeros, block = bytes(16 * min(_PAIRS, n)), bytearray(16 * min(_PAIRS, n))
-    bits = torch.frombuffer(block, dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
-    radius, trig = torch.empty(min(_PAIRS, n), dtype=torch.float64), torch.empty(min(_PAIRS, n), dtype=torch.float64)
-    with _one_thread():  # cache-sized blocks: forking threads for each operation costs more than it saves
-        for start in range(0, n, 2 * _PAIRS):
+    blocks = -(-n // (2 * _PAIRS))
+    workers = max(1, min(torch.get_num_threads(), blocks))
+    spans = [(blocks * w // workers, blocks * (w + 1) // workers) for w in range(workers)]
+
+    def fill(first: int, last: int) -> None:
+        # cryptography's 16-byte ChaCha20 nonce: a 32-bit little-endian block counter, then the 96-bit nonce
+        counter = (first * _BLOCKS).to_bytes(4, "little")
+        stream = Cipher(algorithms.ChaCha20(key, counter + nonce.to_bytes(12, "little")), mode=None).encryptor()
+        size = min(_PAIRS, (n + 1) // 2)
+        zeros, block = bytes(16 * size), bytearray(16 * size)
+        bits = torch.frombuffer(block, dtype=torch.int64)
+        radius, trig = torch.empty(size, dtype=torch.float64), torch.empty(size, dtype=torch.float64)
+        for start in range(2 * _PAIRS * first, min(n, 2 * _PAIRS * last), 2 * _PAIRS):
             m = min(_PAIRS, (n - start + 1) // 2)
             stream.update_into(memoryview(zeros)[:16 * m], block)
             box_muller(bits[:2 * m], out[start:start + 2 * m], radius, trig)
+
+    with _one_thread():  # cache-sized blocks: forking threads for each operation costs more than it saves
+        if workers == 1:
+            fill(0, blocks)
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                for done in [pool.submit(fill, *span) for span in spans]:
+                    done.result()
     return out
 
 
