@@ -157,10 +157,11 @@ NoiseSource = KeyedNormal | SecureNormal | torch.Generator
 
 
 def noise_source(key: bytes | None, device: torch.device | str = "cpu") -> KeyedNormal | torch.Generator:
-    """The run's secret noise source on ``device``: a :class:`KeyedNormal` under ``key`` (``None``: fresh from
-    ``os.urandom``) on the CPU; a CUDA (Philox) generator keyed with 64 bits of it elsewhere, drawn in float64."""
+    """The run's secret noise source on ``device``: a CUDA (Philox) generator keyed with 64 bits of ``key``
+    (``None``: fresh from ``os.urandom``), drawn in float64; elsewhere (CPU, or a device without float64 such as
+    MPS) a :class:`KeyedNormal` under ``key`` whose draws are moved to ``device``."""
     device = torch.device(device)
-    if device.type == "cpu":
+    if device.type != "cuda":
         return KeyedNormal(key, device)
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes((os.urandom(_KEY_BYTES) if key is None else key)[:8], "little") >> 1)
