@@ -9,7 +9,7 @@ from helpers import VectorData
 from torch import nn
 
 import pytest
-from dpl.api import GradientSum, PrivateGradient, hookimpl
+from dpl.api import ConfigError, GradientSum, PrivateGradient, hookimpl
 from dpl.core.engine import PrivateEngine
 from dpl.core.plugin_manager import create_plugin_manager, installed_plugins, implemented_hooks
 from dpl.core.privacy import PrivacyConfig
@@ -98,6 +98,18 @@ def test_public_state_holds_no_secret_and_a_resume_is_exact():
     for name, p in resumed_model.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0)
     assert resumed.epsilon() == engine.epsilon()
+
+
+def test_a_sidecar_with_an_old_noise_generator_state_is_refused_in_one_line():
+    """A sidecar from a dpl whose noise came from torch's float32 generator (an MT19937 state) cannot continue."""
+    engine = _engine(_model())
+    engine.start()
+    secret = engine.secret_state_dict()
+    secret["noise_rng"] = torch.Generator().get_state()
+    resumed = _engine(_model())
+    resumed.load_secret_state_dict(secret)
+    with pytest.raises(ConfigError, match="older dpl"):
+        resumed.start()
 
 
 class _StashInScratch:

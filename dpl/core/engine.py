@@ -445,7 +445,13 @@ class PrivateEngine:
                     obj.load_secret_state_dict(None)
             return
         if secret["noise_rng"] is not None and isinstance(self.noise_source, KeyedNormal | torch.Generator):
-            self.noise_source.set_state(secret["noise_rng"])
+            try:
+                self.noise_source.set_state(secret["noise_rng"])
+            except (ValueError, RuntimeError) as exc:
+                raise ConfigError("the checkpoint's .secret sidecar holds a noise state this dpl cannot continue "
+                                  "(written by an older dpl, whose noise came from torch's float32 sampler with "
+                                  "tails cut at 5.77 sigma, or on another device): move the sidecar away to resume "
+                                  "with fresh noise, or start a new run") from exc
         if secret["sampler_rng"] is not None and self._sampler_generator is not None:
             self._sampler_generator.set_state(secret["sampler_rng"])
         for name, sub in secret["states"].items():
