@@ -156,7 +156,7 @@ def test_finetune_denoise_quick(finetune_quick):
     for c in cells:
         assert sorted(c["curve"]) == sorted(steps)
         assert all(_finite(c["curve"][t][m]) for t in steps for m in metrics)
-        assert all(len(c["predictions"][t]) == res["settings_data"]["eval_sources"] for t in steps)
+        assert all(len(c["predictions"][t]) == res["data"]["eval_sources"] for t in steps)
         assert c["epsilon_spent"] < c["epsilon_planned"] <= s["epsilon"] + 1e-6  # 2 of the 400 planned steps
     assert cells[0]["fraction_denoised"] is None and 0.0 <= cells[1]["fraction_denoised"] <= 1.0
     assert [(p["step"], p["metric"]) for p in res["paired"]] == [(int(t), m) for t in steps for m in metrics]

@@ -40,6 +40,7 @@ first; figures ``docs/figures/studies_finetune_<study>.png`` (full runs only).
     python benchmarks/studies/finetune.py ftrl --device cuda       # full study (GPU)
     python benchmarks/studies/finetune.py denoise --device cuda    # full study (GPU)
     python benchmarks/studies/finetune.py ftrl --quick             # 3 steps on tiny data, CPU (the test)
+    python benchmarks/studies/finetune.py denoise --time-steps 3   # only time 3 real-scale steps and one evaluation
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,39 @@ class Model:
         self.reset()
         return private_training(self.model, self.trainable, self.module.per_example_loss, batch_of, num_examples,
                                 evaluate=evaluate, device=self.device, **settings)
+
+
+@dataclass
+class Setup:
+    """What the runs of a study share: the model, the training rows (``batch_of``, ``num_examples``), the
+    evaluation on the reported split (``evaluate``; ftrl: also ``tune_on``, the tuning rows), the training
+    settings common to every arm, and the sizes of the splits (``data``)."""
+
+    model: Model
+    batch_of: Callable[[list[int]], dict[str, Any]]
+    num_examples: int
+    evaluate: Callable[[], dict[str, Any]]
+    settings: dict[str, Any]
+    data: dict[str, int]
+    tune_on: Callable[[], dict[str, Any]] | None = None
+
+    def run(self, arm: dict[str, Any], evaluate: Callable[[], dict[str, Any]] | None = None,
+            **settings: Any) -> dict[str, Any]:
+        """One private training run of ``arm`` (``settings`` override the common ones)."""
+        return self.model.run(self.batch_of, self.num_examples, evaluate or self.evaluate, plugins=arm["plugins"],
+                              **{**self.settings, **settings})
+
+
+def time_steps(setup: Setup, arm: dict[str, Any], steps: int, **settings: Any) -> dict[str, Any]:
+    """Seconds of each of ``steps`` private steps of ``arm`` at the study's scale (after a first, untimed step),
+    and of one evaluation on the reported split."""
+    r = setup.run(arm, lambda: {"t": time.perf_counter()}, seed=0, **settings,
+                  eval_steps=list(range(1, steps + 2)), stop_after=steps + 1)
+    stamps = [p["t"] for p in r["curve"]]
+    start = time.perf_counter()
+    setup.evaluate()
+    return {"arm": arm["name"], "step_seconds": [b - a for a, b in zip(stamps, stamps[1:])],
+            "evaluation_seconds": time.perf_counter() - start, "logged": r["logged"]}
 
 
 def lora(options: dict[str, Any]) -> Any:
@@ -187,35 +222,35 @@ def ftrl_size(s: dict[str, Any], arms: int) -> str:
             f"({s['tune_rows']:,} tuning or {s['eval_rows'] or 872} validation rows)")
 
 
-def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str) -> None:
+def ftrl_setup(args: Any, s: dict[str, Any]) -> Setup:
     from dpl.tasks.modules import DPClassificationModule
 
     train, held, test = sst2_splits(s)
     torch.manual_seed(0)  # the initial LoRA A and head weights, the same for every run
     model = Model(DPClassificationModule(model=ENCODER, num_labels=2, pooling="mean", finetuning=lora(s["lora"])),
                   args.device)
-    common = {"optimizer": "sgd", "momentum": 0.9, "batch_size": s["batch_size"], "epochs": s["epochs"],
-              "steps": s["epochs"] * (len(train) // s["batch_size"]),
-              "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"]}
+    settings = {"optimizer": "sgd", "momentum": 0.9, "batch_size": s["batch_size"],
+                "steps": s["epochs"] * (len(train) // s["batch_size"]),
+                "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"]}
+    return Setup(model, train.batch, len(train), lambda: classify(model, test), settings,
+                 {"train": len(train), "tune": len(held), "test": len(test)}, tune_on=lambda: classify(model, held))
+
+
+def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
     done = {(c["arm"], c["epsilon"]) for c in results["cells"]}
     start = time.perf_counter()
     for eps in s["epsilons"]:
         for arm in FTRL_ARMS:
             if (args.arms and arm["name"] not in args.arms) or (arm["name"], eps) in done:
                 continue
-            settings = {k: v for k, v in common.items() if k != "epochs"}
-            settings.update(plugins=arm["plugins"], epsilon=eps)
-
             def score(lr: float) -> float:
-                r = model.run(train.batch, len(train), lambda: classify(model, held), lr=lr, seed=args.tune_seed,
-                                **settings)
+                r = setup.run(arm, setup.tune_on, lr=lr, seed=args.tune_seed, epsilon=eps)
                 return -1.0 if r["diverged"] else r["final"]["acc"] - 1e-3 * r["final"]["loss"]
 
             grid = s["lr_grid"]
             tuned = tune(score, grid, f"{arm['name']} eps={eps:g}") if len(grid) > 1 else \
                 {"best": grid[0], "scores": {}, "widened": False, "at_edge": False}
-            runs = [model.run(train.batch, len(train), lambda: classify(model, test), lr=tuned["best"], seed=seed,
-                                **settings) for seed in s["seeds"]]
+            runs = [setup.run(arm, lr=tuned["best"], seed=seed, epsilon=eps) for seed in s["seeds"]]
             ok = [r for r in runs if not r["diverged"]]
             cell = {"arm": arm["name"], "plugins": arm["plugins"], "epsilon": eps, "steps": runs[0]["steps"],
                     "sigma": runs[0]["sigma"], "epsilon_spent": runs[0]["epsilon"], "delta": runs[0]["delta"],
@@ -303,11 +338,10 @@ def denoise_size(s: dict[str, Any], arms: int) -> str:
             f"(up to {s['max_new_tokens']} new tokens)")
 
 
-def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str) -> None:
+def denoise_setup(args: Any, s: dict[str, Any]) -> Setup:
     from dpl.tasks.modules.generation import DPGenerationModule, GenerationOptions
 
     data = e2e_data(s)
-    results["settings_data"] = {"train": len(data.train_set), "eval_sources": len(data.val_set)}
     module = DPGenerationModule(finetuning=lora(s["lora"]), generation=GenerationOptions(
         max_new_tokens=s["max_new_tokens"], metrics=s["metrics"], meteor_backend=s["meteor_backend"],
         write_predictions=False))
@@ -317,15 +351,19 @@ def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str)
     settings = {"optimizer": "adam", "lr": s["lr"], "epsilon": s["epsilon"], "batch_size": s["batch_size"],
                 "steps": s["planned_steps"], "stop_after": s["scored_steps"][-1], "eval_steps": s["scored_steps"],
                 "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"]}
+    return Setup(model, lambda rows: data.collate([data.train_set[i] for i in rows]), len(data.train_set),
+                 lambda: generate_scores(model, data, s["metrics"], s["meteor_backend"]), settings,
+                 {"train": len(data.train_set), "eval_sources": len(data.val_set)})
+
+
+def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
     done = {(c["arm"], c["seed"]) for c in results["cells"]}
     start = time.perf_counter()
     for seed in s["seeds"]:
         for arm in DENOISE_ARMS:
             if (args.arms and arm["name"] not in args.arms) or (arm["name"], seed) in done:
                 continue
-            r = model.run(lambda rows: data.collate([data.train_set[i] for i in rows]), len(data.train_set),
-                            lambda: generate_scores(model, data, s["metrics"], s["meteor_backend"]),
-                            plugins=arm["plugins"], seed=seed, **settings)
+            r = setup.run(arm, seed=seed)
             cell = {"arm": arm["name"], "plugins": arm["plugins"], "seed": seed, "sigma": r["sigma"],
                     "epsilon_planned": r["epsilon"], "epsilon_spent": r["epsilon_spent"], "delta": r["delta"],
                     "diverged": r["diverged"], "fraction_denoised": r["logged"].get("denoise/fraction_denoised"),
@@ -418,10 +456,14 @@ def resumed(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     return old["cells"]
 
 
+STUDIES = {"ftrl": (FTRL_ARMS, ftrl_setup, run_ftrl, ftrl_size, ftrl_table, ftrl_plot),
+           "denoise": (DENOISE_ARMS, denoise_setup, run_denoise, denoise_size, denoise_table, denoise_plot)}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = study_parser(__doc__)
     parser.set_defaults(seeds=None)
-    parser.add_argument("study", choices=("ftrl", "denoise"))
+    parser.add_argument("study", choices=tuple(STUDIES))
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--fp32", action="store_true", help="no bfloat16 autocast on CUDA")
     parser.add_argument("--arms", nargs="+", help="run only these arms (by name)")
@@ -432,7 +474,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--meteor-backend", default="python", choices=("python", "java", "auto"))
     parser.add_argument("--physical-batch-size", type=int, help="micro-batch of the per-example gradients (default B)")
     parser.add_argument("--resume", action="store_true", help="keep the finished cells of the results file")
+    parser.add_argument("--time-steps", type=int, metavar="K",
+                        help="only time K private steps of the first (selected) arm at the study's scale, and one "
+                             "evaluation (results: finetune_<study>_timing.json)")
     args = parser.parse_args(argv)
+    arms, setup_of, run, size_of, table, plot = STUDIES[args.study]
+    arms = [a for a in arms if not args.arms or a["name"] in args.arms]
     s = {**DEFAULTS[args.study], **(QUICK[args.study] if args.quick else {})}
     for key in ("seeds", "epsilons", "epochs", "lr_grid", "eval_rows"):
         if getattr(args, key, None) is not None:
@@ -440,25 +487,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     s.update(quick=args.quick, tune_seed=args.tune_seed, autocast=args.device.startswith("cuda") and not args.fp32)
     if args.study == "denoise":
         s["meteor_backend"] = args.meteor_backend
-    seeds = s.pop("seeds")  # denoise: cells per seed; ftrl: every cell has all seeds
-    settings = {**s, "seeds": seeds} if args.study == "ftrl" else s
-    s["seeds"] = seeds
+    # what a resumed file must share: denoise's cells are runs (one seed each), ftrl's cells hold every seed
+    settings = {k: v for k, v in s.items() if args.study == "ftrl" or k != "seeds"}
     name = f"finetune_{args.study}" + ("_quick" if args.quick else "")
-    arms = len([a for a in (FTRL_ARMS if args.study == "ftrl" else DENOISE_ARMS)
-                if not args.arms or a["name"] in args.arms])
-    size = (ftrl_size if args.study == "ftrl" else denoise_size)(s, arms)
+    size = size_of(s, len(arms))
     print(f"{name} on {args.device} ({'bfloat16 autocast' if s['autocast'] else 'float32'}): {size}", flush=True)
-    cells = resumed(args.out / f"{name}.json", settings) if args.resume else []
-    results = {"settings": settings, "size": size, "cells": cells}
+    setup = setup_of(args, s)
+    if args.time_steps:
+        extra = {"lr": s["lr_grid"][0], "epsilon": s["epsilons"][0]} if args.study == "ftrl" else {}
+        timing = {"settings": settings, "device": args.device, "data": setup.data,
+                  **time_steps(setup, arms[0], args.time_steps, **extra)}
+        save(f"{name}_timing", timing, args.out)
+        print(f"{arms[0]['name']}: seconds per step " + ", ".join(f"{t:.2f}" for t in timing["step_seconds"])
+              + f"; one evaluation {timing['evaluation_seconds']:.1f} s", flush=True)
+        return timing
+    results = {"settings": settings, "size": size, "data": setup.data,
+               "cells": resumed(args.out / f"{name}.json", settings) if args.resume else []}
     start = time.perf_counter()
-    (run_ftrl if args.study == "ftrl" else run_denoise)(args, s, results, name)
+    run(args, s, results, name, setup)
     results["seconds"] = time.perf_counter() - start
     if args.study == "denoise":
         results["paired"] = paired(results)
     save(name, results, args.out)
-    print((ftrl_table if args.study == "ftrl" else denoise_table)(results))
+    print(table(results))
     if not args.quick and not args.arms:
-        (ftrl_plot if args.study == "ftrl" else denoise_plot)(results)
+        plot(results)
     return results
 
 
