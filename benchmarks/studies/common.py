@@ -217,12 +217,13 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     calibrated by the configured mechanism for (``epsilon``, ``delta``) over ``steps`` (``delta`` default:
     1 / (10 N)), unless ``noise_multiplier`` is given (0: no noise). ``seed`` sets the sampler, the noise and
     torch's global generator (dropout) (reproducible experiments only). ``optimizer``: ``sgd`` (with
-    ``momentum``) or ``adam``. ``autocast``: the steps and ``evaluate`` run under bfloat16 autocast on ``device``
-    (as Lightning's ``bf16-mixed``; dpl clips and sums in float32). ``evaluate()`` is called at ``eval_steps``
-    (the ``curve``) and at the end (``final``). ``stop_after``: stop after that many of the planned ``steps``
-    (sigma stays calibrated for ``steps``). Returns sigma, epsilon (planned) and ``epsilon_spent`` (at the stop),
-    the mechanism (and ftrl's bands), the plugins' logged values (means over the steps taken) and the wall time. A
-    run whose parameters become non-finite stops early with ``diverged: True``.
+    ``momentum``) or ``adam``. ``autocast``: the forward passes (``per_example_loss``, whose backward then follows
+    autocast's dtypes) and ``evaluate`` run under bfloat16 autocast on ``device``; dpl clips and sums in float32, and
+    the hooks after the clipped sum (noise, post-processing) run outside autocast. ``evaluate()`` is called at
+    ``eval_steps`` (the ``curve``) and at the end (``final``). ``stop_after``: stop after that many of the planned
+    ``steps`` (sigma stays calibrated for ``steps``). Returns sigma, epsilon (planned) and ``epsilon_spent`` (at the
+    stop), the mechanism (and ftrl's bands), the plugins' logged values (means over the steps taken) and the wall
+    time. A run whose parameters become non-finite stops early with ``diverged: True``.
     """
     from contextlib import nullcontext
 
@@ -265,13 +266,16 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
         with precision():
             return evaluate()
 
+    def loss(batch: dict[str, Any]) -> Tensor:
+        with precision():
+            return per_example_loss(batch)
+
     curve: list[dict[str, Any]] = []
     diverged = False
     for t, rows in enumerate(engine.batches()):
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch_of(rows).items()}
-        with precision():
-            direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=per_example_loss,
-                                    optimizer=opt, log_metric=log)
+        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=loss, optimizer=opt,
+                                log_metric=log)
         apply_direction(opt, trainable, direction)
         del direction
         if not all(bool(torch.isfinite(p).all()) for p in trainable.values()):

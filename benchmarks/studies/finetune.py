@@ -28,9 +28,10 @@ epsilon 5.4 planned at 400 steps; greedy decoding (64 new tokens) scored with BL
 steps 25, 50 and 100. Arms: DP-SGD and DP-SGD + ``denoise`` (default options); per scored step and metric, the
 paired comparisons denoise vs DP-SGD (wins / seeds); the plugin's ``denoise/fraction_denoised`` (mean over steps).
 
-Precision: on CUDA the steps and the evaluation run under bfloat16 autocast (as ``trainer.precision: bf16-mixed``;
-dpl computes per-example norms, clipping and sums in float32, and weights, noise and the optimizer stay float32);
-``--fp32`` turns it off. On CPU everything is float32.
+Precision: on CUDA the forward passes (training and evaluation, generation included) run under bfloat16 autocast;
+dpl computes per-example norms, clipping and sums in float32, the hooks after the clipped sum (noise, ftrl's
+correlation, denoise's shrinkage) run outside autocast, and weights and the optimizer stay float32. ``--fp32`` turns
+autocast off. On CPU everything is float32.
 
 Results: ``<out>/finetune_<study>.json`` (every tuning score, per-seed values; ``--quick``: ``..._quick.json``),
 written after every cell; ``--resume`` keeps the finished cells of a file written with the same settings (run the
@@ -101,6 +102,7 @@ class Model:
         self.model = module.ensure_model().to(device)
         self.trainable = module.trainable
         self.initial = {k: p.detach().clone() for k, p in self.trainable.items()}
+        self.size = sum(p.numel() for p in self.initial.values())
         self.device = device
 
     def reset(self) -> None:
@@ -110,7 +112,7 @@ class Model:
         self.model.train()
 
     def run(self, batch_of: Callable[[list[int]], dict[str, Any]], num_examples: int,
-              evaluate: Callable[[], dict[str, Any]], **settings: Any) -> dict[str, Any]:
+            evaluate: Callable[[], dict[str, Any]], **settings: Any) -> dict[str, Any]:
         self.reset()
         return private_training(self.model, self.trainable, self.module.per_example_loss, batch_of, num_examples,
                                 evaluate=evaluate, device=self.device, **settings)
@@ -233,7 +235,8 @@ def ftrl_setup(args: Any, s: dict[str, Any]) -> Setup:
                 "steps": s["epochs"] * (len(train) // s["batch_size"]),
                 "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"]}
     return Setup(model, train.batch, len(train), lambda: classify(model, test), settings,
-                 {"train": len(train), "tune": len(held), "test": len(test)}, tune_on=lambda: classify(model, held))
+                 {"train": len(train), "tune": len(held), "test": len(test), "trainable_parameters": model.size},
+                 tune_on=lambda: classify(model, held))
 
 
 def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
@@ -353,7 +356,7 @@ def denoise_setup(args: Any, s: dict[str, Any]) -> Setup:
                 "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"]}
     return Setup(model, lambda rows: data.collate([data.train_set[i] for i in rows]), len(data.train_set),
                  lambda: generate_scores(model, data, s["metrics"], s["meteor_backend"]), settings,
-                 {"train": len(data.train_set), "eval_sources": len(data.val_set)})
+                 {"train": len(data.train_set), "eval_sources": len(data.val_set), "trainable_parameters": model.size})
 
 
 def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
