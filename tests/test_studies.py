@@ -128,7 +128,7 @@ def finetune_quick(tmp_path_factory):
     logs = {s: p.communicate(timeout=600)[0] for s, p in procs.items()}
     for s, p in procs.items():
         assert p.returncode == 0, f"finetune.py {s} --quick failed:\n{logs[s][-3000:]}"
-    return {s: json.loads((out / f"finetune_{s}_quick.json").read_text()) for s in procs}
+    return {"out": out, **{s: json.loads((out / f"finetune_{s}_quick.json").read_text()) for s in procs}}
 
 
 def _finite(x):
@@ -163,3 +163,12 @@ def test_finetune_denoise_quick(finetune_quick):
     assert cells[0]["fraction_denoised"] is None and 0.0 <= cells[1]["fraction_denoised"] <= 1.0
     assert [(p["step"], p["metric"]) for p in res["paired"]] == [(int(t), m) for t in steps for m in metrics]
     assert all(p["n"] == 1 for p in res["paired"])
+
+
+def test_finetune_resume_keeps_finished_cells(finetune_quick):
+    out = finetune_quick["out"]
+    done = subprocess.run([sys.executable, str(STUDIES / "finetune.py"), "ftrl", "--quick", "--resume",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "s per run)" not in done.stdout  # every cell was finished: nothing trained again
+    assert json.loads((out / "finetune_ftrl_quick.json").read_text())["cells"] == finetune_quick["ftrl"]["cells"]

@@ -275,7 +275,8 @@ def ftrl_table(results: dict[str, Any]) -> str:
     s = results["settings"]
     lines = [f"| ε | arm | mechanism (bands) | σ | lr (tuned) | val acc % (mean ± sd, {len(s['seeds'])} seeds) | "
              "val loss |", "|---|---|---|---|---|---|---|"]
-    for c in sorted(results["cells"], key=lambda c: c["epsilon"]):
+    order = [a["name"] for a in FTRL_ARMS]
+    for c in sorted(results["cells"], key=lambda c: (c["epsilon"], order.index(c["arm"]))):
         edge = " (edge)" if c["tuning"]["at_edge"] else ""
         bands = f" ({c['bands']})" if c["bands"] else ""
         lines.append(f"| {c['epsilon']:g} | {c['arm']} | {c['mechanism']}{bands} | {c['sigma']:.3f} | {c['lr']:.3g}"
