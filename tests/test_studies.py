@@ -172,3 +172,14 @@ def test_finetune_resume_keeps_finished_cells(finetune_quick):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "s per run)" not in done.stdout  # every cell was finished: nothing trained again
     assert json.loads((out / "finetune_ftrl_quick.json").read_text())["cells"] == finetune_quick["ftrl"]["cells"]
+
+
+def test_finetune_plots(finetune_quick, tmp_path, monkeypatch):
+    """The figures of the full runs (not drawn by --quick), drawn from the quick results."""
+    import common
+    import finetune
+
+    monkeypatch.setattr(common, "FIGURES", tmp_path)
+    finetune.ftrl_plot(finetune_quick["ftrl"])
+    finetune.denoise_plot(finetune_quick["denoise"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["studies_finetune_denoise.png", "studies_finetune_ftrl.png"]

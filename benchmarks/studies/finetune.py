@@ -246,6 +246,7 @@ def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, se
         for arm in FTRL_ARMS:
             if (args.arms and arm["name"] not in args.arms) or (arm["name"], eps) in done:
                 continue
+
             def score(lr: float) -> float:
                 r = setup.run(arm, setup.tune_on, lr=lr, seed=args.tune_seed, epsilon=eps)
                 return -1.0 if r["diverged"] else r["final"]["acc"] - 1e-3 * r["final"]["loss"]
@@ -289,7 +290,7 @@ def ftrl_plot(results: dict[str, Any]) -> None:
     plt = pyplot()
     cells, s = results["cells"], results["settings"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for i, name in enumerate(dict.fromkeys(c["arm"] for c in cells)):
+    for i, name in enumerate(a["name"] for a in FTRL_ARMS):
         sel = sorted((c for c in cells if c["arm"] == name and c["acc"]), key=lambda c: c["epsilon"])
         for ax, key, scale in ((axes[0], "acc", 100), (axes[1], "loss", 1)):
             ax.errorbar([c["epsilon"] for c in sel], [c[key]["mean"] * scale for c in sel],
@@ -439,9 +440,9 @@ def denoise_plot(results: dict[str, Any]) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
+    seeds = len({c["seed"] for c in results["cells"]})
     fig.suptitle(f"E2E, SmolLM2-135M + LoRA r={s['lora']['r']}, B={s['batch_size']}, Adam lr {s['lr']:g}, "
-                 f"ε = {s['epsilon']:g} planned at {s['planned_steps']} steps; mean ± sd of {len(s['seeds'])} seeds",
-                 fontsize=9)
+                 f"ε = {s['epsilon']:g} planned at {s['planned_steps']} steps; mean ± sd of {seeds} seeds", fontsize=9)
     save_figure(fig, "studies_finetune_denoise")
 
 
