@@ -60,7 +60,8 @@ class FTRLPlugin:
         max_bands: the largest band count the automatic choice tries (memory: max_bands - 1 model-size vectors).
         banded_coefficients: ``optimized`` (fitted at setup for this run length and participation pattern) or
             ``truncated`` (the first ``bands`` nu-DP-FTRL coefficients, renormalized to unit column norm).
-        nbuf: buffers of ``blt`` (memory: nbuf vectors of the model's size).
+        nbuf: the most buffers ``blt`` may use (memory: one vector of the model's size each); the fit keeps the
+            fewest whose expected error is within 1% of the best.
         memory: ``nu_ftrl`` only: ``regenerate`` (default: re-draw past noise from per-step generator states;
             O(d) memory, O(t d) work at step t) or ``keep`` (store all past noise: T x d floats).
         drop_remainder: ``shuffle``: when B does not divide N, leave out N mod B examples (a secret random subset:

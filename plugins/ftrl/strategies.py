@@ -241,7 +241,8 @@ def _loss(c: np.ndarray, beta: np.ndarray, every: int) -> float:
     sens2 = float(np.dot(u, u))
     n = len(beta)
     gamma = np.cumsum(beta)
-    value = sens2 * float(np.dot(np.arange(n, 0, -1, dtype=np.float64), gamma * gamma)) / n
+    with np.errstate(over="ignore", invalid="ignore"):  # an exploding candidate scores inf: rejected below
+        value = sens2 * float(np.dot(np.arange(n, 0, -1, dtype=np.float64), gamma * gamma)) / n
     return value if math.isfinite(value) else 1e300
 
 
@@ -266,6 +267,23 @@ def fit_banded(steps: int, every: int, bands: int, init_nu: float) -> tuple[np.n
                             options={"maxiter": 500})
     best = res.x if res.fun <= loss(start) else start
     return np.concatenate([[1.0], best]), float(math.exp(min(res.fun, loss(start))))
+
+
+BLT_TOLERANCE = 0.01  # a BLT with fewer buffers is kept if its expected error is within 1% of the best fit's
+
+
+def _blt_strategy(steps: int, every: int, nbuf: int, nu: float) -> Strategy:
+    omega, theta, _ = fit_blt(steps, every, nbuf, nu)
+    c, beta = blt_coefficients(omega, theta, steps)
+    return Strategy("blt", steps, every, c, beta, {"nbuf": nbuf, "omega": omega.tolist(), "theta": theta.tolist()})
+
+
+def _fewest_buffers(fits: list[Strategy]) -> Strategy:
+    """The BLT with the fewest buffers whose expected error is within ``BLT_TOLERANCE`` of the best of ``fits``
+    (one fit per buffer count 1..nbuf: each buffer is a model-size vector read and written every step, and a fit
+    with more buffers can end in a worse local optimum than one with fewer)."""
+    best = min(f.expected_error for f in fits)
+    return next(f for f in fits if f.expected_error <= best * (1 + BLT_TOLERANCE))
 
 
 def fit_blt(steps: int, every: int, nbuf: int, init_nu: float) -> tuple[np.ndarray, np.ndarray, float]:
@@ -321,10 +339,7 @@ def make_strategy(family: str, steps: int, every: int, nu: float | None = None, 
         strat = Strategy(family, steps, every, c, toeplitz_inverse(c),
                          {"bands": bands, "coefficients": banded_coefficients, "c": band.tolist()})
     elif family == "blt":
-        omega, theta, _ = fit_blt(steps, every, nbuf, nu_value)
-        c, beta = blt_coefficients(omega, theta, steps)
-        strat = Strategy(family, steps, every, c, beta,
-                         {"nbuf": nbuf, "omega": omega.tolist(), "theta": theta.tolist()})
+        strat = _fewest_buffers([_blt_strategy(steps, every, n, nu_value) for n in range(1, nbuf + 1)])
     else:
         raise ValueError(f"unknown noise family {family!r}")
     strat.fit_seconds = time.perf_counter() - start
