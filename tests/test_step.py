@@ -126,3 +126,33 @@ def test_privatize_once_and_sum_wiped_before_post_process():
     assert spy.privatize_calls == 1
     assert isinstance(spy.error, PrivacyViolation)
     assert spy.seen_sum.wiped
+
+
+class _AutocastSpy:
+    """Records whether the hooks after the clipped sum run under autocast, and a matrix product's dtype there."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def _record(self, name):
+        a = torch.ones(4, 4)
+        self.seen[name] = (torch.is_autocast_enabled("cpu"), (a @ a).dtype)
+
+    @hookimpl
+    def post_process(self, ctx, gradient):
+        self._record("post_process")
+
+    @hookimpl
+    def precondition(self, ctx, gradient):
+        self._record("precondition")
+
+
+def test_release_hooks_run_in_float32_under_mixed_precision():
+    """Under bf16 autocast (as Lightning's bf16-mixed runs the step) the hooks from privatize on run without it."""
+    spy = _AutocastSpy()
+    pm = create_plugin_manager()
+    pm.register(spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        private_step(pm.hook, _ctx(tiny_bert(), 1.0, 1.0, 4), random_batch(batch_size=4), physical_batch_size=4)
+        assert torch.is_autocast_enabled("cpu")  # restored afterwards
+    assert spy.seen == {"post_process": (False, torch.float32), "precondition": (False, torch.float32)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,17 +142,28 @@ def private_step(hook: pluggy.HookRelay, ctx: StepContext, batch: dict[str, Any]
             total.add_(part)
             part.wipe()
         del part
-    if reduce_sum is not None:
-        reduce_sum(total)
-    private: PrivateGradient | None = hook.privatize(ctx=ctx, gradient_sum=total)
-    total.wipe()
-    del total
-    if private is None:
-        raise PluginError("no plugin answered privatize")
-    if mechanism is not None and private.mechanism != mechanism:
-        raise PluginError(f"privatize released noise of mechanism {private.mechanism!r} but the run accounts "
-                          f"for {mechanism!r}: a plugin replacing privatize must also implement configure_mechanism")
-    release = ctx.release_context()
-    hook.post_process(ctx=release, gradient=private)
-    direction = hook.precondition(ctx=release, gradient=private)
+    with full_precision():  # the clipped sum, the noise and what is computed from the release stay float32
+        if reduce_sum is not None:
+            reduce_sum(total)
+        private: PrivateGradient | None = hook.privatize(ctx=ctx, gradient_sum=total)
+        total.wipe()
+        del total
+        if private is None:
+            raise PluginError("no plugin answered privatize")
+        if mechanism is not None and private.mechanism != mechanism:
+            raise PluginError(f"privatize released noise of mechanism {private.mechanism!r} but the run accounts "
+                              f"for {mechanism!r}: a plugin replacing privatize must also implement "
+                              "configure_mechanism")
+        release = ctx.release_context()
+        hook.post_process(ctx=release, gradient=private)
+        direction = hook.precondition(ctx=release, gradient=private)
     return private.values if direction is None else direction
+
+
+@contextmanager
+def full_precision() -> Iterator[None]:
+    """Autocast off on CPU and CUDA. Mixed precision (Lightning's ``bf16-mixed``) runs the whole step under
+    autocast, which would run the matrix products of ``privatize``, ``post_process`` and ``precondition`` (FTRL's
+    buffer sums, denoise's sketches) in bfloat16; the forward passes of ``estimate_gradient`` keep it."""
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
