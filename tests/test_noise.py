@@ -155,7 +155,7 @@ def test_keyed_draws_do_not_depend_on_the_thread_count():
         draws = []
         for count in (1, 3):
             torch.set_num_threads(count)
-            draws.append(normal((200_001,), KeyedNormal(bytes(32))))
+            draws.append(normal((1_000_003,), KeyedNormal(bytes(32))))  # 16 blocks: 3 workers
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(*draws)
@@ -196,3 +196,4 @@ def test_poisson_inclusion_uses_53_bit_uniforms():
     rate, n, steps = 2.0 ** -30, 1 << 22, 16  # expected inclusions: 1/16 (float32 uniforms: 4)
     assert (torch.rand(n * steps, generator=torch.Generator().manual_seed(1)) < rate).sum() > 0
     assert sum(map(len, PoissonBatchSampler(n, rate, steps, torch.Generator().manual_seed(1)))) == 0
+

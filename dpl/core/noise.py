@@ -55,7 +55,7 @@ def _gaussians(key: bytes, nonce: int, n: int, dtype: torch.dtype) -> Tensor:
         raise ValueError(f"one noise draw is limited to {_MAX_DRAW:,} values, asked for {n:,}")
     out = torch.empty(n, dtype=dtype)
     blocks = -(-n // (2 * _PAIRS))
-    workers = max(1, min(torch.get_num_threads(), blocks))
+    workers = max(1, min(torch.get_num_threads(), blocks // _BLOCKS_PER_WORKER))
     spans = [(blocks * w // workers, blocks * (w + 1) // workers) for w in range(workers)]
 
     def fill(first: int, last: int) -> None:
@@ -75,10 +75,21 @@ def _gaussians(key: bytes, nonce: int, n: int, dtype: torch.dtype) -> Tensor:
         if workers == 1:
             fill(0, blocks)
         else:
-            with ThreadPoolExecutor(workers) as pool:
-                for done in [pool.submit(fill, *span) for span in spans]:
-                    done.result()
+            for done in [_pool(workers).submit(fill, *span) for span in spans]:
+                done.result()
     return out
+
+
+_BLOCKS_PER_WORKER = 4  # a worker gets at least 4 blocks (262,144 values): below that a thread costs more than it saves
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A persistent pool of ``workers`` threads (starting threads for every draw costs about a millisecond)."""
+    if workers not in _POOLS:
+        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dpl-noise")
+    return _POOLS[workers]
 
 
 def box_muller(bits: Tensor, out: Tensor, radius: Tensor | None = None, trig: Tensor | None = None) -> Tensor:
