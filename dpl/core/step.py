@@ -163,7 +163,8 @@ def private_step(hook: pluggy.HookRelay, ctx: StepContext, batch: dict[str, Any]
 @contextmanager
 def full_precision() -> Iterator[None]:
     """Autocast off on CPU and CUDA. Mixed precision (Lightning's ``bf16-mixed``) runs the whole step under
-    autocast, which would run the matrix products of ``privatize``, ``post_process`` and ``precondition`` (FTRL's
-    buffer sums, denoise's sketches) in bfloat16; the forward passes of ``estimate_gradient`` keep it."""
+    autocast, which would run the out-of-place matrix products of ``privatize``, ``post_process`` and
+    ``precondition`` (denoise's randomized sketches, a plugin's ``a @ b``) in bfloat16; the forward passes of
+    ``estimate_gradient`` keep it."""
     with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
         yield
