@@ -161,7 +161,7 @@ def test_streaming_equals_the_dense_matrix_product(family, memory, chunk, monkey
         if memory == "regenerate":
             stream.record(gen)
             z = draw(gen)
-            w = stream.push(z, draw, "cpu")
+            w = stream.push(z, draw)
         else:
             z = draw(gen)
             w = {k: stream.push(k, v.clone()).clone() for k, v in z.items()}
@@ -213,7 +213,7 @@ def test_empirical_covariance_of_the_released_noise(family):
 
 
 def test_independent_reproduces_the_default_gaussian_step_exactly():
-    T, b = 12, 8  # N = 64, B = 8: k = 2 participations
+    T = 12  # N = 64, B = 8: k = 2 participations
     plugin = FTRLPlugin(noise="independent")
     mech = plugin.configure_mechanism(setup=_setup(steps=T))
     sens = mech.strategy.sensitivity

@@ -35,7 +35,7 @@ from torch.utils.data import Sampler
 from dpl.core.accounting.calibration import smallest_noise_multiplier
 from dpl.core.gradients import GradientSum
 from dpl.core.mechanism import Mechanism, Segment, apply_adjacency
-from dpl.core.noise import KeyedNormal, NoiseSource, SecureNormal, noise_source
+from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
 from dpl.core.privacy import PrivacyConfig
@@ -214,7 +214,7 @@ class PrivateEngine:
         if self.privacy.secure_noise:
             if not isinstance(noise, SecureNormal):
                 self.noise_source = secure_source()
-        elif not isinstance(noise, KeyedNormal | torch.Generator) or noise.device != device:
+        elif not isinstance(noise, StatefulSource) or noise.device != device:
             self.noise_source = noise_source(derive_key(self.privacy.seed, self.seed_namespace + "noise"), device)
         self._apply_secret_state()
 
@@ -344,7 +344,7 @@ class PrivateEngine:
         """Secret state (owner-only sidecar): the noise and sampler generators and every plugin's secrets."""
         noise = self.noise_source
         return {
-            "noise_rng": noise.get_state() if isinstance(noise, KeyedNormal | torch.Generator) else None,
+            "noise_rng": noise.get_state() if isinstance(noise, StatefulSource) else None,
             "sampler_rng": self._sampler_generator.get_state() if self._sampler_generator is not None else None,
             "states": {name: obj.secret_state_dict() for name, obj in self._named_stateful()
                        if callable(getattr(obj, "secret_state_dict", None))},
@@ -383,7 +383,7 @@ class PrivateEngine:
     def generator_states(self) -> list[Tensor]:
         """The states of the generators (noise, sampler, public) that every process must share (for checks)."""
         return [g.get_state() for g in (self.noise_source, self._sampler_generator, self._public_generator)
-                if isinstance(g, KeyedNormal | torch.Generator)]
+                if isinstance(g, StatefulSource)]
 
     def _check_resume_plan(self, state: dict[str, Any], version: int) -> None:
         cfg, plan = self.privacy, self._configured_plan()
@@ -444,7 +444,7 @@ class PrivateEngine:
                 if callable(getattr(obj, "load_secret_state_dict", None)):
                     obj.load_secret_state_dict(None)
             return
-        if secret["noise_rng"] is not None and isinstance(self.noise_source, KeyedNormal | torch.Generator):
+        if secret["noise_rng"] is not None and isinstance(self.noise_source, StatefulSource):
             try:
                 self.noise_source.set_state(secret["noise_rng"])
             except (ValueError, RuntimeError) as exc:

@@ -86,7 +86,8 @@ os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of t
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """A persistent pool of ``workers`` threads (starting threads for every draw costs about a millisecond)."""
+    """A persistent pool of ``workers`` threads (started once: starting threads for every draw is slower than the
+    draw of a typical parameter tensor)."""
     if workers not in _POOLS:
         _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dpl-noise")
     return _POOLS[workers]
@@ -164,10 +165,11 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-NoiseSource = KeyedNormal | SecureNormal | torch.Generator
+StatefulSource = KeyedNormal | torch.Generator  # sources with get_state/set_state (replayable, checkpointed)
+NoiseSource = StatefulSource | SecureNormal
 
 
-def noise_source(key: bytes | None, device: torch.device | str = "cpu") -> KeyedNormal | torch.Generator:
+def noise_source(key: bytes | None, device: torch.device | str = "cpu") -> StatefulSource:
     """The run's secret noise source on ``device``: a CUDA (Philox) generator keyed with 64 bits of ``key``
     (``None``: fresh from ``os.urandom``), drawn in float64; elsewhere (CPU, or a device without float64 such as
     MPS) a :class:`KeyedNormal` under ``key`` whose draws are moved to ``device``."""
@@ -179,9 +181,9 @@ def noise_source(key: bytes | None, device: torch.device | str = "cpu") -> Keyed
     return gen
 
 
-def replay_source(source: KeyedNormal | torch.Generator, state: Tensor) -> KeyedNormal | torch.Generator:
+def replay_source(source: StatefulSource, state: Tensor) -> StatefulSource:
     """A new source of ``source``'s kind at ``state`` (from its ``get_state``): it draws what ``source`` drew then."""
-    copy: KeyedNormal | torch.Generator
+    copy: StatefulSource
     copy = KeyedNormal(device=source.device) if isinstance(source, KeyedNormal) else torch.Generator(source.device)
     copy.set_state(state)
     return copy

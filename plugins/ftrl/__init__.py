@@ -194,7 +194,7 @@ class FTRLPlugin:
                     return {k: normal(v.shape, source, device=v.device, dtype=v.dtype) for k, v in totals.items()}
 
                 self.stream.record(ctx.noise_generator)
-                w = self.stream.push(draw(ctx.noise_generator), draw, ctx.noise_generator.device)
+                w = self.stream.push(draw(ctx.noise_generator), draw)
                 for key, total in totals.items():
                     values[key] = w.pop(key).mul_(scale).add_(total).div_(batch)
             else:

@@ -14,7 +14,7 @@ step instead of once per elementwise operation.
 * ``DenseKeepStream`` (nu_ftrl, ``memory: keep``): keeps every z_s, w_t = sum_s beta_{t-s} z_s: T x d floats.
 * ``DenseRegenerateStream`` (nu_ftrl, ``memory: regenerate``): keeps the noise generator's state before each
   step's draw (a few KB per step, independent of d) and re-draws z_s to form the same sum: O(d) memory,
-  O(t d) work at step t. Needs a replayable ``torch.Generator`` (not ``privacy.secure_noise``).
+  O(t d) work at step t. Needs a replayable noise source (not ``privacy.secure_noise``).
 
 All their state is secret (derived from the noise): ``secret_state()`` / ``load_secret_state()``.
 """
@@ -196,7 +196,7 @@ class DenseRegenerateStream:
         self.source = source
         self.states.append(source.get_state())
 
-    def push(self, z: dict[str, Tensor], draw: Draw, device: torch.device | str) -> dict[str, Tensor]:
+    def push(self, z: dict[str, Tensor], draw: Draw) -> dict[str, Tensor]:
         t = len(self.states) - 1
         w = {k: v.clone() for k, v in z.items()}
         for s in range(t):
