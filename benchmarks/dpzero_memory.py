@@ -21,6 +21,8 @@ same over the repeats after the first (warm allocator caches; AdamW's moments al
   DPZero step makes four (perturb, perturb back, restore, update);
 * ``dpzero``: one full private step through dpl (``dpzero`` + default ``gaussian`` + the streaming SGD update);
 * ``dpzero_kept``: the same with ``keep_direction: true`` (z drawn once, kept in bfloat16 for the step);
+* ``direction_pass_rademacher`` / ``dpzero_rademacher``: the same with ``direction: rademacher`` (signs drawn once
+  per step as packed bits, expanded through a table at each pass);
 * ``dpsgd``: one full private step through dpl with the default per-example clipping (one forward + one
   backward) and AdamW (its moments exist after the first step, as in training), like Zhang et al.'s DP-AdamW.
 
@@ -44,7 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "dpzero_memory.json"
 DATA = ROOT.parent / "shared" / "data"
-MODES = ("inference", "two_forwards", "direction_pass", "dpzero", "dpzero_kept", "dpsgd")
+MODES = ("inference", "two_forwards", "direction_pass", "direction_pass_rademacher", "dpzero", "dpzero_kept",
+         "dpzero_rademacher", "dpsgd")
 
 
 def _status(field: str) -> int:
@@ -109,7 +112,7 @@ def _generation(batch_size: int, length: int):
 def _load(task: str, batch_size: int, length: int):
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     module, batch = (_classification if task == "classification" else _generation)(batch_size, length)
     with torch.no_grad():  # own every weight in anonymous memory (no file-backed pages copied on first write)
         for p in module.model.parameters():
@@ -135,12 +138,15 @@ def _operation(mode: str, module, batch, batch_size: int):
                     module.per_example_loss(batch)
         return op
     counter = iter(range(10 ** 6))
-    if mode == "direction_pass":
+    if mode.startswith("direction_pass"):
         from dpl_plugins.dpzero.directions import DirectionSampler
 
-        return lambda: DirectionSampler(next(counter)).perturb_(trainable, 0.0)
+        distribution = "rademacher" if mode.endswith("rademacher") else "gaussian"
+        return lambda: DirectionSampler(next(counter), distribution=distribution).perturb_(trainable, 0.0)
     zeroth = mode.startswith("dpzero")
-    plugins = {"dpzero": {"mu": 1e-3, "keep_direction": mode == "dpzero_kept"}} if zeroth else {}
+    options = {"mu": 1e-3, "keep_direction": mode == "dpzero_kept",
+               "direction": "rademacher" if mode == "dpzero_rademacher" else "gaussian"}
+    plugins = {"dpzero": options} if zeroth else {}
     pm = create_plugin_manager(plugins)
     optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if zeroth
                  else torch.optim.AdamW(trainable.values(), lr=1e-6))
@@ -161,7 +167,8 @@ def interleaved(task: str, batch_size: int, length: int, repeats: int) -> dict[s
     """Time of each zeroth-order mode, interleaved in one process (the ratios least disturbed by other jobs)."""
     module, batch = _load(task, batch_size, length)
     ops = {mode: _operation(mode, module, batch, batch_size)
-           for mode in ("two_forwards", "direction_pass", "dpzero", "dpzero_kept")}
+           for mode in ("two_forwards", "direction_pass", "direction_pass_rademacher", "dpzero", "dpzero_kept",
+                        "dpzero_rademacher")}
     times: dict[str, list[float]] = {mode: [] for mode in ops}
     for i in range(repeats + 1):  # the first round is the warm-up
         for mode, op in ops.items():
@@ -264,6 +271,10 @@ def report(results: dict) -> None:
             print(f"{task}: kept direction: time (min) / two forwards "
                   f"{by['dpzero_kept']['time_min'] / by['two_forwards']['time_min']:.2f}, peak / inference "
                   f"{by['dpzero_kept']['peak_rss'] / by['inference']['peak_rss']:.3f}x")
+        if {"dpzero_rademacher", "two_forwards", "inference"} <= by.keys():
+            print(f"{task}: rademacher direction: time (min) / two forwards "
+                  f"{by['dpzero_rademacher']['time_min'] / by['two_forwards']['time_min']:.2f}, peak / inference "
+                  f"{by['dpzero_rademacher']['peak_rss'] / by['inference']['peak_rss']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import random_batch, save_tiny_llama_lm, tiny_bert, tiny_classification_workspace
 from torch import nn
 
-from dpl.errors import ConfigError
+from dpl.errors import ConfigError, PluginError
 from dpl.core.gradients import GradientSum
 from dpl.core.noise import normal
 from dpl.core.plugin_manager import create_plugin_manager
@@ -137,7 +137,8 @@ def _private(value):
                            expected_batch_size=4, step=0)
 
 
-def test_parameters_restored_and_no_grad_ever_allocated():
+@pytest.mark.parametrize("direction", ["gaussian", "rademacher"])
+def test_parameters_restored_and_no_grad_ever_allocated(direction):
     model = tiny_bert()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     loss = _bert_loss(model)
@@ -148,16 +149,24 @@ def test_parameters_restored_and_no_grad_ever_allocated():
         outputs.append(out.requires_grad)
         return out
 
-    pm = create_plugin_manager({"dpzero": {"mu": 1e-3}})
+    pm = create_plugin_manager({"dpzero": {"mu": 1e-3, "direction": direction}})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     ctx = _ctx(model, recording, C=5.0, sigma=1.0, B=8, optimizer=optimizer)
     plugin = dict(pm.list_name_plugin())["dpzero"]
     plugin.estimate_gradient(ctx=ctx, batch=random_batch(8))
+    # left at theta - mu z after the second forward: the update moves them back in its own pass
+    sampler = DirectionSampler(ctx.public_seed, distribution=direction)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n] - 1e-3 * sampler.z(n, p), rtol=0, atol=1e-6)
+    assert model.training  # eval mode for the two forwards only
+    update = plugin.precondition(ctx=ctx.release_context(), gradient=_private(0.0))
+    assert update.displaced == -1e-3
+    apply_direction(optimizer, ctx.trainable, update)  # lr = 0: back to theta
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=1e-6)
-    assert model.training  # eval mode for the two forwards only
 
-    direction = private_step(pm.hook, ctx, random_batch(8), physical_batch_size=3)
+    ctx = _ctx(model, recording, C=5.0, sigma=1.0, B=8, optimizer=optimizer, seed=124)
+    direction = private_step(pm.hook, ctx, random_batch(8), physical_batch_size=3)  # 3 micro-batches
     assert isinstance(direction, StreamingDirection)
     apply_direction(optimizer, ctx.trainable, direction)  # lr = 0: the parameters stay where they were
     assert outputs and not any(outputs)  # no autograd graph was built
@@ -185,33 +194,77 @@ def test_parameters_restored_when_the_forward_fails():
 
 # --- the estimate ---------------------------------------------------------------------------------------------
 
-def test_quadratic_estimate_is_the_directional_derivative_and_unbiased():
+def _estimate_and_update(plugin, model, seed, batch, *, lr=0.0):
+    """estimate_gradient, then the update (lr 0 by default: only the pass that moves the parameters back)."""
+    total = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=seed, C=math.inf), batch=batch)
+    release = _ctx(model, None, seed=seed).release_context()
+    direction = plugin.precondition(ctx=release, gradient=_private(float(total.values[KEY])))
+    apply_direction(torch.optim.SGD(model.parameters(), lr=lr), dict(model.named_parameters()), direction)
+    return total, direction
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_quadratic_estimate_is_the_directional_derivative_and_unbiased(distribution):
     model = Quadratic()
     batch = _xbatch(n=4)
-    plugin = DPZeroPlugin(mu=1e-2)
+    plugin = DPZeroPlugin(mu=1e-2, direction=distribution)
     grad = model.gradient(batch)
     # per step: the central difference of a quadratic is exactly the directional derivative grad . z
     for seed in range(5):
-        total = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=seed, C=math.inf), batch=batch)
-        sampler = DirectionSampler(seed)
+        total, _ = _estimate_and_update(plugin, model, seed, batch)
+        sampler = DirectionSampler(seed, distribution=distribution)
         directional = sum(float(grad[n] @ sampler.z(n, p)) for n, p in model.named_parameters())
         assert float(total.values[KEY]) == pytest.approx(directional, rel=1e-7, abs=1e-9)
     # in expectation over z: E[(grad . z) z] = grad
     seeds = 3000
     mean = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     for seed in range(seeds):
-        total = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=seed, C=math.inf), batch=batch)
-        direction = plugin.precondition(ctx=_ctx(model, None, seed=seed).release_context(),
-                                        gradient=_private(float(total.values[KEY])))
+        _, direction = _estimate_and_update(plugin, model, seed, batch)
         for n in mean:
             mean[n] += direction[n] / seeds
     for n in mean:
         scale = float(torch.cat([g.flatten() for g in grad.values()]).norm())
         assert float((mean[n] - grad[n]).norm()) < 4 * scale * math.sqrt(len(grad) * 7 / seeds)
     # and it is wrong if the direction were not the one used to perturb
-    wrong = plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=1, C=math.inf), batch=batch)
-    other = sum(float(grad[n] @ DirectionSampler(2).z(n, p)) for n, p in model.named_parameters())
+    wrong, _ = _estimate_and_update(plugin, model, 1, batch)
+    other = sum(float(grad[n] @ DirectionSampler(2, distribution=distribution).z(n, p))
+                for n, p in model.named_parameters())
     assert float(wrong.values[KEY]) != pytest.approx(other, rel=1e-3)
+
+
+def test_rademacher_direction_is_signs_regenerated_exactly():
+    gen = torch.Generator().manual_seed(0)
+    params = {"a": nn.Parameter(torch.randn(1000, 13, generator=gen)), "b": nn.Parameter(torch.randn(5, generator=gen))}
+    sampler = DirectionSampler(77, distribution="rademacher")
+    z = {n: sampler.z(n, p) for n, p in params.items()}
+    for n, p in params.items():
+        assert z[n].shape == p.shape and z[n].dtype == p.dtype
+        assert set(z[n].unique().tolist()) <= {-1.0, 1.0}
+        assert torch.equal(DirectionSampler(77, distribution="rademacher").z(n, p), z[n])  # public seed -> same z
+    assert not torch.equal(DirectionSampler(78, distribution="rademacher").z("a", params["a"]), z["a"])
+    # fair, independent signs: 13000 of them; mean within 5 standard errors, neighbours uncorrelated
+    flat = z["a"].flatten()
+    assert abs(float(flat.mean())) < 5 / math.sqrt(flat.numel())
+    assert abs(float((flat[1:] * flat[:-1]).mean())) < 5 / math.sqrt(flat.numel())
+    assert abs(float((flat[8:] * flat[:-8]).mean())) < 5 / math.sqrt(flat.numel())  # across the bytes of a word
+    assert sampler.squared_norm(params) == 13005.0
+    # perturbing adds exactly +-scale
+    before = params["a"].detach().clone()
+    sampler.perturb_(params, 0.5)
+    assert torch.equal(params["a"].detach(), before + 0.5 * z["a"])
+
+
+def test_a_step_whose_update_was_never_applied_is_refused():
+    model = Quadratic()
+    plugin = DPZeroPlugin()
+    plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=1), batch=_xbatch())
+    with pytest.raises(PluginError, match="still displaced"):
+        plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=2), batch=_xbatch())
+
+
+def test_keep_direction_with_rademacher_is_refused():
+    with pytest.raises(ConfigError, match="always kept"):
+        DPZeroPlugin(keep_direction=True, direction="rademacher")
 
 
 def test_each_contribution_bounded_by_C():
@@ -309,8 +362,8 @@ def test_noise_std_is_sigma_C_over_B():
 
 # --- MeZO and the update --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_mezo_mode_equals_a_hand_written_mezo_step(keep, monkeypatch):
+@pytest.mark.parametrize("keep, distribution", [(False, "gaussian"), (True, "gaussian"), (False, "rademacher")])
+def test_mezo_mode_equals_a_hand_written_mezo_step(keep, distribution, monkeypatch):
     draws = []
     draw = DirectionSampler._draw
     monkeypatch.setattr(DirectionSampler, "_draw", lambda self, name, p: draws.append(name) or draw(self, name, p))
@@ -322,15 +375,17 @@ def test_mezo_mode_equals_a_hand_written_mezo_step(keep, monkeypatch):
     batch = random_batch(8)
     lr, mu, seed = 0.05, 1e-3, 4242
     # dpl: privacy noise off and no clipping (MeZO), fixed batch of the expected size
-    pm = create_plugin_manager({"dpzero": {"mu": mu, "keep_direction": keep}})
+    pm = create_plugin_manager({"dpzero": {"mu": mu, "keep_direction": keep, "direction": distribution}})
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     ctx = _ctx(model, _bert_loss(model), seed=seed, C=math.inf, sigma=0.0, B=8, optimizer=optimizer)
     apply_direction(optimizer, ctx.trainable, private_step(pm.hook, ctx, batch, physical_batch_size=3))
     names = [n for n, _ in model.named_parameters()]
-    # 3 micro-batches: perturb, perturb back, restore each, then the update; kept: one draw per tensor
-    assert sorted(draws) == sorted(names * (1 if keep else 3 * 3 + 1))
+    # 3 micro-batches: perturb, perturb back each, then the update (which also moves them back from theta - mu z);
+    # kept: one draw per tensor; rademacher: signs drawn as bits once per tensor, expanded at each pass
+    assert sorted(draws) == sorted(names * (1 if keep else 3 * 2 + 1))
     # by hand (MeZO's Algorithm 1, mean loss, z from the same public seed; kept: rounded to bfloat16)
-    z = {n: DirectionSampler(seed, torch.bfloat16 if keep else None).z(n, p) for n, p in reference.named_parameters()}
+    z = {n: DirectionSampler(seed, torch.bfloat16 if keep else None, distribution).z(n, p)
+         for n, p in reference.named_parameters()}
     if keep:
         assert all(torch.equal(v, v.bfloat16().float()) for v in z.values())
     reference.eval()

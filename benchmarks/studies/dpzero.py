@@ -37,6 +37,11 @@ ARMS = [  # lr_grid in units of 1 / d for the zeroth-order arms ("per_d": true)
      "per_d": True},
     {"name": "DP-SGD ε=6", "plugins": None, "epsilon": 6.0, "per_d": False},
 ]
+# The direction's distribution (run with ``--arms`` only; ``--tag directions``): DPZero at epsilon 6 with a Gaussian and
+# with a Rademacher z, the same lr grid and seeds; reported in a table of their own.
+DIRECTION_ARMS = [
+    {"name": f"DPZero ε=6, {label} z", "plugins": {"dpzero": {"mu": 1e-3, "direction": direction}}, "epsilon": 6.0,
+     "per_d": True} for label, direction in (("Gaussian", "gaussian"), ("Rademacher", "rademacher"))]
 ZO_GRID = [10.0, 30.0, 100.0]       # x 1 / d
 FO_GRID = [0.3, 1.0, 3.0]
 
@@ -80,8 +85,8 @@ def main() -> None:
     for width in args.widths:
         train, held, test = (Split(random_features(s.x, width, mean), s.y) for s in (data.train, data.tune, data.test))
         d = 2 * width + 2
-        for arm in ARMS:
-            if args.arms and arm["name"] not in args.arms:
+        for arm in ARMS + DIRECTION_ARMS:
+            if (args.arms and arm["name"] not in args.arms) or (not args.arms and arm in DIRECTION_ARMS):
                 continue
             settings = {k: v for k, v in arm.items() if k not in ("name", "per_d")}
             settings.update(batch_size=batch, steps=args.steps, optimizer="sgd")
@@ -122,12 +127,17 @@ def report(folder) -> None:
         if not path.stem.endswith("_quick"):
             for c in json.loads(path.read_text())["cells"]:
                 cells[(c["arm"], c["width"])] = {**c, "source": path.stem}
-    widths = sorted({w for _, w in cells})
-    order = [a["name"] for a in ARMS]
-    merged = {**main_run, "settings": {**main_run["settings"], "widths": widths},
-              "cells": sorted(cells.values(), key=lambda c: (order.index(c["arm"]), c["width"]))}
-    print(table(merged))
-    plot(merged)
+    order = [a["name"] for a in ARMS + DIRECTION_ARMS]
+    pair = {a["name"] for a in DIRECTION_ARMS}
+    for group in ([c for c in cells.values() if c["arm"] not in pair], [c for c in cells.values() if c["arm"] in pair]):
+        if not group:
+            continue
+        widths = sorted({c["width"] for c in group})
+        merged = {**main_run, "settings": {**main_run["settings"], "widths": widths},
+                  "cells": sorted(group, key=lambda c: (order.index(c["arm"]), c["width"]))}
+        print(table(merged))
+        if group[0]["arm"] not in pair:
+            plot(merged)
 
 
 def table(results: dict) -> str:

@@ -9,6 +9,10 @@ Two paths:
   weight decay), so no ``.grad`` buffer and no second copy of the parameters is ever allocated. This is only
   possible for optimizers without per-parameter state: plain SGD. :func:`streaming_refusal` says why another
   optimizer cannot be used; plugins that return a streaming direction call it at setup.
+
+A streaming direction may also undo a displacement in the same pass: a zeroth-order estimator that leaves the
+parameters at ``theta + displaced * u`` after its last forward pass (``u`` the direction it streams) saves the pass
+that would move them back, and the update moves them from there (:class:`StreamingDirection`'s ``displaced``).
 """
 
 from __future__ import annotations
@@ -23,23 +27,30 @@ from dpl.core.sharding import as_gradient_of
 
 
 class StreamingDirection(Mapping):
-    """An update direction computed on demand: ``direction[name]`` calls ``produce(name)`` and returns a fresh
-    tensor (nothing is cached), so at most one tensor of the direction exists at a time when it is applied.
+    """An update direction ``scale * u`` computed on demand: ``direction[name]`` calls ``produce(name)`` (a fresh
+    tensor of ``u``; nothing is cached) and scales it, so at most one tensor exists at a time when it is applied.
+
+    ``displaced``: the parameters currently sit at ``theta + displaced * u`` (a zeroth-order estimator left them
+    there); applying the update (:func:`apply_streaming`, the only consumer that knows) moves them back in the same
+    pass. Code that reads the tensors through the ``Mapping`` gets the update direction only.
 
     It is a read-only ``Mapping`` (keys: the trainable parameter names), so code that expects a dict of tensors
     still works, at the cost of materializing each tensor it reads.
     """
 
     def __init__(self, names: Sequence[str], produce: Callable[[str], Tensor],
-                 pieces: Callable[[str], Iterator[tuple[int, Tensor]]] | None = None) -> None:
+                 pieces: Callable[[str], Iterator[tuple[int, Tensor]]] | None = None, *, scale: float = 1.0,
+                 displaced: float = 0.0) -> None:
         self._names = list(names)
         self._known = set(self._names)
         self._produce = produce
         self._pieces = pieces
+        self.scale = float(scale)
+        self.displaced = float(displaced)
 
-    def pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
-        """``(flat offset, flat piece)`` pairs that tile ``direction[name].reshape(-1)`` in order: a producer that
-        can make a large tensor in pieces (``pieces=``) bounds the transient memory to one piece."""
+    def unit_pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
+        """``(flat offset, flat piece of u)`` pairs that tile ``u[name].reshape(-1)`` in order: a producer that can
+        make a large tensor in pieces (``pieces=``) bounds the transient memory to one piece."""
         if name not in self._known:
             raise KeyError(name)
         if self._pieces is None:
@@ -47,10 +58,20 @@ class StreamingDirection(Mapping):
         else:
             yield from self._pieces(name)
 
-    def __getitem__(self, name: str) -> Tensor:
+    def pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
+        """Like :meth:`unit_pieces`, of the direction ``scale * u``."""
+        for offset, piece in self.unit_pieces(name):
+            yield offset, piece if self.scale == 1.0 else piece.mul_(self.scale)
+
+    def unit(self, name: str) -> Tensor:
+        """``u[name]`` (a fresh tensor)."""
         if name not in self._known:
             raise KeyError(name)
         return self._produce(name)
+
+    def __getitem__(self, name: str) -> Tensor:
+        unit = self.unit(name)
+        return unit if self.scale == 1.0 else unit.mul_(self.scale)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -85,7 +106,8 @@ def streaming_refusal(optimizer: torch.optim.Optimizer) -> str | None:
 def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn.Parameter],
                     direction: StreamingDirection) -> None:
     """One plain-SGD step ``p <- p * (1 - lr * wd) - lr * direction[name]`` per parameter, tensor by tensor (piece
-    by piece where the direction produces pieces).
+    by piece where the direction produces pieces), from ``p = theta + displaced * u`` back to ``theta`` first: one
+    pass ``p <- p * (1 - lr * wd) + (-lr * scale - displaced * (1 - lr * wd)) * u`` (plus the decay's own pass).
 
     Equal (to float rounding) to writing the direction into ``.grad`` and calling ``torch.optim.SGD.step`` with
     ``momentum=0``; ``maximize`` flips the sign. No ``.grad`` is allocated. The optimizer's ``step()`` is then
@@ -105,14 +127,15 @@ def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
         decay = float(group.get("weight_decay", 0.0))
         if decay:
             param.mul_(1.0 - lr * decay)
-        alpha = lr if group.get("maximize", False) else -lr
+        alpha = (lr if group.get("maximize", False) else -lr) * direction.scale
+        alpha -= direction.displaced * (1.0 - lr * decay)
         if param.is_contiguous():
             flat = param.view(-1)
-            for offset, piece in direction.pieces(name):
+            for offset, piece in direction.unit_pieces(name):
                 flat[offset:offset + piece.numel()].add_(piece.to(param.dtype), alpha=alpha)
                 del piece
         else:
-            param.add_(direction[name].to(param.dtype), alpha=alpha)
+            param.add_(direction.unit(name).to(param.dtype), alpha=alpha)
     optimizer.step()
 
 

@@ -2,17 +2,18 @@
 non-private special case).
 
 Per logical step, with the core's public per-step seed (identical on every DDP rank) and a public direction
-z ~ N(0, I) regenerated tensor by tensor from it (:mod:`dpl_plugins.dpzero.directions`):
+z ~ N(0, I) (or independent +-1 signs: ``direction: rademacher``) regenerated tensor by tensor from it (:mod:`dpl_plugins.dpzero.directions`):
 
-* ``estimate_gradient`` (per micro-batch): theta += mu z, forward; theta -= 2 mu z, forward; theta += mu z
-  (restores theta to float rounding). d_i = (l_i(theta + mu z) - l_i(theta - mu z)) / (2 mu) per example,
+* ``estimate_gradient`` (per micro-batch): theta += mu z, forward; theta -= 2 mu z, forward; the parameters stay
+  at theta - mu z (the next micro-batch moves them by +2 mu z, the update by (mu - lr g) z: three passes over
+  the parameters per single-micro-batch step, not four). d_i = (l_i(theta + mu z) - l_i(theta - mu z)) / (2 mu) per example,
   clipped to [-C, C] and summed: a ``GradientSum`` with ONE scalar key, sensitivity C. No backward pass, no
   ``.grad``, no stored z.
 * ``privatize``: not implemented here. The default ``gaussian`` adds N(0, sigma^2 C^2) to the scalar, drawn from
   the run's secret noise source (never from the direction generator), divides by B, and its Poisson/PRV
   mechanism accounts for it exactly as for DP-SGD.
 * ``precondition``: the update direction g * z as a :class:`dpl.core.update.StreamingDirection` (z regenerated tensor
-  by tensor), applied in place by plain SGD: theta <- theta - lr * g * z.
+  by tensor), applied in place by plain SGD: theta <- theta - lr * g * z, from theta - mu z in the same pass.
 
 MeZO is the same plugin with ``privacy.noise_multiplier: 0`` and ``privacy.max_grad_norm: .inf``.
 ``estimator: dpgd0`` is the Algorithm 1 baseline (DPGD-0th) of Zhang et al. (ICML 2024): it clips each example's whole
@@ -29,9 +30,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dpl.api import (ConfigError, Contract, GradientSum, PrivateGradient, ReleaseContext, RunSetup, StepContext,
+from dpl.api import (ConfigError, Contract, PluginError, GradientSum, PrivateGradient, ReleaseContext, RunSetup, StepContext,
                      StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
-from dpl_plugins.dpzero.directions import DirectionSampler
+from dpl_plugins.dpzero.directions import DirectionSampler, Distribution
 
 KEY = "projected_grad"
 # Plugins that need a gradient matrix (or per-parameter gradients) and cannot work on a rank-one update.
@@ -61,13 +62,18 @@ class DPZeroPlugin:
             ``.grad`` and any optimizer).
         eval_forward: run the two forward passes in eval mode (dropout off) so that both see the same function,
             as MeZO does. Turning it off makes the finite difference mostly dropout noise.
-        keep_direction: keep the step's direction z in bfloat16 (2 bytes per trainable parameter) instead of
-            drawing it again for each pass: one draw instead of four, z rounded to bfloat16
+        keep_direction: keep the step's Gaussian direction z in bfloat16 (2 bytes per trainable parameter) instead
+            of drawing it again for each pass: one draw instead of four, z rounded to bfloat16
             (``benchmarks/dpzero_memory.py`` measures both).
+        direction: the distribution of z: ``gaussian`` (N(0, I), as in the DPZero and MeZO papers) or
+            ``rademacher`` (independent +-1 signs, Spall's SPSA: also E[z z^T] = I; drawn once per step as 1 bit per
+            parameter, each pass a table lookup instead of a Gaussian draw). The privacy analysis is the same for
+            both: z is public and the release is one clipped scalar.
     """
 
     def __init__(self, mu: float = 1e-3, estimator: Literal["dpzero", "dpgd0"] = "dpzero",
-                 eval_forward: bool = True, keep_direction: bool = False) -> None:
+                 eval_forward: bool = True, keep_direction: bool = False,
+                 direction: Distribution = "gaussian") -> None:
         if not (isinstance(mu, (int, float)) and math.isfinite(mu) and mu > 0):
             raise ConfigError(f"dpzero: mu must be a finite number > 0, got {mu!r}")
         self.mu = float(mu)
@@ -77,12 +83,21 @@ class DPZeroPlugin:
         # ``dpzero`` releases one scalar along that public direction.
         self.contract = Contract(rank_one_release=estimator == "dpzero", full_tensors=True)
         self.keep_direction = bool(keep_direction)
+        if self.keep_direction and direction == "rademacher":
+            raise ConfigError("dpzero: keep_direction rounds a Gaussian direction to bfloat16; a rademacher direction "
+                              "is always kept, as 1 bit per parameter (drop keep_direction)")
+        self.direction = direction
         self._sampler: DirectionSampler | None = None  # this step's (public) direction
+        self._offset = 0.0  # the parameters sit at theta + offset * z (z: this step's direction)
 
     def _direction(self, public_seed: int) -> DirectionSampler:
         """The step's direction sampler, shared by its micro-batches and its update."""
         if self._sampler is None or self._sampler.public_seed != public_seed:
-            self._sampler = DirectionSampler(public_seed, torch.bfloat16 if self.keep_direction else None)
+            if self._offset:
+                raise PluginError("dpzero: the parameters are still displaced along the previous step's direction "
+                                  "(its update was never applied); the model is off by mu * z")
+            self._sampler = DirectionSampler(public_seed, torch.bfloat16 if self.keep_direction else None,
+                                             self.direction)
         return self._sampler
 
     # --- setup ------------------------------------------------------------------------------------------
@@ -102,22 +117,31 @@ class DPZeroPlugin:
 
     # --- the step ---------------------------------------------------------------------------------------
     def _finite_differences(self, ctx: StepContext, batch: dict[str, Any], sampler: DirectionSampler) -> Tensor:
-        """d_i = (l_i(theta + mu z) - l_i(theta - mu z)) / (2 mu), theta restored afterwards (even on error)."""
+        """d_i = (l_i(theta + mu z) - l_i(theta - mu z)) / (2 mu).
+
+        The parameters are left at theta - mu z (``self._offset``): the next micro-batch starts from there, and the
+        update moves them back in its own pass (:class:`StreamingDirection`'s ``displaced``), which saves one pass
+        over the parameters per micro-batch. On an error they are restored at once."""
         params = ctx.trainable
-        offset = 0.0
         with torch.no_grad(), no_dropout(ctx.model, self.eval_forward):
             try:
-                sampler.perturb_(params, self.mu)
-                offset = self.mu
+                sampler.perturb_(params, self.mu - self._offset)
+                self._offset = self.mu
                 plus = ctx.per_example_loss(batch).detach().double()
                 sampler.perturb_(params, -2.0 * self.mu)
-                offset = -self.mu
+                self._offset = -self.mu
                 minus = ctx.per_example_loss(batch).detach().double()
-            finally:
-                if offset:
-                    sampler.perturb_(params, -offset)
+            except BaseException:
+                self._restore(params, sampler)
+                raise
         diffs = (plus - minus) / (2.0 * self.mu)
         return torch.where(torch.isfinite(diffs), diffs, torch.zeros_like(diffs))  # non-finite: contributes 0
+
+    def _restore(self, params: dict[str, nn.Parameter], sampler: DirectionSampler) -> None:
+        """Move the parameters back to theta (an error, or an update that cannot carry the displacement)."""
+        if self._offset:
+            sampler.perturb_(params, -self._offset)
+            self._offset = 0.0
 
     @hookimpl
     def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]) -> GradientSum:
@@ -138,6 +162,7 @@ class DPZeroPlugin:
             scale = 0.0
         else:
             diffs = self._finite_differences(ctx, batch, sampler)
+            self._restore(ctx.trainable, sampler)  # the update goes through .grad and the optimizer
             key = ("dpzero/z_norm", ctx.public_seed)
             if key not in ctx.scratch:  # public: a function of the public seed only
                 ctx.scratch[key] = math.sqrt(sampler.squared_norm(ctx.trainable))
@@ -154,16 +179,10 @@ class DPZeroPlugin:
         g = float(gradient.values[KEY].reshape(()))  # the DP release: public
         ctx.log("dpzero/projected_grad", g)
         sampler, self._sampler = self._direction(ctx.public_seed), None  # the update holds it until applied
+        displaced, self._offset = self._offset, 0.0  # the update moves the parameters back to theta in its pass
         params = ctx.trainable
-
-        def produce(name: str) -> Tensor:
-            return sampler.z(name, params[name]).mul_(g)
-
-        def pieces(name: str) -> Iterator[tuple[int, Tensor]]:
-            for offset, chunk in sampler.chunks(name, params[name]):
-                yield offset, chunk.mul_(g)
-
-        return StreamingDirection(list(params), produce, pieces)
+        return StreamingDirection(list(params), lambda name: sampler.z(name, params[name]),
+                                  lambda name: sampler.chunks(name, params[name]), scale=g, displaced=displaced)
 
     # --- state --------------------------------------------------------------------------------------------
     # Nothing to keep: the direction seed is the core's public per-step seed (checkpointed by the core), and the

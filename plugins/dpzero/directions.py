@@ -1,4 +1,12 @@
-"""DPZero's public random direction z ~ N(0, I), regenerated tensor by tensor, never stored.
+"""DPZero's public random direction z, regenerated tensor by tensor, never stored whole.
+
+Two distributions, both with E[z z^T] = I (what makes the two-point estimate unbiased):
+
+* ``gaussian``: z ~ N(0, I), as in Zhang et al.'s DPZero and Malladi et al.'s MeZO;
+* ``rademacher``: independent signs z_i = +-1 with probability 1/2 (Spall's simultaneous perturbation, SPSA).
+  The signs are drawn once per step as packed bits (1 bit per parameter: 1/32 of fp32 weights) and expanded
+  chunk by chunk through a 256-row table, so each pass over the parameters costs a table lookup and an add
+  instead of a Gaussian draw (``benchmarks/dpzero_memory.py`` measures both).
 
 Each trainable tensor gets its own seed derived from the step's public seed and the parameter's name, and its
 slice of z is drawn from one dedicated ``torch.Generator`` reseeded with it. So any tensor of z can be
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +34,9 @@ def tensor_seed(public_seed: int, name: str) -> int:
 
 
 CHUNK = 1 << 20  # elements of z drawn at once: bounds the transient memory of a large tensor (4 MiB in fp32)
+SIGN_CHUNK = 1 << 18  # elements of a Rademacher z expanded at once (a multiple of 8; 1 MiB in fp32 stays in cache)
+Distribution = Literal["gaussian", "rademacher"]
+_SIGNS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).mul(2).sub(1)  # byte -> its 8 bits as -1/+1
 
 
 class DirectionSampler:
@@ -39,11 +51,19 @@ class DirectionSampler:
     parameter in bfloat16. The rounded z is the direction: every pass and the update use the same values.
     """
 
-    def __init__(self, public_seed: int, keep: torch.dtype | None = None) -> None:
+    def __init__(self, public_seed: int, keep: torch.dtype | None = None,
+                 distribution: Distribution = "gaussian") -> None:
+        if distribution not in ("gaussian", "rademacher"):
+            raise ValueError(f"unknown direction distribution {distribution!r}")
+        if keep is not None and distribution == "rademacher":
+            raise ValueError("a Rademacher direction is always kept, as bits: there is nothing to round")
         self.public_seed = int(public_seed)
         self.keep = keep
+        self.distribution = distribution
         self._generators: dict[torch.device, torch.Generator] = {}
         self._kept: dict[str, list[Tensor]] = {}
+        self._bits: dict[str, Tensor] = {}  # rademacher: packed signs per tensor (bit k of byte j: element 8j + k)
+        self._tables: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -51,12 +71,33 @@ class DirectionSampler:
         return self._generators[device]
 
     def _draw(self, name: str, param: Tensor) -> Iterator[tuple[int, Tensor]]:
+        if self.distribution == "rademacher":
+            yield from self._signs(name, param)
+            return
         gen = self._generator(param.device)
         gen.manual_seed(tensor_seed(self.public_seed, name))
         total = param.numel()
         for start in range(0, total, CHUNK):
             size = min(CHUNK, total - start)
             yield start, torch.randn(size, generator=gen, device=param.device, dtype=param.dtype)
+
+    def _signs(self, name: str, param: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """Rademacher chunks: the tensor's bits drawn once per step from its seed, expanded 8 signs per byte."""
+        total = param.numel()
+        if name not in self._bits:
+            gen = self._generator(param.device)
+            gen.manual_seed(tensor_seed(self.public_seed, name))
+            words = torch.empty((total + 63) // 64, dtype=torch.int64, device=param.device)
+            words.random_(-2 ** 63, None, generator=gen)  # 64 uniform bits per draw (uint8 draws: 8 per draw)
+            self._bits[name] = words.view(torch.uint8)
+        key = (param.dtype, param.device)
+        if key not in self._tables:
+            self._tables[key] = _SIGNS.to(device=param.device, dtype=param.dtype)
+        table, bits = self._tables[key], self._bits[name]
+        for start in range(0, total, SIGN_CHUNK):
+            size = min(SIGN_CHUNK, total - start)
+            rows = table.index_select(0, bits[start // 8:(start + size + 7) // 8].long())
+            yield start, rows.view(-1)[:size]
 
     def _stored(self, name: str, param: Tensor) -> Iterator[tuple[int, Tensor]]:
         """Like :meth:`chunks`, but kept chunks come in the kept dtype and must not be modified."""
@@ -101,5 +142,7 @@ class DirectionSampler:
     @torch.no_grad()
     def squared_norm(self, params: Mapping[str, nn.Parameter]) -> float:
         """||z||^2 over all trainable tensors (DPGD-0th clips the whole vector d_i * z)."""
+        if self.distribution == "rademacher":
+            return float(sum(p.numel() for p in params.values()))
         return float(sum(float(chunk.double().pow(2).sum()) for name, p in params.items()
                          for _, chunk in self.chunks(name, p)))
