@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "dp_step_vs_opacus.json"))
     args = parser.parse_args()
+    from dpl.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     variants = ["non-private", "dpl", "opacus hooks", "opacus ghost"]
     rows = []

@@ -216,6 +216,9 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true",
                         help="time only: two forwards, a direction pass and both DPZero steps, interleaved in one process")
     args = parser.parse_args()
+    from dpl.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     globals()["DATA"] = Path(args.data_dir)
     if args.worker:
         task, mode = args.worker

@@ -135,6 +135,9 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="time the full step of every variant, not only the default")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    from dpl.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     torch.manual_seed(0)
     model = load("full")
     d = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -27,6 +27,9 @@ def main() -> None:
     parser.add_argument("--method", choices=("full", "lora"), default="full")
     parser.add_argument("--freeze-embeddings", action="store_true")
     args = parser.parse_args()
+    from dpl.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     model, batch = load(args.method, freeze_embeddings=args.freeze_embeddings), make_batch(32, 64)
     clipper = pe.PerExampleClipper(model)
     source = noise_source(None)  # the default noise source

@@ -4,7 +4,8 @@
 
 Each configuration runs one full optimizer step (forward, backward, clipping/noise where private) on the
 same batch of random token ids. Timings are interleaved round-robin so that machine noise hits every
-variant alike; the table reports medians and the ratio to the non-private step of the same model.
+variant alike; the table reports medians and the ratio to the non-private step of the same model. Like the ``dpl``
+command, the process keeps freed memory for reuse (``dpl.allocator``); ``DPL_MALLOC=system`` times glibc's default.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dpl.allocator import keep_freed_memory
 from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
 from dpl.core.noise import noise_source
 from dpl.core.plugin_manager import create_plugin_manager
@@ -143,6 +145,7 @@ def main() -> None:
                         help="process: CPU seconds of this process (robust to other jobs on a shared machine; use "
                              "with OMP_NUM_THREADS=1)")
     args = parser.parse_args()
+    malloc = "freed memory kept (dpl.allocator)" if keep_freed_memory() else "system malloc"
     torch.set_num_threads(torch.get_num_threads())
     batch = make_batch(args.batch, args.tokens)
     rows = []
@@ -167,7 +170,7 @@ def main() -> None:
             seconds = statistics.median(values)
             rows.append((label, name, seconds, seconds / base, min(values), min(values) / base_min))
     print(f"\nbatch {args.batch} x {args.tokens} tokens, {args.repeats} interleaved repeats, {args.clock} clock, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
+          f"{torch.get_num_threads()} threads, {malloc}, torch {torch.__version__}\n")
     print("| model | step | median s | × non-private | × dpl | min s | min × non-private |\n"
           "|---|---|---|---|---|---|---|")
     dpl_time = {row[0]: row[2] for row in rows if row[1] == "dpl"}

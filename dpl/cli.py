@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from dpl.allocator import keep_freed_memory
 from dpl.lightning.data import DPDataModule
 from dpl.errors import ConfigError, DPLError
 from dpl.lightning.module import DPModule
@@ -397,6 +398,7 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``dpl``; ``args`` defaults to the command line."""
     argv = sys.argv[1:] if args is None else list(args)
     _ARGV[:] = argv
+    keep_freed_memory()  # glibc: reuse freed blocks step after step (dpl.allocator; DPL_MALLOC=system opts out)
     if any(a in ("--model.privacy.help", "--model.init_args.privacy.help") for a in argv):
         print(privacy_help())
         return

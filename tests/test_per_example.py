@@ -86,9 +86,10 @@ def test_every_contribution_bounded_under_bf16_autocast(build):
 
 
 def test_both_ghost_and_materialized_linear_paths():
-    # Short sequences pick the ghost norm, long-and-thin layers materialise: both must agree with the loop.
+    # Short sequences pick the ghost norm, long-and-thin layers materialise (in either orientation: the narrower
+    # side first, as LoRA's A (wide in, narrow out) and B (narrow in, wide out)): all must agree with the loop.
     torch.manual_seed(0)
-    for steps, d_in, d_out in [(2, 8, 8), (40, 3, 2)]:
+    for steps, d_in, d_out in [(2, 8, 8), (40, 3, 2), (40, 2, 3), (30, 16, 2), (30, 2, 16)]:
         layer = nn.Linear(d_in, d_out).double()
         x = torch.randn(4, steps, d_in, dtype=torch.float64)
         clipper = PerExampleClipper(layer)

@@ -2,12 +2,13 @@
 non-private special case).
 
 Per logical step, with the core's public per-step seed (identical on every DDP rank) and a public direction
-z ~ N(0, I) (or independent +-1 signs: ``direction: rademacher``) regenerated tensor by tensor from it (:mod:`dpl_plugins.dpzero.directions`):
+z ~ N(0, I) (or independent +-1 signs: ``direction: rademacher``) regenerated tensor by tensor from it
+(:mod:`dpl_plugins.dpzero.directions`):
 
 * ``estimate_gradient`` (per micro-batch): theta += mu z, forward; theta -= 2 mu z, forward; the parameters stay
   at theta - mu z (the next micro-batch moves them by +2 mu z, the update by (mu - lr g) z: three passes over
-  the parameters per single-micro-batch step, not four). d_i = (l_i(theta + mu z) - l_i(theta - mu z)) / (2 mu) per example,
-  clipped to [-C, C] and summed: a ``GradientSum`` with ONE scalar key, sensitivity C. No backward pass, no
+  the parameters per single-micro-batch step, not four). d_i = (l_i(theta + mu z) - l_i(theta - mu z)) / (2 mu)
+  per example, clipped to [-C, C] and summed: a ``GradientSum`` with ONE scalar key, sensitivity C. No backward pass, no
   ``.grad``, no stored z.
 * ``privatize``: not implemented here. The default ``gaussian`` adds N(0, sigma^2 C^2) to the scalar, drawn from
   the run's secret noise source (never from the direction generator), divides by B, and its Poisson/PRV
@@ -30,8 +31,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dpl.api import (ConfigError, Contract, PluginError, GradientSum, PrivateGradient, ReleaseContext, RunSetup, StepContext,
-                     StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
+from dpl.api import (ConfigError, Contract, GradientSum, PluginError, PrivateGradient, ReleaseContext, RunSetup,
+                     StepContext, StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
 from dpl_plugins.dpzero.directions import DirectionSampler, Distribution
 
 KEY = "projected_grad"
