@@ -4,8 +4,7 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 from __future__ import annotations
 
 
-from dpl.api import (GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext, hookimpl,
-                     normal_like)
+from dpl.api import GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext, hookimpl, normal
 
 
 class GaussianPlugin:
@@ -20,11 +19,13 @@ class GaussianPlugin:
         # sigma = 0 means no noise (even with C = inf, where sigma * C would be nan).
         std = ctx.noise_multiplier * ctx.max_grad_norm if ctx.noise_multiplier > 0 else 0.0
         batch = float(ctx.expected_batch_size)
-        if std > 0:  # one draw for all tensors (dpl.api.normal_like), then in place: (noise * std + sum) / B
-            noise = normal_like(gradient_sum.values, ctx.noise_generator)
-            values = {key: noise[key].mul_(std).add_(total).div_(batch)
-                      for key, total in gradient_sum.values.items()}
-        else:
-            values = {key: total / batch for key, total in gradient_sum.values.items()}
+        values = {}
+        for key, total in gradient_sum.values.items():
+            if std > 0:
+                noise = normal(total.shape, ctx.noise_generator, device=total.device,
+                                    dtype=total.dtype)
+                values[key] = noise.mul_(std).add_(total).div_(batch)
+            else:
+                values[key] = total / batch
         return PrivateGradient(values, noise_std=std / batch, mechanism="gaussian",
                                expected_batch_size=batch, step=ctx.step)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dpl.core.noise import KeyedNormal, SecureNormal, box_muller, noise_source, normal, normal_like, replay_source
+from dpl.core.noise import KeyedNormal, SecureNormal, box_muller, noise_source, normal, replay_source
 from dpl.core.sampling import PoissonBatchSampler, poisson_mask
 
 N = 400_000
@@ -197,21 +197,3 @@ def test_poisson_inclusion_uses_53_bit_uniforms():
     assert (torch.rand(n * steps, generator=torch.Generator().manual_seed(1)) < rate).sum() > 0
     assert sum(map(len, PoissonBatchSampler(n, rate, steps, torch.Generator().manual_seed(1)))) == 0
 
-
-
-def test_normal_like_draws_large_tensors_alone_and_small_ones_together_in_order():
-    large = (1 << 16) + 3
-    tensors = {"w": torch.zeros(3, 4), "big": torch.zeros(large), "b": torch.zeros(5),
-               "d": torch.zeros(2, dtype=torch.float64), "v": torch.zeros(7, 1)}
-    drawn = normal_like(tensors, KeyedNormal(bytes(32)))
-    assert list(drawn) == list(tensors)
-    for key, tensor in tensors.items():
-        assert drawn[key].shape == tensor.shape and drawn[key].dtype == tensor.dtype
-    replay = KeyedNormal(bytes(32))
-    big = normal((large,), replay)  # the large tensor first, on its own
-    flat32 = normal((24,), replay)  # then the float32 small ones together (w, b, v), then the float64 one
-    flat64 = normal((2,), replay, dtype=torch.float64)
-    assert torch.equal(drawn["big"], big)
-    assert torch.equal(torch.cat([drawn[k].reshape(-1) for k in ("w", "b", "v")]), flat32)
-    assert torch.equal(drawn["d"], flat64)
-    assert not torch.equal(drawn["w"].reshape(-1)[:5], drawn["b"])  # distinct tensors, distinct values

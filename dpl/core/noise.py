@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -209,25 +209,3 @@ def normal(shape: Sequence[int] | torch.Size, source: NoiseSource, device: torch
     values = torch.randn(shape, generator=source, device=device if device is not None else source.device,
                          dtype=torch.float64)
     return values if dtype == torch.float64 else values.to(dtype)
-
-
-def normal_like(tensors: Mapping[str, Tensor], source: NoiseSource) -> dict[str, Tensor]:
-    """i.i.d. N(0, 1) shaped like each of ``tensors`` (its dtype and device). A model has hundreds of small tensors
-    and each draw has a fixed cost, so the small ones (below ``_SMALL`` values) are drawn together, one flat draw per
-    (dtype, device) cut into views in the mapping's order, after the large ones, each drawn on its own (a large
-    draw gains nothing from company, and one huge temporary would cost page faults)."""
-    small: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-    out: dict[str, Tensor] = {}
-    for key, tensor in tensors.items():
-        if tensor.numel() >= _SMALL:
-            out[key] = normal(tensor.shape, source, device=tensor.device, dtype=tensor.dtype)
-        else:
-            small.setdefault((tensor.dtype, tensor.device), []).append(key)
-    for (dtype, device), keys in small.items():
-        flat = normal((sum(tensors[k].numel() for k in keys),), source, device=device, dtype=dtype)
-        for key, part in zip(keys, flat.split([tensors[k].numel() for k in keys])):
-            out[key] = part.view(tensors[key].shape)
-    return {key: out[key] for key in tensors}
-
-
-_SMALL = 1 << 16  # values: a tensor below this is drawn with the other small ones (normal_like)
