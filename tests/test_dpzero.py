@@ -254,6 +254,20 @@ def test_rademacher_direction_is_signs_regenerated_exactly():
     assert torch.equal(params["a"].detach(), before + 0.5 * z["a"])
 
 
+def test_rademacher_chunks_tile_the_same_signs(monkeypatch):
+    from dpl_plugins.dpzero import directions
+
+    param = nn.Parameter(torch.zeros(59, 17))  # 1,003 elements: not a multiple of 8
+    whole = DirectionSampler(5, distribution="rademacher").z("w", param)
+    monkeypatch.setattr(directions, "SIGN_CHUNK", 16)  # 63 chunks of 16 and one of 11
+    sampler = DirectionSampler(5, distribution="rademacher")
+    chunks = list(sampler.chunks("w", param))
+    assert [start for start, _ in chunks] == list(range(0, 1003, 16))
+    assert torch.equal(torch.cat([c for _, c in chunks]).view(59, 17), whole)
+    sampler.perturb_({"w": param}, 2.0)
+    assert torch.equal(param.detach(), 2.0 * whole)
+
+
 def test_a_step_whose_update_was_never_applied_is_refused():
     model = Quadratic()
     plugin = DPZeroPlugin()
