@@ -304,8 +304,8 @@ def _prepare_linear(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor
                 sq = sq + (a.squeeze(1).pow(2).sum(1) * g.squeeze(1).pow(2).sum(1))
             else:
                 sq = sq + _batched_dot(_input_gram(a, rec.inputs, grams), torch.bmm(g, g.transpose(1, 2)))
-        elif d_out <= d_in:  # the narrower operand first, made contiguous: (B, small, T) x (B, T, large) runs
-            # 1.3-2x faster on CPU than the other orientation or a transposed operand (LoRA's A and B matrices)
+        elif d_out <= d_in:  # the narrower operand first, made contiguous: (B, small, T) x (B, T, large) is the
+            # faster orientation on CPU (LoRA's A and B matrices)
             per_example_weight = torch.bmm(g.transpose(1, 2).contiguous(), a)  # (B, d_out, d_in)
             sq = sq + per_example_weight.pow(2).sum((1, 2))
         else:
