@@ -27,8 +27,9 @@ same over the repeats after the first (warm allocator caches; AdamW's moments al
   backward) and AdamW (its moments exist after the first step, as in training), like Zhang et al.'s DP-AdamW.
 
 Time: the minimum (least disturbed by the other jobs on the shared machine) and the median of the repeats after
-the first. One thread (``torch.set_num_threads(1)``) on the shared 2-core
-development machine, no GPU. Results go to ``benchmarks/results/dpzero_memory.json``.
+the first. torch threads: ``OMP_NUM_THREADS`` (1 if unset; the memory runs always use one) on the 2-core
+development machine, no GPU. Like the ``dpl`` command, each process keeps freed memory for reuse (``dpl.allocator``;
+``DPL_MALLOC=system`` for glibc's default). Results go to ``benchmarks/results/dpzero_memory.json``.
 """
 
 from __future__ import annotations

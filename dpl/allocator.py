@@ -9,7 +9,8 @@ non-private one, so it pays more: on MiniLM LoRA (2 CPU cores) this alone was mo
 
 :func:`keep_freed_memory` asks glibc (``mallopt``) to serve every block from its heap and never trim it: freed
 memory is reused by the next step. The resident memory then stays at the run's peak instead of shrinking between
-steps; the peak itself does not grow. The ``dpl`` command calls it at start; ``DPL_MALLOC=system`` opts out.
+steps; the peak itself does not grow. Freed blocks keep their contents until reused, as any heap memory does;
+nothing leaves the process. The ``dpl`` command calls it at start; ``DPL_MALLOC=system`` opts out.
 """
 
 from __future__ import annotations

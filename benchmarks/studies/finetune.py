@@ -239,37 +239,42 @@ def ftrl_setup(args: Any, s: dict[str, Any]) -> Setup:
                  tune_on=lambda: classify(model, held))
 
 
+def pending(args: Any, arms: list[dict[str, Any]], values: list[Any], done: set[tuple[str, Any]]):
+    """(value, arm) pairs still to run: the arms asked for (``--arms``), minus the cells already in the results."""
+    for value in values:
+        for arm in arms:
+            if not (args.arms and arm["name"] not in args.arms) and (arm["name"], value) not in done:
+                yield value, arm
+
+
 def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
     done = {(c["arm"], c["epsilon"]) for c in results["cells"]}
     start = time.perf_counter()
-    for eps in s["epsilons"]:
-        for arm in FTRL_ARMS:
-            if (args.arms and arm["name"] not in args.arms) or (arm["name"], eps) in done:
-                continue
+    for eps, arm in pending(args, FTRL_ARMS, s["epsilons"], done):
 
-            def score(lr: float) -> float:
-                r = setup.run(arm, setup.tune_on, lr=lr, seed=args.tune_seed, epsilon=eps)
-                return -1.0 if r["diverged"] else r["final"]["acc"] - 1e-3 * r["final"]["loss"]
+        def score(lr: float) -> float:
+            r = setup.run(arm, setup.tune_on, lr=lr, seed=args.tune_seed, epsilon=eps)
+            return -1.0 if r["diverged"] else r["final"]["acc"] - 1e-3 * r["final"]["loss"]
 
-            grid = s["lr_grid"]
-            tuned = tune(score, grid, f"{arm['name']} eps={eps:g}") if len(grid) > 1 else \
-                {"best": grid[0], "scores": {}, "widened": False, "at_edge": False}
-            runs = [setup.run(arm, lr=tuned["best"], seed=seed, epsilon=eps) for seed in s["seeds"]]
-            ok = [r for r in runs if not r["diverged"]]
-            cell = {"arm": arm["name"], "plugins": arm["plugins"], "epsilon": eps, "steps": runs[0]["steps"],
-                    "sigma": runs[0]["sigma"], "epsilon_spent": runs[0]["epsilon"], "delta": runs[0]["delta"],
-                    "mechanism": runs[0]["mechanism"], "bands": runs[0]["bands"], "tuning": tuned, "lr": tuned["best"],
-                    "acc": spread([r["final"]["acc"] for r in ok]) if ok else None,
-                    "loss": spread([r["final"]["loss"] for r in ok]) if ok else None,
-                    "per_seed_acc": [None if r["diverged"] else r["final"]["acc"] for r in runs],
-                    "per_seed_loss": [None if r["diverged"] else r["final"]["loss"] for r in runs],
-                    "diverged": len(runs) - len(ok), "seconds_per_run": statistics.fmean(r["seconds"] for r in runs),
-                    "logged": runs[0]["logged"]}
-            results["cells"].append(cell)
-            save(out, results, args.out)  # so far
-            print(f"[{time.perf_counter() - start:6.0f} s] eps={eps:g} {arm['name']}: lr {tuned['best']:.3g}"
-                  f"{' (AT EDGE)' if tuned['at_edge'] else ''} acc {fmt(cell['acc']) if ok else 'diverged'} "
-                  f"({cell['seconds_per_run']:.1f} s per run)", flush=True)
+        grid = s["lr_grid"]
+        tuned = tune(score, grid, f"{arm['name']} eps={eps:g}") if len(grid) > 1 else \
+            {"best": grid[0], "scores": {}, "widened": False, "at_edge": False}
+        runs = [setup.run(arm, lr=tuned["best"], seed=seed, epsilon=eps) for seed in s["seeds"]]
+        ok = [r for r in runs if not r["diverged"]]
+        cell = {"arm": arm["name"], "plugins": arm["plugins"], "epsilon": eps, "steps": runs[0]["steps"],
+                "sigma": runs[0]["sigma"], "epsilon_spent": runs[0]["epsilon"], "delta": runs[0]["delta"],
+                "mechanism": runs[0]["mechanism"], "bands": runs[0]["bands"], "tuning": tuned, "lr": tuned["best"],
+                "acc": spread([r["final"]["acc"] for r in ok]) if ok else None,
+                "loss": spread([r["final"]["loss"] for r in ok]) if ok else None,
+                "per_seed_acc": [None if r["diverged"] else r["final"]["acc"] for r in runs],
+                "per_seed_loss": [None if r["diverged"] else r["final"]["loss"] for r in runs],
+                "diverged": len(runs) - len(ok), "seconds_per_run": statistics.fmean(r["seconds"] for r in runs),
+                "logged": runs[0]["logged"]}
+        results["cells"].append(cell)
+        save(out, results, args.out)  # so far
+        print(f"[{time.perf_counter() - start:6.0f} s] eps={eps:g} {arm['name']}: lr {tuned['best']:.3g}"
+              f"{' (AT EDGE)' if tuned['at_edge'] else ''} acc {fmt(cell['acc']) if ok else 'diverged'} "
+              f"({cell['seconds_per_run']:.1f} s per run)", flush=True)
 
 
 def ftrl_table(results: dict[str, Any]) -> str:
@@ -364,23 +369,20 @@ def denoise_setup(args: Any, s: dict[str, Any]) -> Setup:
 def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
     done = {(c["arm"], c["seed"]) for c in results["cells"]}
     start = time.perf_counter()
-    for seed in s["seeds"]:
-        for arm in DENOISE_ARMS:
-            if (args.arms and arm["name"] not in args.arms) or (arm["name"], seed) in done:
-                continue
-            r = setup.run(arm, seed=seed)
-            cell = {"arm": arm["name"], "plugins": arm["plugins"], "seed": seed, "sigma": r["sigma"],
-                    "epsilon_planned": r["epsilon"], "epsilon_spent": r["epsilon_spent"], "delta": r["delta"],
-                    "diverged": r["diverged"], "fraction_denoised": r["logged"].get("denoise/fraction_denoised"),
-                    "logged": r["logged"], "seconds": r["seconds"],
-                    "curve": {str(p["step"]): {m: p[m] for m in s["metrics"]} for p in r["curve"]},
-                    "predictions": {str(p["step"]): p["predictions"] for p in r["curve"]}}
-            results["cells"].append(cell)
-            save(out, results, args.out)  # so far
-            last = cell["curve"].get(str(s["scored_steps"][-1]), {})
-            print(f"[{time.perf_counter() - start:6.0f} s] seed {seed} {arm['name']}: " + ", ".join(
-                f"{m} {v:.4f}" for m, v in last.items()) + f" @ {s['scored_steps'][-1]}; denoised "
-                f"{cell['fraction_denoised']} ({r['seconds']:.0f} s)", flush=True)
+    for seed, arm in pending(args, DENOISE_ARMS, s["seeds"], done):
+        r = setup.run(arm, seed=seed)
+        cell = {"arm": arm["name"], "plugins": arm["plugins"], "seed": seed, "sigma": r["sigma"],
+                "epsilon_planned": r["epsilon"], "epsilon_spent": r["epsilon_spent"], "delta": r["delta"],
+                "diverged": r["diverged"], "fraction_denoised": r["logged"].get("denoise/fraction_denoised"),
+                "logged": r["logged"], "seconds": r["seconds"],
+                "curve": {str(p["step"]): {m: p[m] for m in s["metrics"]} for p in r["curve"]},
+                "predictions": {str(p["step"]): p["predictions"] for p in r["curve"]}}
+        results["cells"].append(cell)
+        save(out, results, args.out)  # so far
+        last = cell["curve"].get(str(s["scored_steps"][-1]), {})
+        print(f"[{time.perf_counter() - start:6.0f} s] seed {seed} {arm['name']}: " + ", ".join(
+            f"{m} {v:.4f}" for m, v in last.items()) + f" @ {s['scored_steps'][-1]}; denoised "
+            f"{cell['fraction_denoised']} ({r['seconds']:.0f} s)", flush=True)
 
 
 def paired(results: dict[str, Any]) -> list[dict[str, Any]]:

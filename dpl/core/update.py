@@ -48,20 +48,16 @@ class StreamingDirection(Mapping):
         self.scale = float(scale)
         self.displaced = float(displaced)
 
-    def unit_pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
-        """``(flat offset, flat piece of u)`` pairs that tile ``u[name].reshape(-1)`` in order: a producer that can
-        make a large tensor in pieces (``pieces=``) bounds the transient memory to one piece."""
+    def pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
+        """``(flat offset, flat piece of u)`` pairs that tile ``u[name].reshape(-1)`` in order (``u``, not
+        ``scale * u``): a producer that can make a large tensor in pieces (``pieces=``) bounds the transient memory to
+        one piece."""
         if name not in self._known:
             raise KeyError(name)
         if self._pieces is None:
             yield 0, self._produce(name).reshape(-1)
         else:
             yield from self._pieces(name)
-
-    def pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
-        """Like :meth:`unit_pieces`, of the direction ``scale * u``."""
-        for offset, piece in self.unit_pieces(name):
-            yield offset, piece if self.scale == 1.0 else piece.mul_(self.scale)
 
     def unit(self, name: str) -> Tensor:
         """``u[name]`` (a fresh tensor)."""
@@ -131,7 +127,7 @@ def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
         alpha -= direction.displaced * (1.0 - lr * decay)
         if param.is_contiguous():
             flat = param.view(-1)
-            for offset, piece in direction.unit_pieces(name):
+            for offset, piece in direction.pieces(name):
                 flat[offset:offset + piece.numel()].add_(piece.to(param.dtype), alpha=alpha)
                 del piece
         else:

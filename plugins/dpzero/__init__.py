@@ -67,7 +67,7 @@ class DPZeroPlugin:
             of drawing it again for each pass: one draw instead of four, z rounded to bfloat16
             (``benchmarks/dpzero_memory.py`` measures both).
         direction: the distribution of z: ``gaussian`` (N(0, I), as in the DPZero and MeZO papers) or
-            ``rademacher`` (independent +-1 signs, Spall's SPSA: also E[z z^T] = I; drawn once per step as 1 bit per
+            ``rademacher`` (independent +-1 signs, SPSA (Spall, IEEE TAC 1992): also E[z z^T] = I; drawn once per step as 1 bit per
             parameter, each pass a table lookup instead of a Gaussian draw). The privacy analysis is the same for
             both: z is public and the release is one clipped scalar.
     """

@@ -3,7 +3,8 @@
 Two distributions, both with E[z z^T] = I (what makes the two-point estimate unbiased):
 
 * ``gaussian``: z ~ N(0, I), as in Zhang et al.'s DPZero and Malladi et al.'s MeZO;
-* ``rademacher``: independent signs z_i = +-1 with probability 1/2 (Spall's simultaneous perturbation, SPSA).
+* ``rademacher``: independent signs z_i = +-1 with probability 1/2 (SPSA: Spall, "Multivariate stochastic
+  approximation using a simultaneous perturbation gradient approximation", IEEE TAC 1992).
   The signs are drawn once per step as packed bits (1 bit per parameter: 1/32 of fp32 weights) and expanded
   chunk by chunk through a 256-row table, so each pass over the parameters costs a table lookup and an add
   instead of a Gaussian draw (``benchmarks/dpzero_memory.py`` measures both).
