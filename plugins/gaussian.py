@@ -3,8 +3,8 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 
 from __future__ import annotations
 
-
-from dpl.api import GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext, hookimpl, normal
+from dpl.api import (GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext, hookimpl,
+                     normals_like)
 
 
 class GaussianPlugin:
@@ -19,13 +19,11 @@ class GaussianPlugin:
         # sigma = 0 means no noise (even with C = inf, where sigma * C would be nan).
         std = ctx.noise_multiplier * ctx.max_grad_norm if ctx.noise_multiplier > 0 else 0.0
         batch = float(ctx.expected_batch_size)
-        values = {}
-        for key, total in gradient_sum.values.items():
-            if std > 0:
-                noise = normal(total.shape, ctx.noise_generator, device=total.device,
-                                    dtype=total.dtype)
-                values[key] = noise.mul_(std).add_(total).div_(batch)
-            else:
-                values[key] = total / batch
+        if std > 0:
+            noise = normals_like(gradient_sum.values, ctx.noise_generator)
+            values = {key: noise.pop(key).mul_(std).add_(total).div_(batch)
+                      for key, total in gradient_sum.values.items()}
+        else:
+            values = {key: total / batch for key, total in gradient_sum.values.items()}
         return PrivateGradient(values, noise_std=std / batch, mechanism="gaussian",
                                expected_batch_size=batch, step=ctx.step)

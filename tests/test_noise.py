@@ -12,7 +12,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dpl.core.noise import KeyedNormal, SecureNormal, box_muller, noise_source, normal, replay_source
+from dpl.core.noise import (KeyedNormal, SecureNormal, box_muller, noise_source, normal, normals, normals_like,
+                            replay_source)
 from dpl.core.sampling import PoissonBatchSampler, poisson_mask
 
 N = 400_000
@@ -82,13 +83,14 @@ def test_key_comes_from_os_urandom_only(monkeypatch):
 
 def test_float64_noise_sums_four_draws(monkeypatch):
     calls = []
-    draw = SecureNormal.standard_normal
-    monkeypatch.setattr(SecureNormal, "standard_normal", lambda self, n, *a: calls.append(n) or draw(self, n, *a))
+    draw = SecureNormal.standard_normals
+    monkeypatch.setattr(SecureNormal, "standard_normals",
+                        lambda self, sizes, *a: calls.append(list(sizes)) or draw(self, sizes, *a))
     values = normal((300, 1000), SecureNormal(), dtype=torch.float64)
-    assert calls == [300_000] * 4 and values.shape == (300, 1000)
+    assert calls == [[300_000]] * 4 and values.shape == (300, 1000)
     assert values.std().item() == pytest.approx(1.0, abs=5 / math.sqrt(6e5))
     normal((10,), SecureNormal(), dtype=torch.bfloat16)
-    assert calls[4:] == [10]
+    assert calls[4:] == [[10]]
 
 
 # --- tails --------------------------------------------------------------------------------------------------
@@ -159,6 +161,38 @@ def test_keyed_draws_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(*draws)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_normals_draw_what_one_normal_per_shape_draws(threads):
+    """Drawn together (the blocks of all draws shared among threads, full blocks grouped per operation), the values
+    and the counter are those of one ``normal`` per shape, in order, for every dtype."""
+    shapes = [(3,), (384,), (0,), (65_537,), (147_456,), (1_000_003,), (7, 5), (589_824,)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            one, together = KeyedNormal(bytes(range(32))), KeyedNormal(bytes(range(32)))
+            expected = [normal(shape, one, dtype=dtype) for shape in shapes]
+            drawn = normals(shapes, together, dtype=dtype)
+            assert [t.shape for t in drawn] == [torch.Size(s) for s in shapes]
+            assert all(torch.equal(a, b) for a, b in zip(expected, drawn)) and one.draws == together.draws
+    finally:
+        torch.set_num_threads(previous)
+    generator = torch.Generator().manual_seed(3)
+    expected = [normal(s, generator) for s in shapes[:3]]
+    assert all(torch.equal(a, b) for a, b in zip(expected, normals(shapes[:3], torch.Generator().manual_seed(3))))
+    secure = normals([(10,), (70_001,)], SecureNormal())
+    assert [t.numel() for t in secure] == [10, 70_001] and not torch.isin(secure[0], secure[1]).any()
+
+
+def test_normals_like_follows_the_order_device_and_dtype_of_its_tensors():
+    like = {"a": torch.zeros(5), "b": torch.zeros(2, 3, dtype=torch.bfloat16), "c": torch.zeros(4)}
+    drawn = normals_like(like, KeyedNormal(bytes(32)))
+    one = KeyedNormal(bytes(32))
+    expected = {k: normal(v.shape, one, dtype=v.dtype) for k, v in like.items()}
+    assert list(drawn) == ["a", "b", "c"] and all(drawn[k].dtype == like[k].dtype for k in like)
+    assert all(torch.equal(drawn[k], expected[k]) for k in like)
 
 
 def test_unkeyed_sources_take_their_key_from_os_urandom(monkeypatch):

@@ -85,9 +85,12 @@ def test_every_contribution_bounded_under_bf16_autocast(build):
     assert max(excess) <= 1e-5, excess
 
 
-def test_both_ghost_and_materialized_linear_paths():
+@pytest.mark.parametrize("dot_chunk", [1 << 21, 5])
+def test_both_ghost_and_materialized_linear_paths(monkeypatch, dot_chunk):
     # Short sequences pick the ghost norm, long-and-thin layers materialise (in either orientation: the narrower
     # side first, as LoRA's A (wide in, narrow out) and B (narrow in, wide out)): all must agree with the loop.
+    # A small dot_chunk: the ghost norms' Gram products are dotted one example at a time.
+    monkeypatch.setattr("dpl.core.per_example._DOT_CHUNK", dot_chunk)
     torch.manual_seed(0)
     for steps, d_in, d_out in [(2, 8, 8), (40, 3, 2), (40, 2, 3), (30, 16, 2), (30, 2, 16)]:
         layer = nn.Linear(d_in, d_out).double()

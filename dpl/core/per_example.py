@@ -276,9 +276,18 @@ def _cat_steps(tensors: list[Tensor]) -> Tensor:
 
 
 def _batched_dot(x: Tensor, y: Tensor) -> Tensor:
-    """Per-example <x_b, y_b> over all other dimensions, without a temporary of x's size."""
+    """Per-example <x_b, y_b> over all other dimensions, a few examples at a time (temporaries of at most
+    ``_DOT_CHUNK`` elements). An elementwise product and sum: ``bmm`` of (B, 1, n) by (B, n, 1) is ~25x slower on
+    the CPU for the (B, T, T) Gram matrices of ghost norms."""
     b = x.shape[0]
-    return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
+    x, y = x.reshape(b, -1), y.reshape(b, -1)
+    rows = max(1, _DOT_CHUNK // max(1, x.shape[1]))
+    if rows >= b:
+        return (x * y).sum(1)
+    return torch.cat([(x[i:i + rows] * y[i:i + rows]).sum(1) for i in range(0, b, rows)])
+
+
+_DOT_CHUNK = 1 << 21  # elements of one temporary of _batched_dot (8 MiB in float32)
 
 
 def _input_gram(a: Tensor, source: list[Tensor], grams: dict[tuple, Tensor]) -> Tensor:
@@ -366,7 +375,10 @@ def _prepare_layer_norm(rec: _Record, grads: list[Tensor], grams: dict[tuple, Te
         batch_dims = tuple(range(1, x.dim() - len(module.normalized_shape)))
         parts = {}
         if "weight" in rec.full_names:
-            normed = torch.nn.functional.layer_norm(x, module.normalized_shape, eps=module.eps)
+            # with a unit weight and a zero bias: the same x_hat, and torch's affine kernel is ~2.5x faster on the CPU
+            ones = torch.ones(module.normalized_shape, dtype=x.dtype, device=x.device)
+            normed = torch.nn.functional.layer_norm(x, module.normalized_shape, ones, torch.zeros_like(ones),
+                                                    eps=module.eps)
             parts["weight"] = (g * normed).sum(batch_dims) if batch_dims else g * normed
         if "bias" in rec.full_names:
             parts["bias"] = g.sum(batch_dims) if batch_dims else g

@@ -32,7 +32,7 @@ trust boundary, like the GPUs' memory (see docs/scaling.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -314,16 +314,18 @@ class RankZeroSecureNormal(SecureNormal):
     def __repr__(self) -> str:
         return "RankZeroSecureNormal(os.urandom on rank 0, broadcast)"
 
-    def standard_normal(self, n: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    def standard_normals(self, sizes: Sequence[int], dtype: torch.dtype = torch.float64) -> list[Tensor]:
         import torch.distributed as dist
 
         device = _comm_device()
+        if not sizes:
+            return []
         if dist.get_rank() == 0:
-            values = super().standard_normal(n, dtype).to(device)
+            flat = torch.cat([v.to(device) for v in super().standard_normals(sizes, dtype)])
         else:
-            values = torch.empty(n, dtype=dtype, device=device)
-        dist.broadcast(values, src=0)
-        return values
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        dist.broadcast(flat, src=0)
+        return list(flat.split(list(sizes)))
 
 
 # --- shared state -------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from dpl.api import (ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, SecureNormal, StepContext,
-                     hookimpl, normal)
+                     hookimpl, normal, normals_like)
 from dpl_plugins.ftrl.choice import band_range, choose
 from dpl_plugins.ftrl.mechanism import CyclicPoissonSampler, FTRLMechanism, Plan, ShuffledBatchSampler
 from dpl_plugins.ftrl.strategies import Strategy, make_strategy
@@ -179,9 +179,9 @@ class FTRLPlugin:
         elif len(strategy.c) == 1 or not strategy.c[1:].any():
             # C = I (independent; banded with b = 1): exactly the default Gaussian step with noise multiplier
             # sigma * sens (with amplification when the sampling is cyclic_poisson with b = 1: DP-SGD itself)
+            noise = normals_like(totals, ctx.noise_generator)
             for key, total in totals.items():
-                noise = normal(total.shape, ctx.noise_generator, device=total.device, dtype=total.dtype)
-                values[key] = noise.mul_(scale).add_(total).div_(batch)
+                values[key] = noise.pop(key).mul_(scale).add_(total).div_(batch)
             noise_std = scale / batch
         else:
             if self.stream is None:
@@ -191,7 +191,7 @@ class FTRLPlugin:
                     raise ConfigError("ftrl: memory: regenerate needs a replayable noise source (not secure_noise)")
 
                 def draw(source: Any) -> dict[str, torch.Tensor]:
-                    return {k: normal(v.shape, source, device=v.device, dtype=v.dtype) for k, v in totals.items()}
+                    return normals_like(totals, source)
 
                 self.stream.record(ctx.noise_generator)
                 w = self.stream.push(draw(ctx.noise_generator), draw)
