@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from dpl.api import (ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, SecureNormal, StepContext,
-                     hookimpl, normal, normals_like)
+                     hookimpl, normals_like)
 from dpl_plugins.ftrl.choice import band_range, choose
 from dpl_plugins.ftrl.mechanism import CyclicPoissonSampler, FTRLMechanism, Plan, ShuffledBatchSampler
 from dpl_plugins.ftrl.strategies import Strategy, make_strategy
@@ -198,9 +198,11 @@ class FTRLPlugin:
                 for key, total in totals.items():
                     values[key] = w.pop(key).mul_(scale).add_(total).div_(batch)
             else:
-                # key by key: draw z, turn it into w_t, release; at most one extra tensor of one key at a time
+                # z drawn for all keys together (the same values as key by key), then key by key: turn z into w_t,
+                # release; each z becomes its release (in place) or is dropped once released
+                noise = normals_like(totals, ctx.noise_generator)
                 for key, total in totals.items():
-                    z = normal(total.shape, ctx.noise_generator, device=total.device, dtype=total.dtype)
+                    z = noise.pop(key)
                     w = self.stream.push(key, z)
                     if self.stream.in_place:
                         values[key] = w.mul_(scale).add_(total).div_(batch)
