@@ -4,7 +4,7 @@
 
 Phases: the recorded forward pass, ``autograd.grad`` at the layer outputs, per-example norms ("prepare"),
 the clipped weighted sums (norms and sums also per module kind), and drawing Gaussian noise for every trainable
-coordinate; next to the ordinary forward+backward of the same batch. Prints one line per repeat (the first
+coordinate (one draw per tensor, drawn together, as the default mechanism does); next to the ordinary forward+backward of the same batch. Prints one line per repeat (the first
 includes warm-up).
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from step_time import load, make_batch
 
 import dpl.core.per_example as pe
-from dpl.core.noise import normal, noise_source
+from dpl.core.noise import noise_source, normals
 
 
 def main() -> None:
@@ -33,7 +33,8 @@ def main() -> None:
     model, batch = load(args.method, freeze_embeddings=args.freeze_embeddings), make_batch(32, 64)
     clipper = pe.PerExampleClipper(model)
     source = noise_source(None)  # the default noise source
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    numel = sum(shape.numel() for shape in shapes)
 
     def losses():
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
@@ -71,7 +72,7 @@ def main() -> None:
         t.update(by_kind)
         clipper._clear()
         start = time.perf_counter()
-        normal((numel,), source)
+        normals(shapes, source)  # one draw per trainable tensor, drawn together, as the default privatize does
         t[f"noise ({numel / 1e6:.1f}M)"] = time.perf_counter() - start
         print("  ".join(f"{k} {v:.3f}s" for k, v in t.items()))
 

@@ -111,7 +111,7 @@ def _gaussian_draws(draws: Sequence[tuple[bytes, int, int]], dtype: torch.dtype)
 
 
 _TWO = torch.tensor(2.0, dtype=torch.float64)  # 2 - x as one operation (a Python scalar cannot come first)
-_GROUP = 8  # full blocks per operation when several threads draw (fewer calls, each taking the GIL: 0.10 -> 0.09 s)
+_GROUP = 8  # full blocks per operation when several threads draw (fewer calls, each of which takes the GIL)
 _ZEROS = memoryview(bytes(16 * _PAIRS * _GROUP))  # the plaintext: ChaCha20 of zeros is its keystream
 _BLOCKS_PER_WORKER = 4  # a worker gets at least 4 blocks (262,144 values): below that a thread costs more than it saves
 _POOLS: dict[int, ThreadPoolExecutor] = {}

@@ -38,7 +38,7 @@ def _to_cpu(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 CHUNK = 1 << 16  # columns per pass on CPU: a chunk of the stacked buffers stays in cache between its read and write
-# (2^15: as fast with one thread, 40% slower with two, whose operations then split too little work)
+# (with 2^15, two threads split too little work in each operation)
 
 
 def _fused(out: Tensor, stacked: Tensor, row: Tensor, after: Callable[[Tensor, Tensor], None]) -> None:
