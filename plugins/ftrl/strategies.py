@@ -68,7 +68,7 @@ def nu_noising_coefficients(n: int, nu: float) -> np.ndarray:
 
 
 def default_nu(steps: int) -> float:
-    """The default nu of ``nu_ftrl``: 1 / T for a run of T steps (see docs/plugins/ftrl.md)."""
+    """The default nu of ``nu_ftrl``: 1 / T for a run of T steps (see plugins/ftrl/README.md)."""
     return 1.0 / max(int(steps), 1)
 
 
