@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from dpl.allocator import keep_freed_memory
 from dpl.lightning.data import DPDataModule
@@ -136,6 +136,17 @@ class DPLArgumentParser(LightningArgumentParser):
             super().error(message, ex)
         print(f"dpl: error: {summarize_parse_error(message, _ARGV, self)}", file=sys.stderr)
         self.exit(2)
+
+
+class RunConfig(SaveConfigCallback):
+    """Saves the run's ``config.yaml`` with ``export: null``: ``--export`` is what to do once this run ends, not part
+    of the run (rerunning from the file must not export over that folder)."""
+
+    def __init__(self, parser: LightningArgumentParser, config: Any, *args: Any, **kwargs: Any) -> None:
+        if "export" in config:
+            config = config.clone()
+            config.export = None
+        super().__init__(parser, config, *args, **kwargs)
 
 
 class DPLightningCLI(LightningCLI):
@@ -414,7 +425,8 @@ def main(args: list[str] | None = None) -> None:
 
     try:
         DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                       save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+                       save_config_callback=RunConfig, save_config_kwargs={"overwrite": True}, args=args,
+                       auto_configure_optimizers=False)
     except SIGTERMException:
         print("dpl: stopped by SIGTERM after the current step; checkpoints already written are complete (a run "
               "without one was removed)", file=sys.stderr)

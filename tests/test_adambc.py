@@ -234,7 +234,7 @@ def tiny(tmp_path_factory):
 def _fit(tiny, root, *extra):
     tmp, model = tiny
     main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
-          "--config", str(ROOT / "configs" / "plugins" / "adambc.yaml"),
+          "--config", str(ROOT / "plugins" / "adambc" / "adambc.yaml"),
           "--model.privacy.noise_multiplier", "0.8", "--model.privacy.batch_size", "16",
           "--model.privacy.physical_batch_size", "16", "--model.privacy.seed", "5",
           "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,

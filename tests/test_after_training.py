@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
 
 from dpl.cli import main
@@ -158,6 +159,8 @@ def test_fit_export_option_and_predict_command_reads_stdin_and_writes_csv(classi
     from transformers import AutoModelForSequenceClassification
 
     assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "fit-export").config.id2label[1] == "positive"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert "export" in saved and saved["export"] is None  # a rerun from the run's config does not export again
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TEXTS) + "\n"))
     assert main_code(["predict", str(run_dir), "--format", "csv"]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))

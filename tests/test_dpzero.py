@@ -534,7 +534,7 @@ def test_dpl_fit_with_the_config(tiny, fragment, capsys):
     tmp, model = tiny
     root = tmp / f"runs_{fragment}"
     main(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-          "--config", str(ROOT / "configs" / "plugins" / fragment),
+          "--config", str(ROOT / "plugins" / "dpzero" / fragment),
           "--model.model", model, "--model.finetuning.method", "full",
           "--model.privacy.batch_size", "16", "--model.privacy.physical_batch_size", "8",
           "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,

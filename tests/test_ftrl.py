@@ -402,7 +402,7 @@ def test_dpl_fit_with_the_config_fragment(tmp_path, capsys):
     write_sentiment_tsv(tmp_path / "data" / "validation.tsv", rows=32, seed=1)
     root = tmp_path / "runs"
     main(["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", model,
-          "--config", str(ROOT / "configs" / "plugins" / "ftrl.yaml"),
+          "--config", str(ROOT / "plugins" / "ftrl" / "ftrl.yaml"),
           "--model.privacy.target_epsilon", "4", "--model.privacy.batch_size", "16",
           "--model.privacy.physical_batch_size", "16",
           "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", model,

@@ -95,7 +95,7 @@ def test_dpl_fit_prompt_mode_with_dpzero(tiny, capsys):
 
     tmp, model = tiny
     root = tmp / "runs"
-    config = Path(__file__).resolve().parents[1] / "configs" / "plugins" / "dpzero.yaml"
+    config = Path(__file__).resolve().parents[1] / "plugins" / "dpzero" / "dpzero.yaml"
     main(["fit", "--config", str(config), "--model", "dpl.tasks.modules.DPPromptClassificationModule",
           "--model.model", model, "--model.label_words", "[bad, good]",
           "--model.privacy.batch_size", "16", "--model.privacy.target_epsilon", "4",
