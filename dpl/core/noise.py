@@ -48,14 +48,9 @@ _KEY_BYTES = 32
 _MAX_DRAW = (1 << 32) * 64 // 16 * 2  # values per nonce: ChaCha20's 32-bit block counter, 16 bytes per pair
 
 
-def _gaussians(key: bytes, nonce: int, n: int, dtype: torch.dtype) -> Tensor:
-    """n draws of N(0, 1) from the ChaCha20 keystream of (key, nonce): 52-bit uniforms, Box-Muller in float64,
-    each value rounded once to ``dtype``."""
-    return _gaussian_draws([(key, nonce, n)], dtype)[0]
-
-
 def _gaussian_draws(draws: Sequence[tuple[bytes, int, int]], dtype: torch.dtype) -> list[Tensor]:
-    """One tensor of N(0, 1) per (key, nonce, n), each equal to :func:`_gaussians` of it. Block k of a draw
+    """One tensor of N(0, 1) per (key, nonce, n): the ChaCha20 keystream of (key, nonce) as 52-bit uniforms,
+    Box-Muller in float64, each value rounded once to ``dtype``. Block k of a draw
     (``_PAIRS`` pairs) starts at ChaCha20 block ``k * _BLOCKS`` of its keystream, so the blocks of all draws are
     shared out among several threads (torch's thread count) as one job, with the same result as by one thread:
     many small draws (a model's biases, norms and matrices) then cost what one draw of their total size costs."""
