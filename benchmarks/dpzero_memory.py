@@ -23,6 +23,8 @@ same over the repeats after the first (warm allocator caches; AdamW's moments al
 * ``dpzero_kept``: the same with ``keep_direction: true`` (z drawn once, kept in bfloat16 for the step);
 * ``direction_pass_rademacher`` / ``dpzero_rademacher``: the same with ``direction: rademacher`` (signs drawn once
   per step as packed bits, expanded through a table at each pass);
+* ``dpzero_rademacher_kept``: ``direction: rademacher`` with ``keep_direction: true`` (the signs expanded once per
+  step and kept as int8, 1 byte per parameter);
 * ``dpsgd``: one full private step through dpl with the default per-example clipping (one forward + one
   backward) and AdamW (its moments exist after the first step, as in training), like Zhang et al.'s DP-AdamW.
 
@@ -48,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "dpzero_memory.json"
 DATA = ROOT.parent / "shared" / "data"
 MODES = ("inference", "two_forwards", "direction_pass", "direction_pass_rademacher", "dpzero", "dpzero_kept",
-         "dpzero_rademacher", "dpsgd")
+         "dpzero_rademacher", "dpzero_rademacher_kept", "dpsgd")
+STEPS = ("dpzero", "dpzero_kept", "dpzero_rademacher", "dpzero_rademacher_kept")  # the zeroth-order steps
 
 
 def _status(field: str) -> int:
@@ -145,8 +148,8 @@ def _operation(mode: str, module, batch, batch_size: int):
         distribution = "rademacher" if mode.endswith("rademacher") else "gaussian"
         return lambda: DirectionSampler(next(counter), distribution=distribution).perturb_(trainable, 0.0)
     zeroth = mode.startswith("dpzero")
-    options = {"mu": 1e-3, "keep_direction": mode == "dpzero_kept",
-               "direction": "rademacher" if mode == "dpzero_rademacher" else "gaussian"}
+    options = {"mu": 1e-3, "keep_direction": mode.endswith("_kept"),
+               "direction": "rademacher" if "rademacher" in mode else "gaussian"}
     plugins = {"dpzero": options} if zeroth else {}
     pm = create_plugin_manager(plugins)
     optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if zeroth
@@ -168,8 +171,7 @@ def interleaved(task: str, batch_size: int, length: int, repeats: int) -> dict[s
     """Time of each zeroth-order mode, interleaved in one process (the ratios least disturbed by other jobs)."""
     module, batch = _load(task, batch_size, length)
     ops = {mode: _operation(mode, module, batch, batch_size)
-           for mode in ("two_forwards", "direction_pass", "direction_pass_rademacher", "dpzero", "dpzero_kept",
-                        "dpzero_rademacher")}
+           for mode in ("two_forwards", "direction_pass", "direction_pass_rademacher") + STEPS}
     times: dict[str, list[float]] = {mode: [] for mode in ops}
     for i in range(repeats + 1):  # the first round is the warm-up
         for mode, op in ops.items():
@@ -215,7 +217,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)  # >= 2: the first is the warm-up
     parser.add_argument("--data-dir", default=str(DATA), help="the shared data folder (sst2/, e2e/)")
     parser.add_argument("--interleaved", action="store_true",
-                        help="time only: two forwards, a direction pass and both DPZero steps, interleaved in one process")
+                        help="time only: two forwards, the direction passes and the DPZero steps, interleaved in one process")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="the modes of the memory run (default: all)")
     args = parser.parse_args()
     from dpl.allocator import keep_freed_memory
 
@@ -239,8 +243,8 @@ def main() -> None:
     for task in tasks:
         batch = args.batch_size or (32 if task == "classification" else 8)
         length = args.length or (64 if task == "classification" else 64)
-        results["runs"] = [r for r in results["runs"] if r["task"] != task]
-        for mode in MODES:
+        results["runs"] = [r for r in results["runs"] if r["task"] != task or r["mode"] not in args.modes]
+        for mode in args.modes:
             env = dict(os.environ, OMP_NUM_THREADS="1")
             out = subprocess.run([sys.executable, __file__, "--worker", task, mode, "--batch-size", str(batch),
                                   "--length", str(length), "--repeats", str(args.repeats), "--data-dir", str(DATA)],
@@ -271,15 +275,11 @@ def report(results: dict) -> None:
                   f"dpsgd/inference {by['dpsgd']['peak_rss'] / by['inference']['peak_rss']:.3f}x; above loaded: "
                   f"dpzero {by['dpzero']['extra'] / max(1, by['inference']['extra']):.2f}x inference; "
                   f"time (min) dpzero / two forwards {by['dpzero']['time_min'] / by['two_forwards']['time_min']:.2f}")
-        if {"dpzero_kept", "two_forwards", "inference"} <= by.keys():
-            print(f"{task}: kept direction: time (min) / two forwards "
-                  f"{by['dpzero_kept']['time_min'] / by['two_forwards']['time_min']:.2f}, peak / inference "
-                  f"{by['dpzero_kept']['peak_rss'] / by['inference']['peak_rss']:.3f}x")
-        if {"dpzero_rademacher", "two_forwards", "inference"} <= by.keys():
-            print(f"{task}: rademacher direction: time (min) / two forwards "
-                  f"{by['dpzero_rademacher']['time_min'] / by['two_forwards']['time_min']:.2f}, peak / inference "
-                  f"{by['dpzero_rademacher']['peak_rss'] / by['inference']['peak_rss']:.3f}x")
-
+        for mode in STEPS[1:]:
+            if {mode, "two_forwards", "inference"} <= by.keys():
+                print(f"{task}: {mode}: time (min) / two forwards "
+                      f"{by[mode]['time_min'] / by['two_forwards']['time_min']:.2f}, peak / inference "
+                      f"{by[mode]['peak_rss'] / by['inference']['peak_rss']:.3f}x")
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ from dpl.core.step import RunSetup, StepContext, private_step
 from dpl.core.update import StreamingDirection, apply_direction, apply_streaming, streaming_refusal
 from dpl_plugins.dpzero import KEY, DPZeroPlugin
 from dpl_plugins.dpzero.directions import DirectionSampler
+from dpl_plugins.dpzero.lookups import lookup_tables
 from dpl_plugins.gaussian import GaussianPlugin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,14 +154,28 @@ def test_parameters_restored_and_no_grad_ever_allocated(direction):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     ctx = _ctx(model, recording, C=5.0, sigma=1.0, B=8, optimizer=optimizer)
     plugin = dict(pm.list_name_plugin())["dpzero"]
-    plugin.estimate_gradient(ctx=ctx, batch=random_batch(8))
-    # left at theta - mu z after the second forward: the update moves them back in its own pass
+    batch = random_batch(8)
+    plugin.estimate_gradient(ctx=ctx, batch=batch)
+    # left at theta - mu z after the second forward: the update moves them back in its own pass; the embedding
+    # tables only in the rows the batch looked up (words in the batch, its 7 positions, token type 0)
+    tables = {"bert.embeddings.word_embeddings.weight": batch["input_ids"].unique(),
+              "bert.embeddings.position_embeddings.weight": torch.arange(7),
+              "bert.embeddings.token_type_embeddings.weight": torch.tensor([0])}
+    assert set(lookup_tables(model, ctx.trainable)) == set(tables)
     sampler = DirectionSampler(ctx.public_seed, distribution=direction)
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), before[n] - 1e-3 * sampler.z(n, p), rtol=0, atol=1e-6)
+        expected = before[n] - 1e-3 * sampler.z(n, p)
+        if n in tables:
+            looked_up = torch.zeros(p.shape[0], dtype=torch.bool)
+            looked_up[tables[n]] = True
+            expected[~looked_up] = before[n][~looked_up]  # exactly: never moved
+            assert torch.equal(p.detach()[~looked_up], before[n][~looked_up])
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
     assert model.training  # eval mode for the two forwards only
     update = plugin.precondition(ctx=ctx.release_context(), gradient=_private(0.0))
-    assert update.displaced == -1e-3
+    assert update.displaced == {n: -1e-3 for n, _ in model.named_parameters() if n not in tables}
+    for n in tables:  # the looked-up rows are back at theta exactly before the update
+        assert torch.equal(ctx.trainable[n].detach(), before[n])
     apply_direction(optimizer, ctx.trainable, update)  # lr = 0: back to theta
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=1e-6)
@@ -276,9 +291,34 @@ def test_a_step_whose_update_was_never_applied_is_refused():
         plugin.estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=2), batch=_xbatch())
 
 
-def test_keep_direction_with_rademacher_is_refused():
-    with pytest.raises(ConfigError, match="always kept"):
-        DPZeroPlugin(keep_direction=True, direction="rademacher")
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_a_kept_direction_is_drawn_once_and_stored_compactly(distribution, monkeypatch):
+    from dpl_plugins.dpzero import directions
+
+    monkeypatch.setattr(directions, "CHUNK", 64)
+    monkeypatch.setattr(directions, "SIGN_CHUNK", 64)
+    param = nn.Parameter(torch.randn(37, 11, generator=torch.Generator().manual_seed(3)))  # 407: chunks of 64 + 23
+    fresh = DirectionSampler(9, distribution=distribution).z("w", param)
+    kept = DirectionSampler(9, keep=True, distribution=distribution)
+    draws = []
+    draw = kept._draw
+    kept._draw = lambda name, p: draws.append(name) or draw(name, p)
+    before = param.detach().clone()
+    kept.perturb_({"w": param}, 0.5)
+    kept.perturb_({"w": param}, -0.5)
+    z = kept.z("w", param)
+    assert draws == ["w"]  # expanded once, reused by every later pass
+    stored = kept._kept["w"]
+    assert [c.numel() for c in stored] == [64] * 6 + [23]
+    if distribution == "rademacher":  # int8 signs, exactly the regenerated ones
+        assert all(c.dtype == torch.int8 for c in stored)
+        assert torch.equal(z, fresh)
+    else:  # bfloat16: the rounded z is the direction
+        assert all(c.dtype == torch.bfloat16 for c in stored)
+        assert torch.equal(z, fresh.bfloat16().float())
+    torch.testing.assert_close(param.detach(), before, rtol=0, atol=1e-6)
+    z.zero_()  # chunks are fresh copies: the store is untouched
+    assert torch.equal(kept.z("w", param), fresh if distribution == "rademacher" else fresh.bfloat16().float())
 
 
 def test_each_contribution_bounded_by_C():
@@ -376,7 +416,8 @@ def test_noise_std_is_sigma_C_over_B():
 
 # --- MeZO and the update --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("keep, distribution", [(False, "gaussian"), (True, "gaussian"), (False, "rademacher")])
+@pytest.mark.parametrize("keep, distribution", [(False, "gaussian"), (True, "gaussian"), (False, "rademacher"),
+                                                (True, "rademacher")])
 def test_mezo_mode_equals_a_hand_written_mezo_step(keep, distribution, monkeypatch):
     draws = []
     draw = DirectionSampler._draw
@@ -395,12 +436,15 @@ def test_mezo_mode_equals_a_hand_written_mezo_step(keep, distribution, monkeypat
     apply_direction(optimizer, ctx.trainable, private_step(pm.hook, ctx, batch, physical_batch_size=3))
     names = [n for n, _ in model.named_parameters()]
     # 3 micro-batches: perturb, perturb back each, then the update (which also moves them back from theta - mu z);
-    # kept: one draw per tensor; rademacher: signs drawn as bits once per tensor, expanded at each pass
-    assert sorted(draws) == sorted(names * (1 if keep else 3 * 2 + 1))
+    # kept: one draw per tensor; rademacher: signs drawn as bits once per tensor, expanded at each pass, and the
+    # looked-up rows of the embedding tables read from the bits directly (only the update expands them)
+    tables = set(lookup_tables(model, dict(model.named_parameters())))
+    assert len(tables) == 3
+    assert sorted(draws) == sorted(n for n in names
+                                   for _ in range(1 if keep or (n in tables and distribution == "rademacher") else 7))
     # by hand (MeZO's Algorithm 1, mean loss, z from the same public seed; kept: rounded to bfloat16)
-    z = {n: DirectionSampler(seed, torch.bfloat16 if keep else None, distribution).z(n, p)
-         for n, p in reference.named_parameters()}
-    if keep:
+    z = {n: DirectionSampler(seed, keep, distribution).z(n, p) for n, p in reference.named_parameters()}
+    if keep and distribution == "gaussian":
         assert all(torch.equal(v, v.bfloat16().float()) for v in z.values())
     reference.eval()
     with torch.no_grad():

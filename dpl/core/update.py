@@ -31,8 +31,9 @@ class StreamingDirection(Mapping):
     tensor of ``u``; nothing is cached) and scales it, so at most one tensor exists at a time when it is applied.
 
     ``displaced``: the parameters currently sit at ``theta + displaced * u`` (a zeroth-order estimator left them
-    there); applying the update (:func:`apply_streaming`, the only consumer that knows) moves them back in the same
-    pass. Code that reads the tensors through the ``Mapping`` gets the update direction only.
+    there): one number for all of them, or one per name (names it lacks: not displaced); applying the update
+    (:func:`apply_streaming`, the only consumer that knows) moves them back in the same pass. Code that reads the
+    tensors through the ``Mapping`` gets the update direction only.
 
     It is a read-only ``Mapping`` (keys: the trainable parameter names), so code that expects a dict of tensors
     still works, at the cost of materializing each tensor it reads.
@@ -40,13 +41,13 @@ class StreamingDirection(Mapping):
 
     def __init__(self, names: Sequence[str], produce: Callable[[str], Tensor],
                  pieces: Callable[[str], Iterator[tuple[int, Tensor]]] | None = None, *, scale: float = 1.0,
-                 displaced: float = 0.0) -> None:
+                 displaced: float | Mapping[str, float] = 0.0) -> None:
         self._names = list(names)
         self._known = set(self._names)
         self._produce = produce
         self._pieces = pieces
         self.scale = float(scale)
-        self.displaced = float(displaced)
+        self.displaced = dict(displaced) if isinstance(displaced, Mapping) else float(displaced)
 
     def pieces(self, name: str) -> Iterator[tuple[int, Tensor]]:
         """``(flat offset, flat piece of u)`` pairs that tile ``u[name].reshape(-1)`` in order (``u``, not
@@ -58,6 +59,12 @@ class StreamingDirection(Mapping):
             yield 0, self._produce(name).reshape(-1)
         else:
             yield from self._pieces(name)
+
+    def displacement(self, name: str) -> float:
+        """How far along ``u`` parameter ``name`` currently sits from ``theta``."""
+        if isinstance(self.displaced, dict):
+            return float(self.displaced.get(name, 0.0))
+        return self.displaced
 
     def unit(self, name: str) -> Tensor:
         """``u[name]`` (a fresh tensor)."""
@@ -124,7 +131,7 @@ def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
         if decay:
             param.mul_(1.0 - lr * decay)
         alpha = (lr if group.get("maximize", False) else -lr) * direction.scale
-        alpha -= direction.displaced * (1.0 - lr * decay)
+        alpha -= direction.displacement(name) * (1.0 - lr * decay)
         if param.is_contiguous():
             flat = param.view(-1)
             for offset, piece in direction.pieces(name):

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from dpl.api import (ConfigError, Contract, GradientSum, PluginError, PrivateGradient, ReleaseContext, RunSetup,
                      StepContext, StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
 from dpl_plugins.dpzero.directions import DirectionSampler, Distribution
+from dpl_plugins.dpzero.lookups import RowPerturbation, lookup_tables
 
 KEY = "projected_grad"
 # Plugins that need a gradient matrix (or per-parameter gradients) and cannot work on a rank-one update.
@@ -63,18 +64,24 @@ class DPZeroPlugin:
             ``.grad`` and any optimizer).
         eval_forward: run the two forward passes in eval mode (dropout off) so that both see the same function,
             as MeZO does. Turning it off makes the finite difference mostly dropout noise.
-        keep_direction: keep the step's Gaussian direction z in bfloat16 (2 bytes per trainable parameter) instead
-            of drawing it again for each pass: one draw instead of four, z rounded to bfloat16
-            (``benchmarks/dpzero_memory.py`` measures both).
+        keep_direction: keep the step's direction z, expanded at its first use, until the update instead of
+            drawing it again for each pass: a Gaussian z rounded to bfloat16 (2 bytes per trainable parameter), a
+            Rademacher z as int8 signs (1 byte per parameter, exact). Faster where the passes over the parameters
+            are a large part of the step (full fine-tuning on a CPU), at that memory (``benchmarks/dpzero_memory.py``
+            measures both).
         direction: the distribution of z: ``gaussian`` (N(0, I), as in the DPZero and MeZO papers) or
             ``rademacher`` (independent +-1 signs, SPSA (Spall, IEEE TAC 1992): also E[z z^T] = I; drawn once per step as 1 bit per
             parameter, each pass a table lookup instead of a Gaussian draw). The privacy analysis is the same for
             both: z is public and the release is one clipped scalar.
+        sparse_embeddings: perturb a trainable embedding matrix only in the rows each forward pass looks up (the
+            other rows cannot change the loss; the update still moves every row): the same step, with most of two
+            passes over the matrix saved (:mod:`dpl_plugins.dpzero.lookups` says which tables qualify). Turn it off
+            for a model that reads an embedding weight outside its ``nn.Embedding`` forward.
     """
 
     def __init__(self, mu: float = 1e-3, estimator: Literal["dpzero", "dpgd0"] = "dpzero",
                  eval_forward: bool = True, keep_direction: bool = False,
-                 direction: Distribution = "gaussian") -> None:
+                 direction: Distribution = "gaussian", sparse_embeddings: bool = True) -> None:
         if not (isinstance(mu, (int, float)) and math.isfinite(mu) and mu > 0):
             raise ConfigError(f"dpzero: mu must be a finite number > 0, got {mu!r}")
         self.mu = float(mu)
@@ -84,21 +91,23 @@ class DPZeroPlugin:
         # ``dpzero`` releases one scalar along that public direction.
         self.contract = Contract(rank_one_release=estimator == "dpzero", full_tensors=True)
         self.keep_direction = bool(keep_direction)
-        if self.keep_direction and direction == "rademacher":
-            raise ConfigError("dpzero: keep_direction rounds a Gaussian direction to bfloat16; a rademacher direction "
-                              "is always kept, as 1 bit per parameter (drop keep_direction)")
         self.direction = direction
+        self.sparse_embeddings = bool(sparse_embeddings)
         self._sampler: DirectionSampler | None = None  # this step's (public) direction
-        self._offset = 0.0  # the parameters sit at theta + offset * z (z: this step's direction)
+        self._rows: RowPerturbation | None = None  # this step's embedding tables, perturbed row by row
+        self._offset = 0.0  # the other parameters sit at theta + offset * z (z: this step's direction)
 
-    def _direction(self, public_seed: int) -> DirectionSampler:
+    def _direction(self, ctx: StepContext | ReleaseContext) -> DirectionSampler:
         """The step's direction sampler, shared by its micro-batches and its update."""
-        if self._sampler is None or self._sampler.public_seed != public_seed:
-            if self._offset:
+        if self._sampler is None or self._sampler.public_seed != ctx.public_seed:
+            if self._offset or (self._rows is not None and self._rows.displaced):
                 raise PluginError("dpzero: the parameters are still displaced along the previous step's direction "
                                   "(its update was never applied); the model is off by mu * z")
-            self._sampler = DirectionSampler(public_seed, torch.bfloat16 if self.keep_direction else None,
-                                             self.direction)
+            self._sampler = DirectionSampler(ctx.public_seed, self.keep_direction, self.direction)
+            # (a release context has no model: a step whose update comes first perturbed nothing)
+            sparse = self.sparse_embeddings and isinstance(ctx, StepContext)
+            tables = lookup_tables(ctx.model, ctx.trainable) if sparse else {}
+            self._rows = RowPerturbation(tables, self._sampler)
         return self._sampler
 
     # --- setup ------------------------------------------------------------------------------------------
@@ -122,31 +131,35 @@ class DPZeroPlugin:
 
         The parameters are left at theta - mu z (``self._offset``): the next micro-batch starts from there, and the
         update moves them back in its own pass (:class:`StreamingDirection`'s ``displaced``), which saves one pass
-        over the parameters per micro-batch. On an error they are restored at once."""
-        params = ctx.trainable
-        with torch.no_grad(), no_dropout(ctx.model, self.eval_forward):
+        over the parameters per micro-batch. Embedding tables move only in the rows each forward pass looks up
+        (``self._rows``). On an error everything is restored at once."""
+        rows = self._rows
+        params = {name: p for name, p in ctx.trainable.items() if name not in rows.tables}
+        with torch.no_grad(), no_dropout(ctx.model, self.eval_forward), rows.hooked():
             try:
                 sampler.perturb_(params, self.mu - self._offset)
-                self._offset = self.mu
+                self._offset = rows.target = self.mu
                 plus = ctx.per_example_loss(batch).detach().double()
                 sampler.perturb_(params, -2.0 * self.mu)
-                self._offset = -self.mu
+                self._offset = rows.target = -self.mu
                 minus = ctx.per_example_loss(batch).detach().double()
             except BaseException:
-                self._restore(params, sampler)
+                self._restore(ctx.trainable, sampler)
                 raise
         diffs = (plus - minus) / (2.0 * self.mu)
         return torch.where(torch.isfinite(diffs), diffs, torch.zeros_like(diffs))  # non-finite: contributes 0
 
     def _restore(self, params: dict[str, nn.Parameter], sampler: DirectionSampler) -> None:
         """Move the parameters back to theta (an error, or an update that cannot carry the displacement)."""
+        rows = self._rows
         if self._offset:
-            sampler.perturb_(params, -self._offset)
+            sampler.perturb_({name: p for name, p in params.items() if name not in rows.tables}, -self._offset)
             self._offset = 0.0
+        rows.restore()
 
     @hookimpl
     def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]) -> GradientSum:
-        sampler = self._direction(ctx.public_seed)
+        sampler = self._direction(ctx)
         size = batch_size_of(batch)
         device = next(iter(ctx.trainable.values())).device
         if self.estimator == "dpgd0":
@@ -179,9 +192,11 @@ class DPZeroPlugin:
             return None  # the private gradient (dense) is the direction
         g = float(gradient.values[KEY].reshape(()))  # the DP release: public
         ctx.log("dpzero/projected_grad", g)
-        sampler, self._sampler = self._direction(ctx.public_seed), None  # the update holds it until applied
-        displaced, self._offset = self._offset, 0.0  # the update moves the parameters back to theta in its pass
+        sampler, self._sampler = self._direction(ctx), None  # the update holds it until applied
+        self._rows.restore()  # the embedding rows are back at theta exactly; the rest moves back in the update's pass
         params = ctx.trainable
+        displaced = {name: self._offset for name in params if name not in self._rows.tables}
+        self._offset = 0.0
         return StreamingDirection(list(params), lambda name: sampler.z(name, params[name]),
                                   lambda name: sampler.chunks(name, params[name]), scale=g, displaced=displaced)
 
