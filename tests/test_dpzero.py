@@ -593,3 +593,106 @@ def test_dpl_fit_with_the_config(tiny, fragment, capsys):
     rows = list(csv.DictReader(open(next(root.rglob("metrics.csv")))))
     assert any(r.get("dpzero/projected_grad") for r in rows)
     assert any(r.get("val_acc") for r in rows)
+
+
+# --- embedding tables perturbed row by row ------------------------------------------------------------------------
+
+def _one_step(model, batch, *, sparse, keep=False, distribution="rademacher", g=None, physical=3):
+    """One dpzero step (MeZO: no noise, no clipping) with lr 0.05; ``g``: the released scalar to apply instead of
+    the estimate (as every DDP rank applies the same release). Returns the estimate."""
+    plugin = DPZeroPlugin(mu=1e-3, keep_direction=keep, direction=distribution, sparse_embeddings=sparse)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx = _ctx(model, _bert_loss(model), seed=31, C=math.inf, optimizer=optimizer)
+    total = None
+    for start in range(0, batch["labels"].numel(), physical):
+        part = plugin.estimate_gradient(ctx=ctx, batch={k: v[start:start + physical] for k, v in batch.items()})
+        total = part.values[KEY] if total is None else total + part.values[KEY]
+    estimate = float(total) / batch["labels"].numel()
+    update = plugin.precondition(ctx=ctx.release_context(), gradient=_private(estimate if g is None else g))
+    apply_direction(optimizer, ctx.trainable, update)
+    return estimate
+
+
+@pytest.mark.parametrize("keep, distribution", [(False, "gaussian"), (True, "gaussian"), (False, "rademacher"),
+                                                (True, "rademacher")])
+def test_row_wise_tables_give_the_same_step_as_dense_passes(keep, distribution):
+    batch = random_batch(8)
+    dense, sparse = tiny_bert(), tiny_bert()
+    before = {n: p.detach().clone() for n, p in dense.named_parameters()}
+    g_dense = _one_step(dense, batch, sparse=False, keep=keep, distribution=distribution)
+    g_sparse = _one_step(sparse, batch, sparse=True, keep=keep, distribution=distribution)
+    assert g_dense != 0.0
+    assert g_sparse == pytest.approx(g_dense, rel=1e-4)  # the same losses, up to float rounding of theta +- mu z
+    for (n, p), (_, q) in zip(dense.named_parameters(), sparse.named_parameters()):
+        assert not torch.equal(p.detach(), before[n]), n  # every row moved, looked up or not
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_row_wise_tables_end_bit_identical_whatever_rows_a_rank_looked_up():
+    # two DDP ranks: different batches, the same released scalar: the embedding tables must agree bit for bit (the
+    # rows are written back from a copy, never moved back arithmetically)
+    first, second = tiny_bert(), tiny_bert()
+    _one_step(first, random_batch(8, seed=1), sparse=True, g=0.7)
+    _one_step(second, random_batch(6, length=5, seed=2), sparse=True, g=0.7)
+    for (n, p), (_, q) in zip(first.named_parameters(), second.named_parameters()):
+        if "embeddings" in n and "LayerNorm" not in n:
+            assert torch.equal(p.detach(), q.detach()), n
+
+
+def test_tied_subclassed_or_renormalized_tables_are_perturbed_densely():
+    class Doubled(nn.Embedding):  # a forward of its own: may read the weight some other way
+        def forward(self, ids):
+            return 2 * super().forward(ids)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.plain = nn.Embedding(10, 4)
+            self.tied = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.tied.weight  # an output layer tied to the input embeddings reads every row
+            self.doubled = Doubled(10, 4)
+            self.renormed = nn.Embedding(10, 4, max_norm=1.0)
+            self.frozen = nn.Embedding(10, 4).requires_grad_(False)
+
+    model = Model()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert set(lookup_tables(model, trainable)) == {"plain.weight"}
+
+
+def test_an_error_in_a_forward_restores_the_looked_up_rows():
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = _bert_loss(model)
+    calls = []
+
+    def failing(batch):
+        calls.append(1)
+        if len(calls) == 2:  # the second forward, at theta - mu z
+            raise RuntimeError("boom")
+        return loss(batch)
+
+    plugin = DPZeroPlugin(direction="rademacher")
+    with pytest.raises(RuntimeError, match="boom"):
+        plugin.estimate_gradient(ctx=_ctx(model, failing), batch=random_batch(8))
+    for n, p in model.named_parameters():
+        if "embeddings" in n and "LayerNorm" not in n:
+            assert torch.equal(p.detach(), before[n]), n  # rows written back exactly
+        else:
+            torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=1e-6, msg=n)
+    # and the next step starts clean
+    plugin.estimate_gradient(ctx=_ctx(model, loss, seed=5), batch=random_batch(8))
+
+
+@pytest.mark.parametrize("keep, distribution", [(False, "gaussian"), (True, "gaussian"), (False, "rademacher"),
+                                                (True, "rademacher")])
+@pytest.mark.parametrize("width", [16, 13])  # whole bytes per row, and rows that straddle bytes
+def test_rows_of_z_are_the_rows_of_the_whole_z(keep, distribution, width, monkeypatch):
+    from dpl_plugins.dpzero import directions
+
+    monkeypatch.setattr(directions, "CHUNK", 64)  # rows cut across chunks
+    monkeypatch.setattr(directions, "SIGN_CHUNK", 64)
+    param = torch.zeros(40, width)
+    whole = DirectionSampler(8, keep, distribution).z("table", param)
+    rows = torch.tensor([0, 3, 4, 17, 39])
+    assert torch.equal(DirectionSampler(8, keep, distribution).rows("table", param, rows), whole[rows])
