@@ -21,7 +21,7 @@ from dpl.core.step import RunSetup, StepContext, private_step
 from dpl.core.update import StreamingDirection, apply_direction, apply_streaming, streaming_refusal
 from dpl_plugins.dpzero import KEY, DPZeroPlugin
 from dpl_plugins.dpzero.directions import DirectionSampler
-from dpl_plugins.dpzero.lookups import lookup_tables
+from dpl_plugins.dpzero.lookups import RowPerturbation, lookup_tables
 from dpl_plugins.gaussian import GaussianPlugin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -658,6 +658,25 @@ def test_tied_subclassed_or_renormalized_tables_are_perturbed_densely():
     model = Model()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert set(lookup_tables(model, trainable)) == {"plain.weight"}
+
+
+def test_a_lookup_by_keyword_moves_its_rows():
+    table = nn.Embedding(12, 8)
+    theta = table.weight.detach().clone()
+    sampler = DirectionSampler(3, distribution="rademacher")
+    rows = RowPerturbation({"weight": table}, sampler)
+    rows.target = 0.5
+    with torch.no_grad(), rows.hooked():
+        out = table(input=torch.tensor([[4, 1], [4, 9]]))
+    z = sampler.z("weight", table.weight)
+    looked_up = torch.tensor([1, 4, 9])
+    assert torch.equal(out[0, 0], theta[4] + 0.5 * z[4])
+    assert torch.equal(table.weight.detach()[looked_up], theta[looked_up] + 0.5 * z[looked_up])
+    others = torch.ones(12, dtype=torch.bool)
+    others[looked_up] = False
+    assert torch.equal(table.weight.detach()[others], theta[others])
+    rows.restore()
+    assert torch.equal(table.weight.detach(), theta) and not rows.displaced
 
 
 def test_an_error_in_a_forward_restores_the_looked_up_rows():

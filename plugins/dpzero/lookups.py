@@ -57,7 +57,8 @@ class RowPerturbation:
     @contextlib.contextmanager
     def hooked(self) -> Iterator[None]:
         """While open, every lookup in a table first moves the rows it reads to theta + target * z."""
-        handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in self.tables.items()]
+        handles = [module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
+                   for name, module in self.tables.items()]
         try:
             yield
         finally:
@@ -66,9 +67,9 @@ class RowPerturbation:
 
     def _hook(self, name: str):
         @torch.no_grad()
-        def move_rows(module: nn.Embedding, args: tuple[Any, ...]) -> None:
+        def move_rows(module: nn.Embedding, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             weight = module.weight
-            rows = args[0].reshape(-1).unique().long()
+            rows = (args[0] if args else kwargs["input"]).reshape(-1).unique().long()
             slots = self._slots.get(name)
             if slots is None:
                 slots = self._slots[name] = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
