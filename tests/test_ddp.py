@@ -67,18 +67,33 @@ class IndexedData(DPDataModule):
         return {k: torch.stack([e[k] for e in examples]) for k in ("x", "labels", "idx")}
 
 
+class WithTable(nn.Module):
+    """The vector model plus an embedding table looked up by example index (each rank reads other rows)."""
+
+    def __init__(self, width: int, rows: int = 40) -> None:
+        super().__init__()
+        self.rows = rows
+        self.body = nn.Sequential(nn.Linear(DIM, width), nn.Tanh(), nn.Linear(width, 2))
+        self.table = nn.Embedding(rows, 2)
+
+    def forward(self, x, idx):
+        return self.body(x) + self.table(idx % self.rows)
+
+
 class VectorModule(DPModule):
-    def __init__(self, zero_loss: bool = False, width: int = 16, **kwargs) -> None:
+    def __init__(self, zero_loss: bool = False, width: int = 16, table: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.zero_loss, self.width = zero_loss, width
+        self.zero_loss, self.width, self.table = zero_loss, width, table
         self.val_seen: list[int] = []
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)
+        if self.table:
+            return WithTable(self.width)
         return nn.Sequential(nn.Linear(DIM, self.width), nn.Tanh(), nn.Linear(self.width, 2))
 
     def per_example_loss(self, batch):
-        out = self.model(batch["x"])
+        out = self.model(batch["x"], batch["idx"]) if self.table else self.model(batch["x"])
         if self.zero_loss:  # zero gradients: the update is the noise alone
             return (out * 0.0).sum(-1)
         return F.cross_entropy(out, batch["labels"], reduction="none")
@@ -137,11 +152,12 @@ def _fresh_port(monkeypatch):
 
 
 def run(out: Path, devices: int, steps: int = 4, plugins=None, optimizer=None, ckpt_path=None, callbacks=(),
-        n: int = 160, validate: bool = False, zero_loss: bool = False, width: int = 16, **privacy) -> list[dict]:
+        n: int = 160, validate: bool = False, zero_loss: bool = False, width: int = 16, table: bool = False,
+        **privacy) -> list[dict]:
     settings = dict(noise_multiplier=0.5, batch_size=16, physical_batch_size=5, seed=7, max_grad_norm=1.0)
     settings.update(privacy)
     module = VectorModule(privacy=PrivacyConfig(**settings), plugins=plugins, zero_loss=zero_loss, width=width,
-                          optimizer=optimizer or functools.partial(torch.optim.SGD, lr=0.5))
+                          table=table, optimizer=optimizer or functools.partial(torch.optim.SGD, lr=0.5))
     # one epoch of `steps` logical batches (n / batch_size = 10 per epoch)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, accelerator="cpu", devices=devices,
                         strategy="ddp_fork" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
@@ -219,6 +235,22 @@ def test_two_processes_equal_one(tmp_path, monkeypatch, case):
                 for n in one["params"])
     assert moved > 1e-3  # the runs did train
     assert torch.equal(two[0]["fingerprint"], two[1]["fingerprint"])
+
+
+def test_dpzero_embedding_rows_two_processes_equal_one(tmp_path):
+    """dpzero moves an embedding table only in the rows each rank's batch looks up (different rows on each rank)
+    and writes them back exactly before the update: the ranks stay bit-identical, and equal to one process."""
+    if "dpzero" not in installed_plugins():
+        pytest.skip("plugin dpzero is not installed (dpl plugins)")
+    plugins = OPTIONAL_PLUGINS["dpzero"]
+    one = run(tmp_path / "one", 1, plugins=plugins, table=True)[0]
+    two = run(tmp_path / "two", 2, plugins=plugins, table=True)
+    for rank in two:
+        assert_same_params(rank["params"], one["params"])
+    assert torch.equal(two[0]["params"]["table.weight"], two[1]["params"]["table.weight"])
+    assert torch.equal(two[0]["fingerprint"], two[1]["fingerprint"])
+    start = VectorModule(table=True).build_model().state_dict()["table.weight"]
+    assert (two[0]["params"]["table.weight"] - start).abs().min() > 0  # every row moved, looked up or not
 
 
 def test_noise_std_is_the_single_process_one(tmp_path):
