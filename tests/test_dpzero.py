@@ -4,7 +4,9 @@ step, the streaming SGD update, refusals, and `dpl fit` end to end."""
 
 import copy
 import csv
+import logging
 import math
+import types
 from pathlib import Path
 
 import pytest
@@ -597,12 +599,14 @@ def test_dpl_fit_with_the_config(tiny, fragment, capsys):
 
 # --- embedding tables perturbed row by row ------------------------------------------------------------------------
 
-def _one_step(model, batch, *, sparse, keep=False, distribution="rademacher", g=None, physical=3):
+def _one_step(model, batch, *, sparse, keep=False, distribution="rademacher", g=None, physical=3, plugin=None,
+              seed=31):
     """One dpzero step (MeZO: no noise, no clipping) with lr 0.05; ``g``: the released scalar to apply instead of
     the estimate (as every DDP rank applies the same release). Returns the estimate."""
-    plugin = DPZeroPlugin(mu=1e-3, keep_direction=keep, direction=distribution, sparse_embeddings=sparse)
+    if plugin is None:
+        plugin = DPZeroPlugin(mu=1e-3, keep_direction=keep, direction=distribution, sparse_embeddings=sparse)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    ctx = _ctx(model, _bert_loss(model), seed=31, C=math.inf, optimizer=optimizer)
+    ctx = _ctx(model, _bert_loss(model), seed=seed, C=math.inf, optimizer=optimizer)
     total = None
     for start in range(0, batch["labels"].numel(), physical):
         part = plugin.estimate_gradient(ctx=ctx, batch={k: v[start:start + physical] for k, v in batch.items()})
@@ -658,6 +662,60 @@ def test_tied_subclassed_or_renormalized_tables_are_perturbed_densely():
     model = Model()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert set(lookup_tables(model, trainable)) == {"plain.weight"}
+
+
+class ReadsATable(nn.Module):
+    """Looks one table up and reads another's whole weight directly (as DeBERTa-v2 reads its relative positions)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.looked_up, self.read = nn.Embedding(50, 8), nn.Embedding(12, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.looked_up(input_ids).mean(1) + torch.tanh(self.read.weight).mean(0)
+        return types.SimpleNamespace(logits=self.head(hidden))
+
+
+def test_a_table_the_model_reads_directly_is_perturbed_densely(caplog):
+    batch = random_batch(8)
+    dense, sparse = ReadsATable(), ReadsATable()
+    assert set(lookup_tables(sparse, dict(sparse.named_parameters()))) == {"looked_up.weight", "read.weight"}
+    plugin = DPZeroPlugin(mu=1e-3, direction="rademacher")
+    with caplog.at_level(logging.INFO, logger="dpl"):
+        g_sparse = _one_step(sparse, batch, sparse=True, plugin=plugin)
+    g_dense = _one_step(dense, batch, sparse=False)
+    assert "read.weight" in caplog.text and "looked_up.weight" not in caplog.text
+    assert g_sparse == pytest.approx(g_dense, rel=1e-4)  # the first forward ran again with read.weight perturbed
+    assert plugin._verified == {"looked_up.weight"}
+    # later steps: one table row-wise, the other densely: still the step of dense passes
+    assert _one_step(sparse, batch, sparse=True, plugin=plugin, seed=32) == pytest.approx(
+        _one_step(dense, batch, sparse=False, seed=32), rel=1e-4)
+    for (n, p), (_, q) in zip(dense.named_parameters(), sparse.named_parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_deberta_relative_positions_are_seen_read_directly():
+    # DeBERTa-v2's relative position table is a plain, untied nn.Embedding whose weight the encoder indexes itself
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    from dpl_plugins.dpzero.lookups import WeightUses
+
+    torch.manual_seed(0)
+    model = DebertaV2ForSequenceClassification(DebertaV2Config(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        relative_attention=True, position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"]))
+    tables = lookup_tables(model, dict(model.named_parameters()))
+    assert "deberta.encoder.rel_embeddings.weight" in tables
+    batch = random_batch(4)
+    with torch.no_grad(), WeightUses(tables) as uses:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert uses.read_directly == {"deberta.encoder.rel_embeddings.weight"}
+    bert = tiny_bert()
+    with torch.no_grad(), WeightUses(lookup_tables(bert, dict(bert.named_parameters()))) as uses:
+        bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert uses.read_directly == set()  # BERT only looks its tables up (metadata reads do not count)
 
 
 def test_a_lookup_by_keyword_moves_its_rows():

@@ -24,6 +24,7 @@ estimated gradient vector d_i z to norm C and the default ``gaussian`` adds d-di
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -34,7 +35,9 @@ from torch import Tensor, nn
 from dpl.api import (ConfigError, Contract, GradientSum, PluginError, PrivateGradient, ReleaseContext, RunSetup,
                      StepContext, StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
 from dpl_plugins.dpzero.directions import DirectionSampler, Distribution
-from dpl_plugins.dpzero.lookups import RowPerturbation, lookup_tables
+from dpl_plugins.dpzero.lookups import RowPerturbation, WeightUses, lookup_tables
+
+log = logging.getLogger("dpl")
 
 KEY = "projected_grad"
 # Plugins that need a gradient matrix (or per-parameter gradients) and cannot work on a rank-one update.
@@ -75,8 +78,8 @@ class DPZeroPlugin:
             both: z is public and the release is one clipped scalar.
         sparse_embeddings: perturb a trainable embedding matrix only in the rows each forward pass looks up (the
             other rows cannot change the loss; the update still moves every row): the same step, with most of two
-            passes over the matrix saved (:mod:`dpl_plugins.dpzero.lookups` says which tables qualify). Turn it off
-            for a model that reads an embedding weight outside its ``nn.Embedding`` forward.
+            passes over the matrix saved (:mod:`dpl_plugins.dpzero.lookups` says which tables qualify; a table
+            the model reads other than by lookups is found in the first forward pass and stays dense).
     """
 
     def __init__(self, mu: float = 1e-3, estimator: Literal["dpzero", "dpgd0"] = "dpzero",
@@ -95,6 +98,7 @@ class DPZeroPlugin:
         self.sparse_embeddings = bool(sparse_embeddings)
         self._sampler: DirectionSampler | None = None  # this step's (public) direction
         self._rows: RowPerturbation | None = None  # this step's embedding tables, perturbed row by row
+        self._verified: set[str] | None = None  # tables seen to be read only by lookups (None: not checked yet)
         self._offset = 0.0  # the other parameters sit at theta + offset * z (z: this step's direction)
 
     def _direction(self, ctx: StepContext | ReleaseContext) -> DirectionSampler:
@@ -107,6 +111,8 @@ class DPZeroPlugin:
             # (a release context has no model: a step whose update comes first perturbed nothing)
             sparse = self.sparse_embeddings and isinstance(ctx, StepContext)
             tables = lookup_tables(ctx.model, ctx.trainable) if sparse else {}
+            if self._verified is not None:
+                tables = {name: module for name, module in tables.items() if name in self._verified}
             self._rows = RowPerturbation(tables, self._sampler)
         return self._sampler
 
@@ -134,13 +140,16 @@ class DPZeroPlugin:
         over the parameters per micro-batch. Embedding tables move only in the rows each forward pass looks up
         (``self._rows``). On an error everything is restored at once."""
         rows = self._rows
-        params = {name: p for name, p in ctx.trainable.items() if name not in rows.tables}
+
+        def dense() -> dict[str, nn.Parameter]:
+            return {name: p for name, p in ctx.trainable.items() if name not in rows.tables}
+
         with torch.no_grad(), no_dropout(ctx.model, self.eval_forward), rows.hooked():
             try:
-                sampler.perturb_(params, self.mu - self._offset)
+                sampler.perturb_(dense(), self.mu - self._offset)
                 self._offset = rows.target = self.mu
-                plus = ctx.per_example_loss(batch).detach().double()
-                sampler.perturb_(params, -2.0 * self.mu)
+                plus = self._forward_plus(ctx, batch, sampler)
+                sampler.perturb_(dense(), -2.0 * self.mu)
                 self._offset = rows.target = -self.mu
                 minus = ctx.per_example_loss(batch).detach().double()
             except BaseException:
@@ -148,6 +157,29 @@ class DPZeroPlugin:
                 raise
         diffs = (plus - minus) / (2.0 * self.mu)
         return torch.where(torch.isfinite(diffs), diffs, torch.zeros_like(diffs))  # non-finite: contributes 0
+
+    def _forward_plus(self, ctx: StepContext, batch: dict[str, Any], sampler: DirectionSampler) -> Tensor:
+        """The per-example losses at theta + mu z. The run's first such forward also watches how the row-wise
+        tables are read (:class:`WeightUses`): a table that the model reads other than by lookups is moved densely
+        to theta + mu z, perturbed densely from then on, and the forward runs again."""
+        rows = self._rows
+        if self._verified is not None or not rows.tables:
+            return ctx.per_example_loss(batch).detach().double()
+        with WeightUses(rows.tables) as uses:
+            rows.watch = uses
+            try:
+                plus = ctx.per_example_loss(batch).detach().double()
+            finally:
+                rows.watch = None
+        self._verified = set(rows.tables) - uses.read_directly
+        if not uses.read_directly:
+            return plus
+        log.info("dpl: dpzero perturbs %s densely: the model reads it other than by embedding lookups",
+                 ", ".join(sorted(uses.read_directly)))
+        moved = {name: rows.tables[name].weight for name in sorted(uses.read_directly)}
+        rows.drop(moved)
+        sampler.perturb_(moved, self.mu)  # at theta + mu z, like every other dense parameter
+        return ctx.per_example_loss(batch).detach().double()
 
     def _restore(self, params: dict[str, nn.Parameter], sampler: DirectionSampler) -> None:
         """Move the parameters back to theta (an error, or an update that cannot carry the displacement)."""

@@ -12,19 +12,24 @@ same parameters whichever rows its own batches touched.
 
 Only plain lookups qualify (:func:`lookup_tables`): a trainable ``nn.Embedding`` weight that no other module shares
 (an output layer tied to the input embeddings reads every row), with ``nn.Embedding``'s own forward and no
-``max_norm`` (which rewrites the rows it reads). A model that reads such a weight outside the module's forward (not
-the case for the Hugging Face models dpl loads) needs ``sparse_embeddings: false``.
+``max_norm`` (which rewrites the rows it reads). Some models also read such a weight directly (DeBERTa-v2's relative
+position table is an ``nn.Embedding`` whose weight its encoder indexes and normalizes): the first forward pass runs
+under :class:`WeightUses`, which sees every torch function that consumes a table's weight, and a table consumed
+by anything but an embedding lookup (or a metadata read) is perturbed densely from then on.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from dpl_plugins.dpzero.directions import DirectionSampler
 
@@ -38,6 +43,40 @@ def lookup_tables(model: nn.Module, trainable: Mapping[str, nn.Parameter]) -> di
             and module.max_norm is None and id(module.weight) in names and owners[id(module.weight)] == 1}
 
 
+# Functions that read a tensor's metadata, not its values (a property's getter arrives as its ``__get__``).
+_METADATA = frozenset({"dtype", "shape", "device", "layout", "size", "dim", "ndim", "numel", "nelement", "stride",
+                       "is_floating_point", "is_complex", "is_contiguous", "requires_grad", "is_leaf", "is_cuda",
+                       "is_meta", "element_size", "itemsize", "nbytes", "data_ptr", "__len__"})
+
+
+def _function_name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property of the tensor: its name
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class WeightUses(TorchFunctionMode):
+    """While active, records which of ``tables``' weights a torch function other than an embedding lookup (or a
+    metadata read) consumes: ``read_directly`` holds their names. Calls made while ``paused`` (the row hooks'
+    own reads and writes) are not recorded."""
+
+    def __init__(self, tables: Mapping[str, nn.Embedding]) -> None:
+        super().__init__()
+        self._names = {id(module.weight): name for name, module in tables.items()}
+        self.read_directly: set[str] = set()
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused and func not in (F.embedding, torch.embedding) and _function_name(func) not in _METADATA:
+            for leaf in tree_leaves((args, kwargs)):
+                name = self._names.get(id(leaf))
+                if name is not None:
+                    self.read_directly.add(name)
+        return func(*args, **kwargs)
+
+
 class RowPerturbation:
     """One step's row-wise perturbation of ``tables`` along ``sampler``'s direction (see the module docstring)."""
 
@@ -45,6 +84,7 @@ class RowPerturbation:
         self.tables = dict(tables)
         self.sampler = sampler
         self.target = 0.0  # the rows a forward pass looks up are written at theta + target * z
+        self.watch: WeightUses | None = None  # paused while a hook moves rows
         self._slots: dict[str, Tensor] = {}  # row -> its place in the saved copy (-1: untouched)
         self._rows: dict[str, Tensor] = {}  # the rows touched in this step
         self._saved: dict[str, Tensor] = {}  # their original values, in the same order
@@ -68,28 +108,47 @@ class RowPerturbation:
     def _hook(self, name: str):
         @torch.no_grad()
         def move_rows(module: nn.Embedding, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            weight = module.weight
-            rows = (args[0] if args else kwargs["input"]).reshape(-1).unique().long()
-            slots = self._slots.get(name)
-            if slots is None:
-                slots = self._slots[name] = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
-                self._rows[name] = rows[:0]
-                self._saved[name] = weight[rows[:0]]
-            new = rows[slots[rows] < 0]
-            if new.numel():
-                done = self._rows[name].numel()
-                slots[new] = torch.arange(done, done + new.numel(), device=slots.device)
-                self._rows[name] = torch.cat([self._rows[name], new])
-                self._saved[name] = torch.cat([self._saved[name], weight[new]])
-            original = self._saved[name][slots[rows]]
-            weight[rows] = torch.add(original, self.sampler.rows(name, weight, rows), alpha=self.target)
+            if name not in self.tables:  # dropped: perturbed densely now
+                return
+            watch = self.watch
+            if watch is not None:
+                watch.paused = True
+            try:
+                self._move(name, module, args[0] if args else kwargs["input"])
+            finally:
+                if watch is not None:
+                    watch.paused = False
         return move_rows
 
+    def _move(self, name: str, module: nn.Embedding, ids: Tensor) -> None:
+        """Write theta[r] + target * z[r] into the rows r that ``ids`` looks up (theta[r]: copied at first touch)."""
+        weight = module.weight
+        rows = ids.reshape(-1).unique().long()
+        slots = self._slots.get(name)
+        if slots is None:
+            slots = self._slots[name] = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+            self._rows[name] = rows[:0]
+            self._saved[name] = weight[rows[:0]]
+        new = rows[slots[rows] < 0]
+        if new.numel():
+            done = self._rows[name].numel()
+            slots[new] = torch.arange(done, done + new.numel(), device=slots.device)
+            self._rows[name] = torch.cat([self._rows[name], new])
+            self._saved[name] = torch.cat([self._saved[name], weight[new]])
+        original = self._saved[name][slots[rows]]
+        weight[rows] = torch.add(original, self.sampler.rows(name, weight, rows), alpha=self.target)
+
     @torch.no_grad()
-    def restore(self) -> None:
-        """Write every touched row back to its original value (exactly)."""
-        for name, rows in self._rows.items():
-            self.tables[name].weight[rows] = self._saved[name]
-        self._slots.clear()
-        self._rows.clear()
-        self._saved.clear()
+    def restore(self, names: Iterable[str] | None = None) -> None:
+        """Write every touched row (of the tables ``names``; default: all) back to its original value, exactly."""
+        for name in list(self._rows) if names is None else names:
+            if name in self._rows:
+                self.tables[name].weight[self._rows.pop(name)] = self._saved.pop(name)
+                del self._slots[name]
+
+    def drop(self, names: Iterable[str]) -> None:
+        """Stop perturbing the tables ``names`` row by row (their touched rows restored first)."""
+        names = list(names)
+        self.restore(names)
+        for name in names:
+            del self.tables[name]
