@@ -42,7 +42,8 @@ CHUNK = 1 << 20  # elements of z drawn at once: bounds the transient memory of a
 SIGN_CHUNK = 1 << 18  # elements of a Rademacher z expanded at once (a multiple of 8; 1 MiB in fp32 stays in cache)
 Distribution = Literal["gaussian", "rademacher"]
 # byte -> its 8 bits as int8 signs -1/+1 (bit k -> sign k), the 8 signs packed in one int64: one lookup per byte
-_SIGN_BYTES = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).mul(2).sub(1).to(torch.int8).view(torch.int64).view(-1)
+_SIGN_BYTES = (((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).mul(2).sub(1).to(torch.int8)
+               .view(torch.int64).view(-1))
 
 
 class DirectionSampler:
@@ -136,7 +137,8 @@ class DirectionSampler:
         key = (dtype, chunk.device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < chunk.numel():
-            buffer = self._buffers[key] = torch.empty(max(CHUNK, SIGN_CHUNK), dtype=dtype, device=chunk.device)
+            size = max(CHUNK, SIGN_CHUNK, chunk.numel())
+            buffer = self._buffers[key] = torch.empty(size, dtype=dtype, device=chunk.device)
         return buffer[:chunk.numel()].copy_(chunk)
 
     def chunks(self, name: str, param: Tensor) -> Iterator[tuple[int, Tensor]]:
