@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from dpl.api import (ConfigError, Contract, GradientSum, PluginError, PrivateGradient, ReleaseContext, RunSetup,
                      StepContext, StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
 from dpl_plugins.dpzero.directions import DirectionSampler, Distribution
-from dpl_plugins.dpzero.lookups import RowPerturbation, WeightUses, lookup_tables
+from dpl_plugins.dpzero.lookups import RowPerturbation, lookup_tables
 
 log = logging.getLogger("dpl")
 
@@ -160,17 +160,14 @@ class DPZeroPlugin:
 
     def _forward_plus(self, ctx: StepContext, batch: dict[str, Any], sampler: DirectionSampler) -> Tensor:
         """The per-example losses at theta + mu z. The run's first such forward also watches how the row-wise
-        tables are read (:class:`WeightUses`): a table that the model reads other than by lookups is moved densely
-        to theta + mu z, perturbed densely from then on, and the forward runs again."""
+        tables are read (:class:`~dpl_plugins.dpzero.lookups.WeightUses`): a table that the model reads other than
+        by its own module's lookup is moved densely to theta + mu z, perturbed densely from then on, and the
+        forward runs again."""
         rows = self._rows
         if self._verified is not None or not rows.tables:
             return ctx.per_example_loss(batch).detach().double()
-        with WeightUses(rows.tables) as uses:
-            rows.watch = uses
-            try:
-                plus = ctx.per_example_loss(batch).detach().double()
-            finally:
-                rows.watch = None
+        with rows.watching() as uses:
+            plus = ctx.per_example_loss(batch).detach().double()
         self._verified = set(rows.tables) - uses.read_directly
         if not uses.read_directly:
             return plus

@@ -15,7 +15,7 @@ Only plain lookups qualify (:func:`lookup_tables`): a trainable ``nn.Embedding``
 ``max_norm`` (which rewrites the rows it reads). Some models also read such a weight directly (DeBERTa-v2's relative
 position table is an ``nn.Embedding`` whose weight its encoder indexes and normalizes): the first forward pass runs
 under :class:`WeightUses`, which sees every torch function that consumes a table's weight, and a table consumed
-by anything but an embedding lookup (or a metadata read) is perturbed densely from then on.
+by anything but its own module's lookup (or a metadata read) is perturbed densely from then on.
 """
 
 from __future__ import annotations
@@ -57,22 +57,25 @@ def _function_name(func: Any) -> str:
 
 
 class WeightUses(TorchFunctionMode):
-    """While active, records which of ``tables``' weights a torch function other than an embedding lookup (or a
-    metadata read) consumes: ``read_directly`` holds their names. Calls made while ``paused`` (the row hooks'
-    own reads and writes) are not recorded."""
+    """While active, records which of ``tables``' weights a torch function consumes other than by the lookup in
+    the table's own forward (``looking_up``: the tables whose module's forward is running, kept by
+    :class:`RowPerturbation`'s hooks) or a metadata read: ``read_directly`` holds their names. Calls made while
+    ``paused`` (the row hooks' own reads and writes) are not recorded."""
 
     def __init__(self, tables: Mapping[str, nn.Embedding]) -> None:
         super().__init__()
         self._names = {id(module.weight): name for name, module in tables.items()}
         self.read_directly: set[str] = set()
+        self.looking_up: set[str] = set()
         self.paused = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.paused and func not in (F.embedding, torch.embedding) and _function_name(func) not in _METADATA:
+        if not self.paused and _function_name(func) not in _METADATA:
+            lookup = func in (F.embedding, torch.embedding)
             for leaf in tree_leaves((args, kwargs)):
                 name = self._names.get(id(leaf))
-                if name is not None:
+                if name is not None and not (lookup and name in self.looking_up):
                     self.read_directly.add(name)
         return func(*args, **kwargs)
 
@@ -99,11 +102,22 @@ class RowPerturbation:
         """While open, every lookup in a table first moves the rows it reads to theta + target * z."""
         handles = [module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
                    for name, module in self.tables.items()]
+        handles += [module.register_forward_hook(self._done(name)) for name, module in self.tables.items()]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[WeightUses]:
+        """While open (inside :meth:`hooked`), records how the model reads the tables (:class:`WeightUses`)."""
+        with WeightUses(self.tables) as uses:
+            self.watch = uses
+            try:
+                yield uses
+            finally:
+                self.watch = None
 
     def _hook(self, name: str):
         @torch.no_grad()
@@ -118,7 +132,14 @@ class RowPerturbation:
             finally:
                 if watch is not None:
                     watch.paused = False
+                    watch.looking_up.add(name)
         return move_rows
+
+    def _done(self, name: str):
+        def looked_up(module: nn.Embedding, args: tuple[Any, ...], output: Tensor) -> None:
+            if self.watch is not None:
+                self.watch.looking_up.discard(name)
+        return looked_up
 
     def _move(self, name: str, module: nn.Embedding, ids: Tensor) -> None:
         """Write theta[r] + target * z[r] into the rows r that ``ids`` looks up (theta[r]: copied at first touch)."""
