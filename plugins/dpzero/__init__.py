@@ -99,6 +99,7 @@ class DPZeroPlugin:
         self._sampler: DirectionSampler | None = None  # this step's (public) direction
         self._rows: RowPerturbation | None = None  # this step's embedding tables, perturbed row by row
         self._verified: set[str] | None = None  # tables seen to be read only by lookups (None: not checked yet)
+        self._tables: tuple[nn.Module, list[str], dict[str, nn.Embedding]] | None = None  # model, trainable, tables
         self._offset = 0.0  # the other parameters sit at theta + offset * z (z: this step's direction)
 
     def _direction(self, ctx: StepContext | ReleaseContext) -> DirectionSampler:
@@ -110,11 +111,18 @@ class DPZeroPlugin:
             self._sampler = DirectionSampler(ctx.public_seed, self.keep_direction, self.direction)
             # (a release context has no model: a step whose update comes first perturbed nothing)
             sparse = self.sparse_embeddings and isinstance(ctx, StepContext)
-            tables = lookup_tables(ctx.model, ctx.trainable) if sparse else {}
+            tables = self._lookup_tables(ctx) if sparse else {}
             if self._verified is not None:
                 tables = {name: module for name, module in tables.items() if name in self._verified}
             self._rows = RowPerturbation(tables, self._sampler)
         return self._sampler
+
+    def _lookup_tables(self, ctx: StepContext) -> dict[str, nn.Embedding]:
+        """:func:`lookup_tables` of the step's model, found once per model and set of trainable parameters."""
+        names = list(ctx.trainable)
+        if self._tables is None or self._tables[0] is not ctx.model or self._tables[1] != names:
+            self._tables = (ctx.model, names, lookup_tables(ctx.model, ctx.trainable))
+        return self._tables[2]
 
     # --- setup ------------------------------------------------------------------------------------------
     @hookimpl

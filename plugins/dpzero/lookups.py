@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from dpl_plugins.dpzero.directions import DirectionSampler
 
@@ -47,6 +46,18 @@ def lookup_tables(model: nn.Module, trainable: Mapping[str, nn.Parameter]) -> di
 _METADATA = frozenset({"dtype", "shape", "device", "layout", "size", "dim", "ndim", "numel", "nelement", "stride",
                        "is_floating_point", "is_complex", "is_contiguous", "requires_grad", "is_leaf", "is_cuda",
                        "is_meta", "element_size", "itemsize", "nbytes", "data_ptr", "__len__"})
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """The objects inside a torch function's arguments (tuples, lists and dicts opened)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    else:
+        yield value
 
 
 def _function_name(func: Any) -> str:
@@ -73,7 +84,7 @@ class WeightUses(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.paused and _function_name(func) not in _METADATA:
             lookup = func in (F.embedding, torch.embedding)
-            for leaf in tree_leaves((args, kwargs)):
+            for leaf in _leaves((args, kwargs)):
                 name = self._names.get(id(leaf))
                 if name is not None and not (lookup and name in self.looking_up):
                     self.read_directly.add(name)
