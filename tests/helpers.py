@@ -6,10 +6,10 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
 
-def tiny_bert(num_labels: int = 2, seed: int = 0) -> BertForSequenceClassification:
+def tiny_bert(num_labels: int = 2, seed: int = 0, positions: int = 32) -> BertForSequenceClassification:
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32, num_labels=num_labels,
+                        intermediate_size=32, max_position_embeddings=positions, num_labels=num_labels,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return BertForSequenceClassification(config).train()
 
@@ -58,8 +58,9 @@ WORDS = ["good", "great", "fine", "bad", "awful", "poor", "movie", "film", "plot
          "not", "really", "acting", "story"]
 
 
-def save_tiny_bert(folder, num_labels: int = 2) -> str:
-    """A tiny BERT classifier and its word-level tokenizer saved to ``folder`` (loads with from_pretrained)."""
+def save_tiny_bert(folder, num_labels: int = 2, positions: int = 128) -> str:
+    """A tiny BERT classifier and its word-level tokenizer saved to ``folder`` (loads with from_pretrained); its
+    ``positions`` cover the data modules' ``max_length`` (128 by default, 64 in the shipped configs)."""
     from pathlib import Path
 
     from transformers import BertTokenizerFast
@@ -70,7 +71,7 @@ def save_tiny_bert(folder, num_labels: int = 2) -> str:
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
     tokenizer.save_pretrained(folder)
-    model = tiny_bert(num_labels=num_labels)
+    model = tiny_bert(num_labels=num_labels, positions=positions)
     model.config.vocab_size = len(vocab)
     model.resize_token_embeddings(len(vocab))
     model.save_pretrained(folder)

@@ -83,6 +83,7 @@ GOOD_TRAIN = "sentence\tlabel\n" + "the movie was good\tpositive\nthe film was b
     (("--model.init_args.plugins", "{adambc: {gamma: abc}}"), "model.plugins.adambc.gamma: expected float, got 'abc'"),
     (("--data.init_args.data_dir", "/nonexistent/dir"), "not found"),
     (("--data.init_args.text_column", "text"), "missing column(s) ['text']"),
+    (("--data.init_args.max_length", "129"), "data.max_length = 129 is longer than the 128 positions the model"),
 ])
 def test_bad_input_fails_with_one_line(workspace, overrides, pattern, capsys):
     result, root = _run(workspace, *overrides, capsys=capsys)
@@ -126,3 +127,18 @@ def test_bad_input_in_a_real_process(workspace):
 def test_privacy_config_rejects_bad_values_directly(kwargs):
     with pytest.raises(ConfigError):
         PrivacyConfig(**kwargs).validate()
+
+
+def test_position_limit_of_learned_and_rotary_positions():
+    """BERT reads max_position_embeddings tokens, RoBERTa two fewer (positions start after padding_idx), GPT-2
+    n_positions; a rotary model has no learned table (no limit)."""
+    from transformers import (BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel, RobertaConfig,
+                              RobertaModel)
+
+    from dpl.tasks.modules.base import position_limit
+
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=40)
+    assert position_limit(BertModel(BertConfig(max_position_embeddings=40, **small))) == 40
+    assert position_limit(RobertaModel(RobertaConfig(max_position_embeddings=42, pad_token_id=1, **small))) == 40
+    assert position_limit(GPT2Model(GPT2Config(n_positions=40, n_embd=16, n_layer=1, n_head=2, vocab_size=40))) == 40
+    assert position_limit(LlamaModel(LlamaConfig(num_key_value_heads=1, **small))) is None

@@ -37,6 +37,16 @@ def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}
 
 
+def position_limit(model: torch.nn.Module) -> int | None:
+    """The most tokens ``model`` can read when it has a learned table of absolute positions (BERT's
+    ``position_embeddings``, GPT-2's ``wpe``); ``None`` without one (rotary or relative positions)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("position_embeddings", "wpe"):
+            first = module.padding_idx  # RoBERTa numbers positions from padding_idx + 1
+            return module.num_embeddings - (0 if first is None else first + 1)
+    return None
+
+
 def _examples(names: list[str]) -> str:
     return ", ".join(names[:2]) + (f" ... ({len(names)} in all)" if len(names) > 2 else "")
 
@@ -49,6 +59,19 @@ class DPTaskModule(DPModule):
     #: and ``dpl export``
     task: str = "classification"
     _frozen_fingerprint: str | None = None
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.check_input_length(getattr(self.datamodule, "max_length", None))
+
+    def check_input_length(self, max_length: int | None) -> None:
+        """Refuse ``data.max_length`` longer than the model's learned position table: the first batch holding so
+        long an input would otherwise fail in the middle of training (the batches are sampled at random)."""
+        limit = position_limit(self.ensure_model())
+        if isinstance(max_length, int) and limit is not None and max_length > limit:
+            raise ConfigError(f"data.max_length = {max_length} is longer than the {limit} positions the model "
+                              f"{getattr(self, 'model_location', '')} can read: set --data.init_args.max_length "
+                              f"{limit} (or less)")
 
     def _sharded(self) -> bool:
         """Whether FSDP shards this module's parameters (its checkpoints are then kept whole)."""
