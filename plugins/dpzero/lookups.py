@@ -6,8 +6,8 @@ the same step). Where the embedding matrix is a large part of the parameters (Mi
 most of two of the three passes over it.
 
 Each table gets a forward pre-hook. At every call it writes theta[r] + t z[r] into the rows r that the call looks up
-(t: the current target, +mu or -mu), computed from a copy of the original rows taken when a row is first touched in
-the step. Before the update the rows are written back from that copy, exactly: every DDP rank ends the step with the
+(t: the current target, +mu or -mu), computed from a copy of the original rows and of their z, both taken when a row
+is first touched in the step (so the second forward pass draws no z for the rows the first one read). Before the update the rows are written back from that copy, exactly: every DDP rank ends the step with the
 same parameters whichever rows its own batches touched.
 
 Only plain lookups qualify (:func:`lookup_tables`): a trainable ``nn.Embedding`` weight that no other module shares
@@ -102,6 +102,7 @@ class RowPerturbation:
         self._slots: dict[str, Tensor] = {}  # row -> its place in the saved copy (-1: untouched)
         self._rows: dict[str, Tensor] = {}  # the rows touched in this step
         self._saved: dict[str, Tensor] = {}  # their original values, in the same order
+        self._z: dict[str, Tensor] = {}  # their slice of z, in the same order (drawn once per step, not per pass)
 
     @property
     def displaced(self) -> bool:
@@ -161,14 +162,16 @@ class RowPerturbation:
             slots = self._slots[name] = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
             self._rows[name] = rows[:0]
             self._saved[name] = weight[rows[:0]]
+            self._z[name] = weight[rows[:0]]
         new = rows[slots[rows] < 0]
         if new.numel():
             done = self._rows[name].numel()
             slots[new] = torch.arange(done, done + new.numel(), device=slots.device)
             self._rows[name] = torch.cat([self._rows[name], new])
             self._saved[name] = torch.cat([self._saved[name], weight[new]])
-        original = self._saved[name][slots[rows]]
-        weight[rows] = torch.add(original, self.sampler.rows(name, weight, rows), alpha=self.target)
+            self._z[name] = torch.cat([self._z[name], self.sampler.rows(name, weight, new)])
+        place = slots[rows]
+        weight[rows] = torch.add(self._saved[name][place], self._z[name][place], alpha=self.target)
 
     @torch.no_grad()
     def restore(self, names: Iterable[str] | None = None) -> None:
@@ -176,7 +179,7 @@ class RowPerturbation:
         for name in list(self._rows) if names is None else names:
             if name in self._rows:
                 self.tables[name].weight[self._rows.pop(name)] = self._saved.pop(name)
-                del self._slots[name]
+                del self._slots[name], self._z[name]
 
     def drop(self, names: Iterable[str]) -> None:
         """Stop perturbing the tables ``names`` row by row (their touched rows restored first)."""
