@@ -137,7 +137,8 @@ def test_position_limit_of_learned_and_rotary_positions():
 
     from dpl.tasks.modules.base import position_limit
 
-    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=40)
+    small = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+             "vocab_size": 40}
     assert position_limit(BertModel(BertConfig(max_position_embeddings=40, **small))) == 40
     assert position_limit(RobertaModel(RobertaConfig(max_position_embeddings=42, pad_token_id=1, **small))) == 40
     assert position_limit(GPT2Model(GPT2Config(n_positions=40, n_embd=16, n_layer=1, n_head=2, vocab_size=40))) == 40

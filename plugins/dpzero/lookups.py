@@ -7,8 +7,9 @@ most of two of the three passes over it.
 
 Each table gets a forward pre-hook. At every call it writes theta[r] + t z[r] into the rows r that the call looks up
 (t: the current target, +mu or -mu), computed from a copy of the original rows and of their z, both taken when a row
-is first touched in the step (so the second forward pass draws no z for the rows the first one read). Before the update the rows are written back from that copy, exactly: every DDP rank ends the step with the
-same parameters whichever rows its own batches touched.
+is first touched in the step (so the second forward pass draws no z for the rows the first one read). Before the
+update the rows are written back from that copy, exactly: every DDP rank ends the step with the same parameters
+whichever rows its own batches touched.
 
 Only plain lookups qualify (:func:`lookup_tables`): a trainable ``nn.Embedding`` weight that no other module shares
 (an output layer tied to the input embeddings reads every row), with ``nn.Embedding``'s own forward and no
