@@ -148,16 +148,12 @@ class DPZeroPlugin:
         over the parameters per micro-batch. Embedding tables move only in the rows each forward pass looks up
         (``self._rows``). On an error everything is restored at once."""
         rows = self._rows
-
-        def dense() -> dict[str, nn.Parameter]:
-            return {name: p for name, p in ctx.trainable.items() if name not in rows.tables}
-
         with torch.no_grad(), no_dropout(ctx.model, self.eval_forward), rows.hooked():
             try:
-                sampler.perturb_(dense(), self.mu - self._offset)
+                sampler.perturb_(self._dense(ctx.trainable), self.mu - self._offset)
                 self._offset = rows.target = self.mu
                 plus = self._forward_plus(ctx, batch, sampler)
-                sampler.perturb_(dense(), -2.0 * self.mu)
+                sampler.perturb_(self._dense(ctx.trainable), -2.0 * self.mu)
                 self._offset = rows.target = -self.mu
                 minus = ctx.per_example_loss(batch).detach().double()
             except BaseException:
@@ -186,13 +182,16 @@ class DPZeroPlugin:
         sampler.perturb_(moved, self.mu)  # at theta + mu z, like every other dense parameter
         return ctx.per_example_loss(batch).detach().double()
 
+    def _dense(self, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        """The parameters perturbed whole (all but the tables perturbed row by row)."""
+        return {name: p for name, p in params.items() if name not in self._rows.tables}
+
     def _restore(self, params: dict[str, nn.Parameter], sampler: DirectionSampler) -> None:
         """Move the parameters back to theta (an error, or an update that cannot carry the displacement)."""
-        rows = self._rows
         if self._offset:
-            sampler.perturb_({name: p for name, p in params.items() if name not in rows.tables}, -self._offset)
+            sampler.perturb_(self._dense(params), -self._offset)
             self._offset = 0.0
-        rows.restore()
+        self._rows.restore()
 
     @hookimpl
     def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]) -> GradientSum:
@@ -232,7 +231,7 @@ class DPZeroPlugin:
         sampler, self._sampler = self._direction(ctx), None  # the update holds it until applied
         self._rows.restore()  # the embedding rows are back at theta exactly; the rest moves back in the update's pass
         params = ctx.trainable
-        displaced = {name: self._offset for name in params if name not in self._rows.tables}
+        displaced = dict.fromkeys(self._dense(params), self._offset)
         self._offset = 0.0
         return StreamingDirection(list(params), lambda name: sampler.z(name, params[name]),
                                   lambda name: sampler.chunks(name, params[name]), scale=g, displaced=displaced)
