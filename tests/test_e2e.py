@@ -7,9 +7,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import tiny_classification_workspace
+from helpers import SaveAndStopAt, tiny_classification_workspace
 
 from dpl.core.noise import normal
+from dpl.errors import ConfigError
+from dpl.lightning.checkpoint import SidecarCheckpointIO
 from dpl.cli import main
 from dpl.tasks.data import ClassificationDataModule
 from dpl.tasks.modules import DPClassificationModule
@@ -57,20 +59,29 @@ def _module_and_data(tiny, max_steps):
 
 
 def test_resume_continues_noise_stream_and_accounting(tiny):
-    module, data, trainer = _module_and_data(tiny, max_steps=3)
-    trainer.fit(module, datamodule=data)
+    """A seeded run resumed: the sidecar's noise stream continues (a new seed does not matter), sigma and epsilon too;
+    a resume with no step left is one line."""
+    module, data, trainer = _module_and_data(tiny, max_steps=6)
     path = Path(trainer.default_root_dir) / "three.ckpt"
-    trainer.save_checkpoint(path)
+    trainer.callbacks.append(SaveAndStopAt(3, path))
+    trainer.fit(module, datamodule=data)
     next_noise = normal((5,), module.engine.noise_source)
     sigma, eps3 = module.noise_multiplier, module.epsilon_after(3)
 
-    resumed, data2, trainer2 = _module_and_data(tiny, max_steps=3)
-    resumed.privacy.seed = None  # a resumed run must not need the seed: the state comes from the checkpoint
-    trainer2.fit(resumed, datamodule=data2, ckpt_path=str(path))  # already at max_steps: restores, trains nothing
-    assert resumed.steps_done == 3
-    assert resumed.noise_multiplier == sigma
+    resumed, data2, trainer2 = _module_and_data(tiny, max_steps=6)
+    resumed.privacy.seed = 8  # seeded: the checkpoint's streams replay (from its sidecar), not the new seed's
+    resumed.ensure_model(data2)
+    data2.setup("fit")
+    resumed.prepare_privacy(data2.num_train_examples, trainer2)
+    resumed.on_load_checkpoint(SidecarCheckpointIO().load_checkpoint(path))  # what Lightning's restore calls
+    resumed.engine.start()
+    assert resumed.steps_done == 3 and resumed.noise_multiplier == sigma
     assert resumed.epsilon_after(resumed.steps_done) == pytest.approx(eps3)
     torch.testing.assert_close(normal((5,), resumed.engine.noise_source), next_noise)
+
+    done, data3, trainer3 = _module_and_data(tiny, max_steps=3)
+    with pytest.raises(ConfigError, match="nothing left to train: the checkpoint took 3 steps and this run plans 3"):
+        trainer3.fit(done, datamodule=data3, ckpt_path=str(path))
 
 
 def test_unseeded_runs_draw_different_noise(tiny):

@@ -173,11 +173,11 @@ def test_streaming_equals_the_dense_matrix_product(family, memory, chunk, monkey
     np.testing.assert_allclose(np.stack(W), _dense(strat.beta) @ np.stack(Z), rtol=1e-9, atol=1e-9)
 
 
-def _setup(n=64, batch=8, steps=12, trainable=None, secure_noise=False, model=None):
+def _setup(n=64, batch=8, steps=12, trainable=None, secure_noise=False, model=None, seed=None):
     trainable = trainable if trainable is not None else {"w": nn.Parameter(torch.zeros(3))}
     return RunSetup(model=model if model is not None else nn.Linear(1, 1), trainable=trainable, plugin_names=["ftrl"], num_examples=n,
                     expected_batch_size=batch, steps=steps, sampling_rate=batch / n, accountant="prv",
-                    optimizer_name="SGD", secure_noise=secure_noise)
+                    optimizer_name="SGD", secure_noise=secure_noise, seed=seed)
 
 
 def _ctx(step, gen, sigma=1.5, clip=0.7, batch=8, logs=None):
@@ -210,6 +210,37 @@ def test_empirical_covariance_of_the_released_noise(family):
     assert np.all(np.abs(empirical - expected) < tol)
     np.testing.assert_allclose(np.array(stds), np.sqrt(np.diag(expected)), rtol=1e-12)
     assert len(set(np.round(stds, 12))) > 1  # the marginal std changes with t
+
+
+@pytest.mark.parametrize("family,memory", [("nu_ftrl", "keep"), ("nu_ftrl", "regenerate"), ("blt", "keep"),
+                                           ("banded", "keep")])
+def test_correlated_noise_across_a_resume_with_fresh_noise(family, memory):
+    """A resume without privacy.seed draws fresh noise (another generator) and keeps the stream's secret state (the
+    buffers, or for ``memory: regenerate`` the generator states of every earlier draw, each segment's key among
+    them): the covariance across the segment boundary is the uninterrupted run's, (sigma C sens / B)^2 beta beta^T
+    over 40k i.i.d. coordinates (5 standard errors). Without the stream state the cross-boundary terms are 0."""
+    T, d, k = 10, 40000, 4
+    plugin = FTRLPlugin(noise=family, sampling="shuffle", bands=3, memory=memory)
+    mech = plugin.configure_mechanism(setup=_setup(n=40, batch=8, steps=T))
+    strat = mech.strategy
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for t in range(T):
+        if t == k:  # the resume: a new plugin from the public and secret state, and a generator of its own
+            public, secret = plugin.state_dict(), plugin.secret_state_dict()
+            plugin = FTRLPlugin(noise=family, sampling="shuffle", bands=3, memory=memory)
+            plugin.configure_mechanism(setup=_setup(n=40, batch=8, steps=T))
+            plugin.load_state_dict(public)
+            plugin.load_secret_state_dict(secret)
+            gen = torch.Generator().manual_seed(3)
+        out = plugin.privatize(ctx=_ctx(t, gen), gradient_sum=GradientSum({"g": torch.zeros(d, dtype=torch.float64)}, 8))
+        rows.append(out.values["g"].numpy())
+    X = np.stack(rows)
+    scale = 1.5 * 0.7 * strat.sensitivity / 8
+    expected = scale ** 2 * _dense(strat.beta) @ _dense(strat.beta).T
+    tol = 5 * np.sqrt((np.outer(np.diag(expected), np.diag(expected)) + expected ** 2) / d)
+    assert np.all(np.abs(X @ X.T / d - expected) < tol)
+    assert abs(expected[k, k - 1]) > 10 * tol[k, k - 1]  # the cross-boundary covariance is there to be checked
 
 
 def test_independent_reproduces_the_default_gaussian_step_exactly():
@@ -444,12 +475,13 @@ def _fit(tmp, family, ckpt=None, stop_at=None, seed=3):
 
 @pytest.mark.parametrize("family", ["blt", "banded", "nu_ftrl"])
 def test_exact_resume_ten_steps_equal_five_plus_five(tmp_path, family):
-    """10 steps == 5 + resume (.ckpt + .secret sidecar) + 5, bit for bit; 8 steps per epoch: crosses an epoch."""
+    """10 steps == 5 + resume (.ckpt + .secret sidecar) + 5, bit for bit, for a seeded run (privacy.seed: the resume
+    replays the sidecar's noise and sampler streams, not the new seed's); 8 steps per epoch: crosses an epoch."""
     full, full_batches = _fit(tmp_path / "a", family)
     path = tmp_path / "five.ckpt"
     first, first_batches = _fit(tmp_path / "b", family, stop_at=(5, path))
     assert first.steps_done == 5 and path.exists() and Path(f"{path}.secret").exists()
-    resumed, resumed_batches = _fit(tmp_path / "c", family, ckpt=path, seed=None)  # the state comes from the files
+    resumed, resumed_batches = _fit(tmp_path / "c", family, ckpt=path, seed=5)  # seeded: the files' streams replay
     assert full.steps_done == resumed.steps_done == 10
     for got, want in zip(first_batches[:5] + resumed_batches, full_batches):
         assert torch.equal(got, want)  # the same batches (same secret order, same slots)

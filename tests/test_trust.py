@@ -211,8 +211,8 @@ def test_resume_without_sidecar_uses_fresh_entropy(tmp_path):
     next_noise = normal((20,), module.engine.noise_source)
     secret_path(path).unlink()
     resumed = _vector_module(seed=None)
-    _trainer(tmp_path, 2).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
-    assert resumed.steps_done == 2
+    _trainer(tmp_path, 4).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert resumed.steps_done == 4
     assert not torch.equal(normal((20,), resumed.engine.noise_source), next_noise)
 
 
@@ -353,28 +353,81 @@ def test_plan_exceeding_the_budget_is_refused():
         module.prepare_privacy(64, trainer)
 
 
-def test_budget_guard_stops_before_exceeding_after_a_resume(tmp_path):
-    """Part one at sigma 0.6; the forced resume at sigma 1.5 fits the budget on its own, not composed."""
+def test_resume_that_would_end_above_the_budget_is_refused(tmp_path):
+    """Part one at sigma 0.6; a forced resume at sigma 1.5 fits the budget on its own, not composed with part one:
+    refused before training, in one line naming both figures (the run never ends above max_epsilon)."""
     first = _vector_module(noise_multiplier=0.6, seed=None)
     trainer = _trainer(tmp_path, 4)
     trainer.fit(first, datamodule=VectorDataModule())
     path = tmp_path / "four.ckpt"
     trainer.save_checkpoint(path)
-    eps4 = first.epsilon_after(4)
     from dpl.core.mechanism import PoissonGaussian, Segment
 
     mech = PoissonGaussian(8 / 64)
-    budget = mech.epsilon_of_segments([Segment(0.6, 8 / 64, 4), Segment(1.5, 8 / 64, 2)], first.delta) * 1.001  # room for 2 more steps only
+    budget = mech.epsilon_of_segments([Segment(0.6, 8 / 64, 4), Segment(1.5, 8 / 64, 2)], first.delta) * 1.001
     assert mech.epsilon(1.5, first.delta, 12) < budget  # a fresh plan of 12 steps at 1.5 passes the setup check
     resumed = _vector_module(noise_multiplier=1.5, seed=None, force_resume=True, max_epsilon=budget)
-    ckpt_dir = tmp_path / "guard"
-    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)
-    _trainer(tmp_path, 12, callbacks=[saver]).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
-    assert resumed.stopped_by_budget
-    assert resumed.steps_done == 6
-    assert eps4 < resumed.epsilon_after(6) <= budget
-    assert resumed.epsilon_after(7) > budget
-    assert (ckpt_dir / "last.ckpt").exists()  # stopped cleanly: the checkpoint is written
+    with pytest.raises(ConfigError, match="resuming would end at epsilon") as info:
+        _trainer(tmp_path, 12).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
+    message = str(info.value)
+    assert f"max_epsilon = {budget:g}" in message and "already spent in 4 steps" in message and "\n" not in message
+    # the same resume planned to stop within the budget trains
+    within = _vector_module(noise_multiplier=1.5, seed=None, force_resume=True, max_epsilon=budget)
+    _trainer(tmp_path, 6).fit(within, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert within.steps_done == 6 and within.epsilon_after(6) <= budget
+
+
+def _stopped_at_four(tmp_path, **privacy):
+    """A run planned for 8 steps at target epsilon 3, interrupted after 4 (its checkpoint)."""
+    path = tmp_path / "four.ckpt"
+    first = _vector_module(noise_multiplier=None, target_epsilon=3.0, seed=None, **privacy)
+    _trainer(tmp_path / "first", 8, callbacks=[SaveAndStopAt(4, path)]).fit(first, datamodule=VectorDataModule())
+    assert first.steps_done == 4
+    return first, path
+
+
+def test_resume_with_a_lower_target_or_budget_is_refused(tmp_path):
+    """The resume must never train on with the checkpoint's sigma past a smaller target or max_epsilon."""
+    first, path = _stopped_at_four(tmp_path)
+    spent = first.epsilon_after(4)
+    assert 1.0 < spent < 3.0
+    for privacy, words in [({"target_epsilon": 1.0, "max_epsilon": 1.0}, "target epsilon 3.0 -> 1"),
+                           ({"target_epsilon": 1.0, "force_resume": True}, f"already spent epsilon = {spent:.3f}"),
+                           ({"max_epsilon": spent + 0.01}, f"max_epsilon = {spent + 0.01:g}")]:
+        resumed = _vector_module(**{"noise_multiplier": None, "target_epsilon": 3.0, "seed": None, **privacy})
+        with pytest.raises(ConfigError, match=words) as info:
+            _trainer(tmp_path / "r", 8).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
+        assert "\n" not in str(info.value)
+
+
+def test_resume_with_a_higher_target_recalibrates_the_remaining_steps(tmp_path):
+    """A new target is a change of the privacy settings: refused without force_resume; with it sigma is calibrated
+    for the steps left, epsilon composed over both parts ends at the new target, and the sigma that trains is the one
+    reported."""
+    first, path = _stopped_at_four(tmp_path)
+    refused = _vector_module(noise_multiplier=None, target_epsilon=6.0, seed=None)
+    with pytest.raises(ConfigError, match="force_resume"):
+        _trainer(tmp_path / "r", 8).fit(refused, datamodule=VectorDataModule(), ckpt_path=str(path))
+    forced = _vector_module(noise_multiplier=None, target_epsilon=6.0, seed=None, force_resume=True)
+    _trainer(tmp_path / "f", 8).fit(forced, datamodule=VectorDataModule(), ckpt_path=str(path))
+    assert forced.steps_done == 8 and forced.noise_multiplier < first.noise_multiplier
+    from dpl.core.accounting import PoissonGaussianAccountant
+
+    acc = PoissonGaussianAccountant()
+    acc.step(first.noise_multiplier, 8 / 64, 4)
+    acc.step(forced.noise_multiplier, 8 / 64, 4)
+    assert acc.epsilon(forced.delta) == pytest.approx(forced.epsilon_after(8), rel=1e-9)
+    assert 3.0 < forced.epsilon_after(8) <= 6.0 * (1 + 1e-9)
+    summary = forced.privacy_summary()
+    assert summary["noise_multiplier"] == forced.noise_multiplier and summary["resumed_from"] == str(path)
+    assert summary["resumed_noise"] == "fresh"
+
+
+def test_resume_with_nothing_left_to_train_says_so(tmp_path):
+    first, path = _stopped_at_four(tmp_path)
+    resumed = _vector_module(noise_multiplier=None, target_epsilon=3.0, seed=None)
+    with pytest.raises(ConfigError, match="nothing left to train: the checkpoint took 4 steps and this run plans 4"):
+        _trainer(tmp_path / "r", 4).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
 
 
 # ---------------------------------------------------------------------------------------------------------

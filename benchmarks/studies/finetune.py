@@ -42,6 +42,7 @@ first; figures ``docs/figures/studies_finetune_<study>.png`` (full runs only).
     python benchmarks/studies/finetune.py denoise --device cuda    # full study (GPU)
     python benchmarks/studies/finetune.py ftrl --quick             # 3 steps on tiny data, CPU (the test)
     python benchmarks/studies/finetune.py denoise --time-steps 3   # only time 3 real-scale steps and one evaluation
+    python benchmarks/studies/finetune.py denoise --scored-steps 25 50 --seeds 0 1 2 --resume   # the CPU step-50 rows
 """
 
 from __future__ import annotations
@@ -478,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--epochs", type=int, help="ftrl: epochs (default 6)")
     parser.add_argument("--lr-grid", type=float, nargs="+", help="ftrl: lr grid (default 0.1 0.3 1 3)")
     parser.add_argument("--eval-rows", type=int, help="denoise: held-out E2E mrs generated for (default 100)")
+    parser.add_argument("--scored-steps", type=int, nargs="+",
+                        help="denoise: steps scored by generation; the last ends each run (default 25 50 100)")
     parser.add_argument("--meteor-backend", default="python", choices=("python", "java", "auto"))
     parser.add_argument("--physical-batch-size", type=int, help="micro-batch of the per-example gradients (default B)")
     parser.add_argument("--resume", action="store_true", help="keep the finished cells of the results file")
@@ -488,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     arms, setup_of, run, size_of, table, plot = STUDIES[args.study]
     arms = [a for a in arms if not args.arms or a["name"] in args.arms]
     s = {**DEFAULTS[args.study], **(QUICK[args.study] if args.quick else {})}
-    for key in ("seeds", "epsilons", "epochs", "lr_grid", "eval_rows"):
+    for key in ("seeds", "epsilons", "epochs", "lr_grid", "eval_rows", "scored_steps"):
         if getattr(args, key, None) is not None:
             s[key] = getattr(args, key)
     s.update(quick=args.quick, tune_seed=args.tune_seed, autocast=args.device.startswith("cuda") and not args.fp32)

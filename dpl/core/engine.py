@@ -45,8 +45,9 @@ from dpl.errors import ConfigError, PrivacyWarning
 
 log = logging.getLogger("dpl")
 
-#: version of the engine's public checkpoint state; 2 stored the history as (sigma, steps, rate) triples
-STATE_VERSION = 3
+#: version of the engine's public checkpoint state; 2 stored the history as (sigma, steps, rate) triples, 3 had no
+#: target epsilon
+STATE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,10 @@ class PrivateEngine:
         self._public_generator: torch.Generator | None = None
         self._secret_to_apply: dict[str, Any] | None = None
         self._fresh_secret_on_start = False
+        self._replay_secret = False  # restore the noise and sampler generators exactly (privacy.seed, DDP ranks)
+        self._replayed = False  # the generators continue a checkpoint's streams
+        self._announced = False
+        self.resumed_from: str | None = None  # the checkpoint this run continues (set by the driver)
 
     # --- setup --------------------------------------------------------------------------------------------
     @property
@@ -156,21 +161,13 @@ class PrivateEngine:
             self.noise_multiplier = float(cfg.noise_multiplier)
         else:
             self.noise_multiplier = float(mechanism.calibrate(cfg.target_epsilon, plan.delta, steps))
-        budget = cfg.budget
-        if budget is not None:  # sigma = 0 spends epsilon = inf: refused
-            planned = self.final_epsilon()
-            if planned > budget * (1 + 1e-9):
-                raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
-                                  f"(sigma = {self.noise_multiplier:.4f}, {steps} steps)")
+        self._check_budget()
         if cfg.seed is not None:
             warnings.warn("privacy.seed is set: noise and batches are reproducible, and so predictable by anyone "
                           "who knows the seed. Use it for experiments, never in production.", PrivacyWarning,
                           stacklevel=2)
         self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
         self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
-        log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s, %s "
-                 "adjacency]", num_examples, cfg.batch_size, self.sampling_rate, steps, self.noise_multiplier,
-                 cfg.max_grad_norm, self.final_epsilon(), plan.delta, mechanism.name, mechanism.adjacency)
 
     @property
     def sampling_rate(self) -> float:
@@ -217,6 +214,20 @@ class PrivateEngine:
         elif not isinstance(noise, StatefulSource) or noise.device != device:
             self.noise_source = noise_source(derive_key(self.privacy.seed, self.seed_namespace + "noise"), device)
         self._apply_secret_state()
+        if not self._announced:
+            self._announced = True
+            self._announce()
+
+    def _announce(self) -> None:
+        """Log the plan with the sigma that trains (after a resume: the sigma the checkpoint continues with)."""
+        cfg, plan, mechanism = self.privacy, self._configured_plan(), self.mechanism
+        resumed = (f"; resumed at step {self.steps_done} (epsilon={self.epsilon():.3f} spent), "
+                   f"{'the same noise stream (privacy.seed)' if self._replayed else 'fresh noise'}"
+                   if self.steps_done else "")
+        log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s, %s "
+                 "adjacency]%s", plan.num_examples, cfg.batch_size, self.sampling_rate, plan.steps,
+                 self.noise_multiplier, cfg.max_grad_norm, self.final_epsilon(), plan.delta, mechanism.name,
+                 mechanism.adjacency, resumed)
 
     # --- the step -----------------------------------------------------------------------------------------
     def step(self, batch: dict[str, Any], *, model: nn.Module, trainable: Mapping[str, Tensor],
@@ -267,12 +278,26 @@ class PrivateEngine:
         return self.epsilon(self._configured_plan().steps)
 
     def would_exceed_budget(self) -> bool:
-        """Whether the next step would spend more than the budget. Within a plan that setup checked against the
-        budget (no resumed history), epsilon is monotone in the steps, so no accountant evaluation is needed."""
+        """Whether the next step would spend more than the budget: the accountant's epsilon after the steps done
+        and this one (from the mechanism's precomputed schedule: no accountant evaluation on the hot path)."""
         budget = self.privacy.budget
-        if budget is None or (not self.history and self.steps_done + 1 <= self._configured_plan().steps):
-            return False
-        return self.epsilon(self.steps_done + 1) > budget * (1 + 1e-9)
+        return budget is not None and self.epsilon(self.steps_done + 1) > budget * (1 + 1e-9)
+
+    def _check_budget(self) -> None:
+        """Refuse, in one line, a plan (after a resume: the rest of it, with the sigma that will train) that would
+        end above the budget."""
+        budget = self.privacy.budget
+        if budget is None:  # sigma = 0 spends epsilon = inf: refused below
+            return
+        plan, planned = self._configured_plan(), self.final_epsilon()
+        if planned <= budget * (1 + 1e-9):
+            return
+        if self.steps_done:
+            raise ConfigError(f"resuming would end at epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
+                              f"(epsilon = {self.epsilon():.3f} already spent in {self.steps_done} steps, sigma = "
+                              f"{self.noise_multiplier:.4f} for the {plan.steps - self.steps_done} steps left)")
+        raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
+                          f"(sigma = {self.noise_multiplier:.4f}, {plan.steps} steps)")
 
     def _calibrate_remaining(self, target: float) -> float:
         """Smallest sigma for the remaining steps whose composition with the history stays within ``target``."""
@@ -280,8 +305,10 @@ class PrivateEngine:
         remaining = plan.steps - sum(s.steps for s in self.history)
         if remaining <= 0:
             return self.history[-1].noise_multiplier
-        if self.mechanism.epsilon_of_segments(list(self.history), plan.delta) >= target:
-            raise ConfigError(f"the checkpoint already spent epsilon >= target {target:g}: nothing left to train with")
+        spent = self.mechanism.epsilon_of_segments(list(self.history), plan.delta)
+        if spent >= target:
+            raise ConfigError(f"the checkpoint already spent epsilon = {spent:.3f} >= privacy.target_epsilon = "
+                              f"{target:g}: nothing left to train with")
 
         def eps(sigma: float) -> float:
             return self.mechanism.epsilon_of_segments(
@@ -310,6 +337,8 @@ class PrivateEngine:
             "sampling": getattr(mechanism, "sampling", "poisson" if hasattr(mechanism, "sample_rate") else "shuffle"),
             "steps_per_epoch": plan.steps_per_epoch if ready else 0, "steps_planned": plan.steps if ready else 0,
             "steps_taken": self.steps_done, "resumed_segments": [list(s) for s in self.history],
+            "resumed_from": self.resumed_from,
+            "resumed_noise": None if self.resumed_from is None else ("replayed" if self._replayed else "fresh"),
             "accountant": getattr(mechanism, "accounting", None) or getattr(mechanism, "accountant", cfg.accountant),
             "adjacency": mechanism.adjacency if ready else None,
             "mechanism": mechanism.name if ready else None,
@@ -335,6 +364,7 @@ class PrivateEngine:
             "max_grad_norm": self.privacy.max_grad_norm, "expected_batch_size": plan.expected_batch_size,
             "num_examples": plan.num_examples, "steps_done": self.steps_done, "planned_steps": plan.steps,
             "history": [list(s) for s in self.history], "mechanism_name": self.mechanism.name,
+            "target_epsilon": self.privacy.target_epsilon if self.privacy.noise_multiplier is None else None,
             "sampling_rate": plan.sampling_rate, "public_rng": self._public_generator.get_state(),
             "states": {name: obj.state_dict() for name, obj in self._named_stateful()
                        if callable(getattr(obj, "state_dict", None))},
@@ -354,11 +384,18 @@ class PrivateEngine:
         """Resume from a checkpoint's public state: refuse (unless ``privacy.force_resume``) a resume whose privacy
         settings differ from the checkpoint's, account the whole history either way, restore the plugins."""
         version = state.get("version")
-        if version not in (2, STATE_VERSION):
+        if version not in (2, 3, STATE_VERSION):
             raise ConfigError("this checkpoint was written by an older dpl whose checkpoints carried secrets; "
                               "it cannot be resumed safely")
+        plan = self._configured_plan()
+        done = int(state["steps_done"])
+        if done >= plan.steps:
+            raise ConfigError(f"nothing left to train: the checkpoint took {done} steps and this run plans {plan.steps} "
+                              "in all (trainer.max_steps / trainer.max_epochs count from the start of the run: raise "
+                              "them to train on)")
         self._check_resume_plan(state, version)
-        self.steps_done = int(state["steps_done"])
+        self.steps_done = done
+        self._check_budget()
         if state.get("public_rng") is not None:
             self._public_generator.set_state(state["public_rng"])
         named = dict(self._named_stateful())
@@ -366,11 +403,18 @@ class PrivateEngine:
             if name in named and callable(getattr(named[name], "load_state_dict", None)):
                 named[name].load_state_dict(sub)
 
-    def load_secret_state_dict(self, secret: dict[str, Any] | None) -> None:
-        """Restore the secret state of a checkpoint (its sidecar), or ``None``: the sidecar is missing, and noise and
-        sampling go on from fresh OS entropy. Applied at :meth:`start`, or at once if the engine has started."""
+    def load_secret_state_dict(self, secret: dict[str, Any] | None, *, replay: bool | None = None) -> None:
+        """Restore the secret state of a checkpoint (its sidecar), or ``None``: the sidecar is missing. Applied at
+        :meth:`start`, or at once if the engine has started.
+
+        The plugins' secrets (ftrl's buffers, its secret order) are always restored. The noise and sampler
+        generators continue the checkpoint's streams only with ``replay`` (default: with ``privacy.seed``, the
+        reproducible-experiment case; DDP ranks adopting rank 0's state pass ``True``); otherwise they stay fresh
+        from OS entropy, so that two continuations of one checkpoint never draw the same noise (whose difference
+        would reveal the clipped sums)."""
         self._secret_to_apply = secret
         self._fresh_secret_on_start = secret is None
+        self._replay_secret = self.privacy.seed is not None if replay is None else replay
         if self.noise_source is not None:
             self._apply_secret_state()
 
@@ -400,8 +444,13 @@ class PrivateEngine:
         if not math.isclose(state["delta"], plan.delta, rel_tol=1e-12):
             changes.append(f"delta {state['delta']:.3g} -> {plan.delta:.3g}")
         same_plan = int(state["planned_steps"]) == plan.steps
-        if cfg.noise_multiplier is None and same_plan:
-            self.noise_multiplier = old_sigma  # same plan, same calibration: keep the exact value
+        old_target = state.get("target_epsilon", cfg.target_epsilon if version < 4 else None)
+        calibrated = cfg.noise_multiplier is None
+        if calibrated and old_target != cfg.target_epsilon:
+            changes.append(f"target epsilon {old_target} -> {cfg.target_epsilon:g}" if old_target is not None else
+                           f"sigma fixed at {old_sigma:.4f} -> target epsilon {cfg.target_epsilon:g}")
+        elif calibrated and same_plan:
+            self.noise_multiplier = old_sigma  # same plan, same target: keep the exact value
         if not math.isclose(old_sigma, self.noise_multiplier, rel_tol=1e-12):
             changes.append(f"sigma {old_sigma:.4f} -> {self.noise_multiplier:.4f}"
                            + ("" if same_plan else f" (plan {state['planned_steps']} -> {plan.steps} steps)"))
@@ -444,16 +493,18 @@ class PrivateEngine:
                 if callable(getattr(obj, "load_secret_state_dict", None)):
                     obj.load_secret_state_dict(None)
             return
-        if secret["noise_rng"] is not None and isinstance(self.noise_source, StatefulSource):
-            try:
-                self.noise_source.set_state(secret["noise_rng"])
-            except (ValueError, RuntimeError) as exc:
-                raise ConfigError("the checkpoint's .secret sidecar holds a noise state this dpl cannot continue "
-                                  "(written by an older dpl, whose noise came from torch's float32 sampler with "
-                                  "tails cut at 5.77 sigma, or on another device): move the sidecar away to resume "
-                                  "with fresh noise, or start a new run") from exc
-        if secret["sampler_rng"] is not None and self._sampler_generator is not None:
-            self._sampler_generator.set_state(secret["sampler_rng"])
+        if self._replay_secret:
+            self._replayed = True
+            if secret["noise_rng"] is not None and isinstance(self.noise_source, StatefulSource):
+                try:
+                    self.noise_source.set_state(secret["noise_rng"])
+                except (ValueError, RuntimeError) as exc:
+                    raise ConfigError("the checkpoint's .secret sidecar holds a noise state this dpl cannot continue "
+                                      "(written by an older dpl, whose noise came from torch's float32 sampler with "
+                                      "tails cut at 5.77 sigma, or on another device): move the sidecar away to "
+                                      "resume with fresh noise, or start a new run") from exc
+            if secret["sampler_rng"] is not None and self._sampler_generator is not None:
+                self._sampler_generator.set_state(secret["sampler_rng"])
         for name, sub in secret["states"].items():
             if name in named and callable(getattr(named[name], "load_secret_state_dict", None)):
                 named[name].load_secret_state_dict(sub)

@@ -215,8 +215,14 @@ def noise_source(key: bytes | None, device: torch.device | str = "cpu") -> State
     if device.type != "cuda":
         return KeyedNormal(key, device)
     gen = torch.Generator(device=device)
-    gen.manual_seed(int.from_bytes((os.urandom(_KEY_BYTES) if key is None else key)[:8], "little") >> 1)
+    gen.manual_seed(philox_seed(key))
     return gen
+
+
+def philox_seed(key: bytes | None) -> int:
+    """The 64-bit seed of a CUDA (Philox) generator from the first 8 bytes of ``key`` (``None``: ``os.urandom``):
+    all 64 bits, as an unsigned integer (``manual_seed`` takes 0 to 2^64 - 1)."""
+    return int.from_bytes((os.urandom(_KEY_BYTES) if key is None else key)[:8], "little")
 
 
 def replay_source(source: StatefulSource, state: Tensor) -> StatefulSource:

@@ -344,7 +344,8 @@ def secure_noise_source() -> SecureNormal:
 
 def sync_run_state(engine: PrivateEngine) -> None:
     """Give every rank rank 0's secret state (noise and sampler generators, plugin secrets) and public per-step
-    generator, loaded through the resume path (:meth:`~dpl.core.engine.PrivateEngine.load_secret_state_dict`).
+    generator, loaded through the resume path (:meth:`~dpl.core.engine.PrivateEngine.load_secret_state_dict`, the
+    generators replayed exactly).
     A no-op in one process.
 
     Called at fit start (after a resume from a checkpoint, whose sidecar every rank read) and after a late
@@ -358,7 +359,7 @@ def sync_run_state(engine: PrivateEngine) -> None:
     secret = _broadcast_object(engine.secret_state_dict() if rank == 0 else None)
     public = _broadcast_object(engine.public_rng_state() if rank == 0 else None)
     if rank != 0:
-        engine.load_secret_state_dict(secret)
+        engine.load_secret_state_dict(secret, replay=True)
         engine.load_public_rng_state(public)
 
 

@@ -294,6 +294,8 @@ class DPModule(L.LightningModule):
         state = checkpoint.get("dpl")
         if state is None or not self.engine.configured:  # validate / test / predict: the weights are all it needs
             return
+        trainer = self._trainer
+        self.engine.resumed_from = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else "checkpoint"
         self.engine.load_state_dict(state)
         self.engine.load_secret_state_dict(checkpoint.pop(ckpt_io.SECRET_KEY, None))
         if self.engine.noise_source is not None:  # on_fit_start already ran (strategies restoring after setup)

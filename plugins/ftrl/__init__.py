@@ -136,7 +136,7 @@ class FTRLPlugin:
         if self.noise == "nu_ftrl" and self.memory == "keep":
             log.info("dpl: ftrl nu_ftrl memory: keep stores every step's noise: %d x d floats", steps)
         self.mechanism = FTRLMechanism(plans[0], n, batch, accountant=setup.accountant, candidates=plans[1:],
-                                       chooser=choose)
+                                       chooser=choose, replay_batches=setup.seed is not None)
         self.stream = None
         return self.mechanism
 

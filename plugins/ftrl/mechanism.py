@@ -161,7 +161,7 @@ class FTRLMechanism:
     adjacency = "zero_out"
 
     def __init__(self, plan: Plan, num_examples: int, batch_size: int, accountant: str = "prv",
-                 candidates: list[Plan] | None = None, chooser: Any = None) -> None:
+                 candidates: list[Plan] | None = None, chooser: Any = None, replay_batches: bool = False) -> None:
         self.plan = plan
         self.num_examples = int(num_examples)
         self.batch_size = int(batch_size)
@@ -171,6 +171,9 @@ class FTRLMechanism:
         self.chooser = chooser
         self.permutation: torch.Tensor | None = None
         self.sampler_states: dict[int, torch.Tensor] = {}
+        # record the sampler generator's state before each step's draw, so that a resume redraws the same batches:
+        # only for a seeded run (privacy.seed), whose resume replays its streams; any other resume draws fresh batches
+        self.replay_batches = replay_batches
 
     # --- the plan -------------------------------------------------------------------------------------
     @property
@@ -231,6 +234,8 @@ class FTRLMechanism:
         return self.permutation
 
     def record_sampler_state(self, step: int, state: torch.Tensor) -> None:
+        if not self.replay_batches:
+            return
         self.sampler_states[step] = state
         for old in [s for s in self.sampler_states if s < step - 4]:
             del self.sampler_states[old]
