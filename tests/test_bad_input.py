@@ -143,3 +143,23 @@ def test_position_limit_of_learned_and_rotary_positions():
     assert position_limit(RobertaModel(RobertaConfig(max_position_embeddings=42, pad_token_id=1, **small))) == 40
     assert position_limit(GPT2Model(GPT2Config(n_positions=40, n_embd=16, n_layer=1, n_head=2, vocab_size=40))) == 40
     assert position_limit(LlamaModel(LlamaConfig(num_key_value_heads=1, **small))) is None
+
+
+def test_a_resume_past_the_budget_or_with_nothing_left_is_one_line(workspace, capsys):
+    """A checkpoint at step 2 of a 4-step run at target epsilon 3, resumed with a lower target and max_epsilon, with
+    a lower max_epsilon alone, and with no step left: each is refused in one line, and no run directory is left."""
+    tmp, model = workspace
+    root = tmp / "runs_resume"
+    config = tmp / "resume.yaml"
+    config.write_text(CONFIG.format(root=root, model=model, data=tmp / "data"))
+    main(["fit", "--config", str(config), "--trainer.max_steps", "4", "--trainer.callbacks+=ModelCheckpoint",
+          "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1"])
+    ckpt = str(next(root.rglob("*step=2.ckpt")))
+    for overrides, pattern in [
+        (("--model.init_args.privacy.target_epsilon", "1.0", "--model.init_args.privacy.max_epsilon", "1.0"),
+         "resuming would change the privacy settings (target epsilon 3.0 -> 1"),
+        (("--model.init_args.privacy.max_epsilon", "2.0"), "> privacy.max_epsilon = 2 (sigma = "),
+        (("--trainer.max_steps", "2"), "nothing left to train: the checkpoint took 2 steps and this run plans 2")]:
+        resumed, resumed_root = _run(workspace, "--trainer.max_steps", "4", "--ckpt_path", ckpt, *overrides,
+                                     capsys=capsys)
+        _assert_one_line_error(resumed, resumed_root, pattern)
