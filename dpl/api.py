@@ -13,12 +13,13 @@ from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_m
                                  epsilon_for, gaussian_mechanism_epsilon)
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
-from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment
+from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment, UserLevelExampleSampling
 from dpl.core.noise import NoiseSource, SecureNormal, normal, normals, normals_like, replay_source
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import Contract
 from dpl.core.sampling import PoissonBatchSampler, poisson_mask
-from dpl.core.step import PADDING_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
+from dpl.core.step import PADDING_KEY, UNITS_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
+from dpl.core.units import unit_sizes
 from dpl.core.update import StreamingDirection, streaming_refusal
 from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarning
 
@@ -27,4 +28,4 @@ __all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource",
            "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "Segment", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
            "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "normal", "normals", "normals_like", "poisson_mask",
-           "replay_source", "streaming_refusal"]
+           "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling", "unit_sizes"]

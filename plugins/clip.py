@@ -1,4 +1,6 @@
-"""Default ``estimate_gradient``: per-example gradients by backpropagation, clipped to norm C, summed."""
+"""Default ``estimate_gradient``: per-example gradients by backpropagation, clipped to norm C, summed. Under
+user-level sampling (``privacy.unit: user``, ``user_sampling: users``) the unit is a user: the mean of its rows'
+gradients is clipped to C as one vector."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ from typing import Any
 
 import torch
 
-from dpl.api import (PADDING_KEY, ConfigError, GradientSum, PerExampleClipper, RunSetup, StepContext, batch_size_of,
-                     hookimpl)
+from dpl.api import (PADDING_KEY, UNITS_KEY, ConfigError, GradientSum, PerExampleClipper, RunSetup, StepContext,
+                     batch_size_of, hookimpl, unit_sizes)
 
 
 class ClipPlugin:
@@ -46,10 +48,16 @@ class ClipPlugin:
         clipper = self._clipper_for(ctx.model)
         batch = dict(batch)
         fillers = batch.pop(PADDING_KEY, None)  # FSDP: zero-weight examples that align the ranks' passes
+        units = batch.pop(UNITS_KEY, None)  # user-level sampling: the user of every row
         size = batch_size_of(batch)
         if size == 0:
             return GradientSum(clipper.zero_sums(), 0)
         with clipper.record(size):
             losses = ctx.per_example_loss(batch)
-        sums, _norms = clipper.clipped_sum(losses, ctx.max_grad_norm, exclude=fillers)
+        if units is not None:  # a user's gradient is the mean of its rows' gradients, clipped as one unit
+            units = units.to(losses.device)
+            losses = losses / unit_sizes(units).to(losses.dtype)
+        sums, norms = clipper.clipped_sum(losses, ctx.max_grad_norm, exclude=fillers, units=units)
+        if units is not None:
+            return GradientSum(sums, int(norms.numel()))
         return GradientSum(sums, size - (int(fillers.sum()) if fillers is not None else 0))

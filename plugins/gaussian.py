@@ -3,8 +3,8 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 
 from __future__ import annotations
 
-from dpl.api import (GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext, hookimpl,
-                     normals_like)
+from dpl.api import (GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext,
+                     UserLevelExampleSampling, hookimpl, normals_like)
 
 
 class GaussianPlugin:
@@ -12,7 +12,9 @@ class GaussianPlugin:
 
     @hookimpl(trylast=True)
     def configure_mechanism(self, setup: RunSetup) -> Mechanism:
-        return PoissonGaussian(setup.sampling_rate, accountant=setup.accountant)
+        if setup.unit == "user" and setup.user_sampling == "rows":
+            return UserLevelExampleSampling(setup.sampling_rate, setup.max_rows_per_user, accountant=setup.accountant)
+        return PoissonGaussian(setup.sampling_rate, accountant=setup.accountant, unit=setup.unit)
 
     @hookimpl(trylast=True)
     def privatize(self, ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient:

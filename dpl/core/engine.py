@@ -1,9 +1,10 @@
 """The private-training engine: one object that runs differentially private training, free of Lightning.
 
 :class:`PrivateEngine` owns everything private about a run: the plugins (their manager), the mechanism (how batches
-are drawn, how privacy is accounted), the noise multiplier and its calibration, the accounting history, the secret
-generators (noise, sampler) and the public one (per-step seeds), the four hook calls of each step, and the split of
-its state into a public part (a checkpoint a user may share) and a secret part (the owner-only sidecar).
+are drawn, how privacy is accounted), its :class:`~dpl.core.ledger.PrivacyLedger` (the plan, sigma, what was spent,
+the budget, the resume check), the privacy unit (rows, or users: :mod:`dpl.core.units`), the secret generators
+(noise, sampler) and the public one (per-step seeds), the four hook calls of each step, and the split of its state
+into a public part (a checkpoint a user may share) and a secret part (the owner-only sidecar).
 
 Its life, whoever drives it (the Lightning adapter :class:`~dpl.lightning.module.DPModule`, ``dpl audit``, a
 study script):
@@ -21,10 +22,8 @@ study script):
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pluggy
@@ -32,35 +31,19 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Sampler
 
-from dpl.core.accounting.calibration import smallest_noise_multiplier
 from dpl.core.gradients import GradientSum
-from dpl.core.mechanism import Mechanism, Segment, apply_adjacency
+from dpl.core.ledger import Plan, PrivacyLedger, make_plan
+from dpl.core.mechanism import Mechanism, apply_adjacency
 from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_key, derive_seed, secure_generator
 from dpl.core.step import RunSetup, StepContext, private_step
+from dpl.core.units import RowsSampler, Users, UserRowsSampler
 from dpl.errors import ConfigError, PrivacyWarning
 
 log = logging.getLogger("dpl")
-
-#: version of the engine's public checkpoint state; 2 stored the history as (sigma, steps, rate) triples, 3 had no
-#: target epsilon
-STATE_VERSION = 4
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a run is set up for: the data size, the expected batch, the sampling rate, the steps and delta."""
-
-    num_examples: int
-    expected_batch_size: int
-    sampling_rate: float
-    steps: int
-    steps_per_epoch: int
-    delta: float
-
 
 def model_is_per_example(model: nn.Module) -> None:
     """Refuse layers whose output for one example depends on the other examples of the batch."""
@@ -93,11 +76,10 @@ class PrivateEngine:
         self.seed_namespace = seed_namespace
         self.plugin_options = {name: options_as_dict(opts) for name, opts in (plugins or {}).items()}
         self.plugin_manager = plugin_manager if plugin_manager is not None else create_plugin_manager(plugins)
-        self.plan: Plan | None = None
         self.mechanism: Mechanism | None = None
-        self.noise_multiplier: float | None = None
-        self.history: list[Segment] = []  # earlier parts of a run resumed with changed settings
-        self.steps_done = 0
+        self.ledger: PrivacyLedger | None = None
+        self.users: Users | None = None  # privacy.unit: user
+        self._bounded_rows: list[int] | None = None  # user_sampling: rows (each user bounded to k rows)
         self.noise_source: NoiseSource | None = None
         self._sampler_generator: torch.Generator | None = None
         self._public_generator: torch.Generator | None = None
@@ -115,76 +97,106 @@ class PrivateEngine:
 
     def setup(self, model: nn.Module, *, num_examples: int, steps: int, trainable: Mapping[str, Tensor] | None = None,
               sampling_rate: float | None = None, optimizer_factory: Any = None, world_size: int = 1,
-              sharded: bool = False) -> None:
+              sharded: bool = False, users: Users | None = None) -> None:
         """Validate the run with every plugin, configure the mechanism and calibrate sigma for ``steps`` steps over
-        ``num_examples`` examples (``sampling_rate``: default ``batch_size / num_examples``). Once per engine."""
+        ``num_examples`` training rows (``sampling_rate``: default ``batch_size / N``); ``users`` (the rows of each
+        user) is required with ``privacy.unit: user``, where N counts users (user-level sampling) or the rows left
+        after bounding each user to k (example-level sampling). Once per engine."""
         if self.configured:
             raise RuntimeError("PrivateEngine.setup runs once; build a new engine for another run")
         cfg = self.privacy
-        if cfg.batch_size > num_examples:
-            raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
-                              f"({num_examples} examples)")
-        if steps < 1:
-            raise ConfigError("the plan has no training step")
         trainable = dict(trainable) if trainable is not None else {
             n: p for n, p in model.named_parameters() if p.requires_grad}
         if not trainable:
             raise ConfigError("the model has no trainable parameter")
         model_is_per_example(model)
-        plan = Plan(num_examples=num_examples, expected_batch_size=cfg.batch_size,
-                    sampling_rate=sampling_rate if sampling_rate is not None else cfg.batch_size / num_examples,
-                    steps=steps, steps_per_epoch=max(1, num_examples // cfg.batch_size),
-                    delta=cfg.delta_for(num_examples))
-        if plan.delta * num_examples > 0.1:
-            warnings.warn(f"delta = {plan.delta:.3g} gives N * delta = {plan.delta * num_examples:.2f} for N = "
-                          f"{num_examples}: the guarantee may fail outright with probability delta, and N * delta "
-                          "should be small (default: delta = 0.1 / N)", PrivacyWarning, stacklevel=2)
+        self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
+        self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
+        population, units = num_examples, num_examples
+        if cfg.unit == "user":
+            if users is None:
+                raise ConfigError("privacy.unit: user needs the user of every training row: set data.user_column")
+            if users.num_rows != num_examples:
+                raise ConfigError(f"the user column names {users.num_rows} rows, the training set has {num_examples}")
+            self.users, units = users, users.num_users
+            population = users.sampled(cfg.user_sampling)
+            if cfg.user_sampling == "rows":
+                self._bounded_rows = users.bounded_rows(self._sampler_generator)
+            log.info("dpl: privacy unit: user (%s sampling): %s", cfg.user_sampling, users.describe())
+        plan = make_plan(cfg, population=population, steps=steps, num_rows=num_examples, num_units=units,
+                         sampling_rate=sampling_rate)
         replaced = replaced_hooks(self.plugin_manager)
         if "privatize" in replaced and "configure_mechanism" not in replaced:
             raise ConfigError("a plugin replaces privatize without configure_mechanism: the default accounting "
                               "would not match its noise")
-        check_contracts(self.plugin_manager, sharded=sharded)
+        uls = cfg.unit == "user" and cfg.user_sampling == "users"
+        check_contracts(self.plugin_manager, sharded=sharded, user_units=uls)
         hook = self.plugin_manager.hook
         setup = RunSetup(model=model, trainable=trainable, plugin_names=active_plugin_names(self.plugin_manager),
-                         num_examples=num_examples, expected_batch_size=cfg.batch_size, steps=steps,
+                         num_examples=population, expected_batch_size=cfg.batch_size, steps=steps,
                          sampling_rate=plan.sampling_rate, accountant=cfg.accountant,
                          optimizer_name=getattr(optimizer_factory, "__name__", type(optimizer_factory).__name__),
                          replaced_hooks=replaced, seed=cfg.seed, world_size=world_size,
-                         optimizer_factory=optimizer_factory, secure_noise=cfg.secure_noise, sharded=sharded)
+                         optimizer_factory=optimizer_factory, secure_noise=cfg.secure_noise, sharded=sharded,
+                         unit=cfg.unit, user_sampling=cfg.user_sampling if cfg.unit == "user" else None,
+                         max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None)
         hook.validate_setup(setup=setup)
         mechanism = hook.configure_mechanism(setup=setup)
         if mechanism is None:
             raise ConfigError("no plugin configured a privacy mechanism")
+        if mechanism.unit != cfg.unit:
+            raise ConfigError(f"mechanism {mechanism.name} accounts per {mechanism.unit}, privacy.unit is {cfg.unit}: "
+                              "its plugin does not support this privacy unit")
         apply_adjacency(mechanism, cfg.adjacency)  # before calibration: the adjacency sets the sensitivity
-        self.plan, self.mechanism = plan, mechanism
-        if cfg.noise_multiplier is not None:
-            self.noise_multiplier = float(cfg.noise_multiplier)
-        else:
-            self.noise_multiplier = float(mechanism.calibrate(cfg.target_epsilon, plan.delta, steps))
-        self._check_budget()
+        self.mechanism = mechanism
+        self.ledger = PrivacyLedger(cfg, plan, mechanism)
         if cfg.seed is not None:
             warnings.warn("privacy.seed is set: noise and batches are reproducible, and so predictable by anyone "
                           "who knows the seed. Use it for experiments, never in production.", PrivacyWarning,
                           stacklevel=2)
-        self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
-        self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
+
+    # --- what the ledger holds ----------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        return self.ledger.plan if self.ledger is not None else None
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        return self.ledger.noise_multiplier if self.ledger is not None else None
+
+    @property
+    def steps_done(self) -> int:
+        return self.ledger.steps_done if self.ledger is not None else 0
+
+    @property
+    def history(self) -> list:
+        return self.ledger.history if self.ledger is not None else []
 
     @property
     def sampling_rate(self) -> float:
-        """The rate at which an example is sampled in a step it can be sampled in: the mechanism's own where it has
-        one (amplified banded samples one partition per step at B b / N), else B / N."""
-        return float(getattr(self.mechanism, "sample_rate", self._configured_plan().sampling_rate))
+        """The rate at which a unit is sampled in a step it can be sampled in (the mechanism's, declared: amplified
+        banded samples one partition per step at B b / N)."""
+        return float(self.mechanism.sample_rate)
 
     def _configured_plan(self) -> Plan:
-        if self.plan is None:
-            raise RuntimeError("the engine is not set up (PrivateEngine.setup)")
-        return self.plan
+        return self._configured_ledger().plan
 
     def batch_sampler(self) -> Sampler:
         """The training batch sampler the mechanism's privacy analysis assumes, continuing at the current step."""
         plan = self._configured_plan()
-        return self.mechanism.batch_sampler(plan.num_examples, plan.steps_per_epoch, self._sampler_generator,
-                                            start_step=self.steps_done)
+        sampler = self.mechanism.batch_sampler(plan.num_examples, plan.steps_per_epoch, self._sampler_generator,
+                                               start_step=self.steps_done)
+        if self._bounded_rows is not None:  # example-level sampling: positions in the bounded rows
+            return RowsSampler(sampler, self._bounded_rows)
+        if self.users is not None:  # user-level sampling: each sampled user's rows (at most k, secretly chosen)
+            return UserRowsSampler(sampler, self.users, self._sampler_generator)
+        return sampler
+
+    def unit_of_row(self) -> list[int] | None:
+        """Under user-level sampling, the user of every training row (the batches' ``dpl_units``); else None."""
+        if self.users is None or self._bounded_rows is not None:
+            return None
+        return self.users.unit_of_row()
 
     def batches(self) -> Iterator[list[int]]:
         """The index lists of the remaining planned steps, epoch after epoch of :meth:`batch_sampler` (for drivers
@@ -243,7 +255,7 @@ class PrivateEngine:
                                 optimizer=optimizer, log_metric=log_metric)
         direction = private_step(self.plugin_manager.hook, ctx, batch, self.privacy.physical_batch_size,
                                  reduce_sum=reduce_sum, mechanism=self.mechanism.name)
-        self.steps_done += 1
+        self.ledger.steps_done += 1
         return direction
 
     def step_context(self, *, model: nn.Module, trainable: Mapping[str, Tensor],
@@ -258,94 +270,48 @@ class PrivateEngine:
                            noise_generator=self.noise_source, log=log_metric or _ignore, public_seed=public_seed,
                            optimizer=optimizer)
 
-    # --- accounting ---------------------------------------------------------------------------------------
+    # --- accounting (the ledger) ----------------------------------------------------------------------------
     def epsilon(self, steps: int | None = None, delta: float | None = None) -> float:
         """Epsilon spent after ``steps`` steps in total (default: the steps done), earlier parts included, at
         ``delta`` (default: the run's)."""
-        steps = self.steps_done if steps is None else steps
-        plan = self._configured_plan()
-        delta = plan.delta if delta is None else float(delta)
-        if self.noise_multiplier == 0 and steps > 0:
-            return math.inf
-        if not self.history:
-            return self.mechanism.epsilon(self.noise_multiplier, delta, steps) if steps > 0 else 0.0
-        done_before = sum(s.steps for s in self.history)
-        current = Segment(self.noise_multiplier, plan.sampling_rate, max(0, steps - done_before))
-        return self.mechanism.epsilon_of_segments([*self.history, current], delta)
+        return self._configured_ledger().epsilon(steps, delta)
 
     def final_epsilon(self) -> float:
         """Epsilon after the planned steps."""
-        return self.epsilon(self._configured_plan().steps)
+        return self._configured_ledger().final_epsilon()
 
     def would_exceed_budget(self) -> bool:
-        """Whether the next step would spend more than the budget: the accountant's epsilon after the steps done
-        and this one (from the mechanism's precomputed schedule: no accountant evaluation on the hot path)."""
-        budget = self.privacy.budget
-        return budget is not None and self.epsilon(self.steps_done + 1) > budget * (1 + 1e-9)
+        """Whether the next step would spend more than the budget (checked against the accountant every step)."""
+        return self._configured_ledger().would_exceed_budget()
 
-    def _check_budget(self) -> None:
-        """Refuse, in one line, a plan (after a resume: the rest of it, with the sigma that will train) that would
-        end above the budget."""
-        budget = self.privacy.budget
-        if budget is None:  # sigma = 0 spends epsilon = inf: refused below
-            return
-        plan, planned = self._configured_plan(), self.final_epsilon()
-        if planned <= budget * (1 + 1e-9):
-            return
-        if self.steps_done:
-            raise ConfigError(f"resuming would end at epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
-                              f"(epsilon = {self.epsilon():.3f} already spent in {self.steps_done} steps, sigma = "
-                              f"{self.noise_multiplier:.4f} for the {plan.steps - self.steps_done} steps left)")
-        raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
-                          f"(sigma = {self.noise_multiplier:.4f}, {plan.steps} steps)")
-
-    def _calibrate_remaining(self, target: float) -> float:
-        """Smallest sigma for the remaining steps whose composition with the history stays within ``target``."""
-        plan = self._configured_plan()
-        remaining = plan.steps - sum(s.steps for s in self.history)
-        if remaining <= 0:
-            return self.history[-1].noise_multiplier
-        spent = self.mechanism.epsilon_of_segments(list(self.history), plan.delta)
-        if spent >= target:
-            raise ConfigError(f"the checkpoint already spent epsilon = {spent:.3f} >= privacy.target_epsilon = "
-                              f"{target:g}: nothing left to train with")
-
-        def eps(sigma: float) -> float:
-            return self.mechanism.epsilon_of_segments(
-                [*self.history, Segment(sigma, plan.sampling_rate, remaining)], plan.delta)
-
-        try:
-            return smallest_noise_multiplier(eps, target, guess=self.noise_multiplier or 1.0)
-        except ValueError as exc:
-            raise ConfigError(f"cannot calibrate sigma for the remaining steps ({exc})") from None
+    def _configured_ledger(self) -> PrivacyLedger:
+        if self.ledger is None:
+            raise RuntimeError("the engine is not set up (PrivateEngine.setup)")
+        return self.ledger
 
     def summary(self, deltas: tuple[float, ...] = ()) -> dict[str, Any]:
-        """The run's privacy as plain values, nothing secret (for the privacy report and logs): epsilon spent at the
-        run's delta (and at each of ``deltas``), sigma, C, the batch and sampling, the steps planned and taken,
-        the accountant, the adjacency, the mechanism, the plugins with their options, the data size."""
+        """The run's privacy as plain values, nothing secret (for the privacy report and logs): the ledger's
+        accounting (epsilon spent at the run's delta and at each of ``deltas``, sigma, C, the plan, the unit, the
+        mechanism's sampling and accounting), the users, the plugins with their options, the resume."""
         from dpl import __version__
 
-        cfg, plan, mechanism = self.privacy, self.plan, self.mechanism
-        ready = self.configured
+        cfg = self.privacy
+        accounting = self.ledger.summary(deltas) if self.ledger is not None else {
+            "epsilon": None, "epsilon_planned": None, "epsilon_at_delta": {}, "delta": None,
+            "noise_multiplier": None, "max_grad_norm": cfg.max_grad_norm, "batch_size": cfg.batch_size,
+            "sampling_rate": None, "sampling": None, "steps_per_epoch": 0, "steps_planned": 0, "steps_taken": 0,
+            "resumed_segments": [], "accountant": cfg.accountant, "adjacency": None, "mechanism": None,
+            "unit": cfg.unit, "num_examples": 0, "num_units": 0, "target_epsilon": cfg.target_epsilon,
+            "max_epsilon": cfg.budget}
+        users = None
+        if self.users is not None:
+            users = {**self.users.summary(), "sampling": cfg.user_sampling}
         return {
-            "epsilon": self.epsilon() if ready else None,
-            "epsilon_planned": self.final_epsilon() if ready else None,
-            "epsilon_at_delta": {float(d): self.epsilon(delta=d) for d in deltas} if ready else {},
-            "delta": plan.delta if ready else None, "noise_multiplier": self.noise_multiplier,
-            "max_grad_norm": cfg.max_grad_norm, "batch_size": cfg.batch_size,
-            "sampling_rate": self.sampling_rate if ready else None,
-            "sampling": getattr(mechanism, "sampling", "poisson" if hasattr(mechanism, "sample_rate") else "shuffle"),
-            "steps_per_epoch": plan.steps_per_epoch if ready else 0, "steps_planned": plan.steps if ready else 0,
-            "steps_taken": self.steps_done, "resumed_segments": [list(s) for s in self.history],
+            **accounting, "users": users,
+            "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
             "resumed_from": self.resumed_from,
             "resumed_noise": None if self.resumed_from is None else ("replayed" if self._replayed else "fresh"),
-            "accountant": getattr(mechanism, "accounting", None) or getattr(mechanism, "accountant", cfg.accountant),
-            "adjacency": mechanism.adjacency if ready else None,
-            "mechanism": mechanism.name if ready else None,
-            "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
-            "num_examples": plan.num_examples if ready else 0, "target_epsilon": cfg.target_epsilon,
-            "max_epsilon": cfg.budget, "secure_noise": cfg.secure_noise, "seeded": cfg.seed is not None,
-            "dpl_version": __version__,
+            "secure_noise": cfg.secure_noise, "seeded": cfg.seed is not None, "dpl_version": __version__,
         }
 
     # --- state --------------------------------------------------------------------------------------------
@@ -358,14 +324,8 @@ class PrivateEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Public state: what a checkpoint a user may share holds (no generator state but the public one)."""
-        plan = self._configured_plan()
         return {
-            "version": STATE_VERSION, "noise_multiplier": self.noise_multiplier, "delta": plan.delta,
-            "max_grad_norm": self.privacy.max_grad_norm, "expected_batch_size": plan.expected_batch_size,
-            "num_examples": plan.num_examples, "steps_done": self.steps_done, "planned_steps": plan.steps,
-            "history": [list(s) for s in self.history], "mechanism_name": self.mechanism.name,
-            "target_epsilon": self.privacy.target_epsilon if self.privacy.noise_multiplier is None else None,
-            "sampling_rate": plan.sampling_rate, "public_rng": self._public_generator.get_state(),
+            **self._configured_ledger().state_dict(), "public_rng": self._public_generator.get_state(),
             "states": {name: obj.state_dict() for name, obj in self._named_stateful()
                        if callable(getattr(obj, "state_dict", None))},
         }
@@ -381,21 +341,9 @@ class PrivateEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from a checkpoint's public state: refuse (unless ``privacy.force_resume``) a resume whose privacy
-        settings differ from the checkpoint's, account the whole history either way, restore the plugins."""
-        version = state.get("version")
-        if version not in (2, 3, STATE_VERSION):
-            raise ConfigError("this checkpoint was written by an older dpl whose checkpoints carried secrets; "
-                              "it cannot be resumed safely")
-        plan = self._configured_plan()
-        done = int(state["steps_done"])
-        if done >= plan.steps:
-            raise ConfigError(f"nothing left to train: the checkpoint took {done} steps and this run plans {plan.steps} "
-                              "in all (trainer.max_steps / trainer.max_epochs count from the start of the run: raise "
-                              "them to train on)")
-        self._check_resume_plan(state, version)
-        self.steps_done = done
-        self._check_budget()
+        """Resume from a checkpoint's public state: the ledger checks the plan and the budget (refusing changed
+        privacy settings unless ``privacy.force_resume``), then the plugins' states are restored."""
+        self._configured_ledger().load_state_dict(state)
         if state.get("public_rng") is not None:
             self._public_generator.set_state(state["public_rng"])
         named = dict(self._named_stateful())
@@ -428,53 +376,6 @@ class PrivateEngine:
         """The states of the generators (noise, sampler, public) that every process must share (for checks)."""
         return [g.get_state() for g in (self.noise_source, self._sampler_generator, self._public_generator)
                 if isinstance(g, StatefulSource)]
-
-    def _check_resume_plan(self, state: dict[str, Any], version: int) -> None:
-        cfg, plan = self.privacy, self._configured_plan()
-        old_sigma = float(state["noise_multiplier"])
-        done = int(state["steps_done"])
-        changes = []
-        if state["mechanism_name"] != self.mechanism.name:
-            changes.append(f"mechanism {state['mechanism_name']} -> {self.mechanism.name}")
-        if state["max_grad_norm"] != cfg.max_grad_norm:
-            changes.append(f"C {state['max_grad_norm']:g} -> {cfg.max_grad_norm:g}")
-        if state["expected_batch_size"] != cfg.batch_size or state["num_examples"] != plan.num_examples:
-            changes.append(f"q = {state['expected_batch_size']}/{state['num_examples']} -> "
-                           f"{cfg.batch_size}/{plan.num_examples}")
-        if not math.isclose(state["delta"], plan.delta, rel_tol=1e-12):
-            changes.append(f"delta {state['delta']:.3g} -> {plan.delta:.3g}")
-        same_plan = int(state["planned_steps"]) == plan.steps
-        old_target = state.get("target_epsilon", cfg.target_epsilon if version < 4 else None)
-        calibrated = cfg.noise_multiplier is None
-        if calibrated and old_target != cfg.target_epsilon:
-            changes.append(f"target epsilon {old_target} -> {cfg.target_epsilon:g}" if old_target is not None else
-                           f"sigma fixed at {old_sigma:.4f} -> target epsilon {cfg.target_epsilon:g}")
-        elif calibrated and same_plan:
-            self.noise_multiplier = old_sigma  # same plan, same target: keep the exact value
-        if not math.isclose(old_sigma, self.noise_multiplier, rel_tol=1e-12):
-            changes.append(f"sigma {old_sigma:.4f} -> {self.noise_multiplier:.4f}"
-                           + ("" if same_plan else f" (plan {state['planned_steps']} -> {plan.steps} steps)"))
-        stored = state.get("history", [])
-        history = [Segment(float(h[0]), float(h[2]), int(h[1])) if version == 2 else Segment(float(h[0]), float(h[1]),
-                                                                                               int(h[2]))
-                   for h in stored]
-        history.append(Segment(old_sigma, float(state["sampling_rate"]), done - sum(s.steps for s in history)))
-        if changes and not cfg.force_resume:
-            raise ConfigError("resuming would change the privacy settings (" + "; ".join(changes) + "); set "
-                              "privacy.force_resume=true to resume anyway (epsilon is then composed over both parts)")
-        if state["mechanism_name"] != self.mechanism.name:
-            raise ConfigError("a resume cannot change the privacy mechanism: there is no accounting for the "
-                              "composition; start a new run")
-        history = [s for s in history if s.steps > 0]
-        if changes:
-            self.history = history
-            if cfg.noise_multiplier is None:  # recalibrate sigma for what is left of the budget
-                self.noise_multiplier = self._calibrate_remaining(cfg.target_epsilon)
-            log.warning("dpl: resuming with changed privacy settings (%s); epsilon is composed over both parts: "
-                        "%.3f after %d steps, %.3f planned", "; ".join(changes), self.epsilon(done), done,
-                        self.final_epsilon())
-        else:
-            self.history = history[:-1]  # unchanged settings: the last segment continues
 
     def _apply_secret_state(self) -> None:
         """Restore generators and plugin secrets from a sidecar, or start fresh from OS entropy without one."""

@@ -29,12 +29,26 @@ data set's size is public); ``replace_one``: one example replaced by another."""
 
 @runtime_checkable
 class Mechanism(Protocol):
-    """What dpl needs from a mechanism. ``steps`` counts logical batches. ``adjacency``: the neighbouring relation
-    of its guarantee (set by :func:`apply_adjacency`); ``adjacencies``: those it can give."""
+    """What dpl needs from a mechanism, declared (the engine reads these attributes, it guesses none). ``steps``
+    counts logical batches.
+
+    Attributes:
+        name: the name its releases carry (``PrivateGradient.mechanism``).
+        adjacency: the neighbouring relation of its guarantee (set by :func:`apply_adjacency`); ``adjacencies``:
+            those it can give.
+        unit: what the guarantee protects: ``example`` (one row) or ``user`` (all the rows of one user).
+        sampling: how batches are drawn (``poisson``, ``shuffle``, ``cyclic_poisson``): the report states it.
+        sample_rate: the rate at which a unit is sampled in a step it can be sampled in.
+        accounting: how epsilon is computed (the report states it).
+    """
 
     name: str
     adjacency: str
     adjacencies: tuple[str, ...]
+    unit: str
+    sampling: str
+    sample_rate: float
+    accounting: str
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
@@ -60,18 +74,26 @@ class Mechanism(Protocol):
 
 
 class PoissonGaussian:
-    """Poisson-subsampled Gaussian mechanism (DP-SGD, DPZero): rate ``sample_rate``, PRV accounting."""
+    """Poisson-subsampled Gaussian mechanism (DP-SGD, DPZero): rate ``sample_rate``, PRV accounting. With
+    ``unit="user"`` it samples users (user-level sampling: each sampled user's clipped mean gradient is one unit of
+    sensitivity C), accounted exactly as DP-SGD over users."""
 
     name = "gaussian"
     adjacency = "add_remove"
     # zero-out follows from add/remove here: the released sum with an example zeroed out has the distribution of the
     # sum without it (the divisor is the public expected batch size)
     adjacencies = ("add_remove", "zero_out")
+    sampling = "poisson"
 
-    def __init__(self, sample_rate: float, accountant: str = "prv") -> None:
+    def __init__(self, sample_rate: float, accountant: str = "prv", unit: str = "example") -> None:
         self.sample_rate = sample_rate
         self.accountant = accountant
+        self.unit = unit
         self._schedules: dict[tuple, Any] = {}  # epsilon schedules by mechanism settings
+
+    @property
+    def accounting(self) -> str:
+        return self.accountant
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
@@ -124,13 +146,63 @@ class PoissonGaussian:
         return accountant.epsilon(delta)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sample_rate": self.sample_rate, "accountant": self.accountant, "adjacency": self.adjacency}
+        return {"sample_rate": self.sample_rate, "accountant": self.accountant, "adjacency": self.adjacency,
+                "unit": self.unit}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("adjacency", self.adjacency) != self.adjacency:
             raise ConfigError(f"the checkpoint's guarantee is for adjacency {state['adjacency']}, this run's for "
                               f"{self.adjacency}: a resume cannot change it")
+        if state.get("unit", "example") != self.unit:
+            raise ConfigError(f"the checkpoint's guarantee is per {state.get('unit', 'example')}, this run's per "
+                              f"{self.unit}: a resume cannot change the privacy unit")
         self.accountant = state.get("accountant", self.accountant)
+
+
+class UserLevelExampleSampling(PoissonGaussian):
+    """Example-level sampling with a user-level accountant (ELS; Charles et al., "Fine-tuning large language models
+    with user-level differential privacy", SaTML 2025): every user bounded to ``max_rows`` (k) rows, rows
+    Poisson-sampled at ``sample_rate`` and clipped one by one, noise sigma C. For one user the number of its rows in a
+    batch is Binomial(k, q), so a step compares a mixture of Gaussians with N(0, sigma^2) (in units of C):
+    :func:`dpl.core.accounting.els_epsilon` composes it with the PRV accountant."""
+
+    def __init__(self, sample_rate: float, max_rows: int, accountant: str = "prv") -> None:
+        super().__init__(sample_rate, accountant, unit="user")
+        self.max_rows = int(max_rows)
+
+    @property
+    def accounting(self) -> str:
+        return f"prv (mixture of Gaussians: Binomial({self.max_rows}, q) rows of a user per step)"
+
+    def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
+        from dpl.core.accounting import els_calibrate
+
+        return els_calibrate(target_epsilon, delta, self.sample_rate, self.max_rows, steps)
+
+    def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
+        from dpl.core.accounting import els_epsilon
+
+        rate, k = self.sample_rate, self.max_rows
+        return self._schedule(("els", float(noise_multiplier), float(delta), k), lambda n: els_epsilon(
+            noise_multiplier, rate, k, n, delta))(steps)
+
+    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
+        plain = [s for s in segments if int(s.steps) > 0]
+        if len({(float(s.noise_multiplier), float(s.sample_rate)) for s in plain}) > 1:
+            raise ConfigError("user_sampling: rows has no accounting for a resume with changed settings (sigma or "
+                              "the sampling rate): resume with the checkpoint's settings or start a new run")
+        if not plain:
+            return 0.0
+        return self.epsilon(plain[0].noise_multiplier, delta, sum(int(s.steps) for s in plain))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "max_rows": self.max_rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if state.get("max_rows") != self.max_rows:
+            raise ConfigError(f"the checkpoint bounded users to {state.get('max_rows')} rows, this run to "
+                              f"{self.max_rows}: a resume cannot change privacy.max_rows_per_user")
 
 
 def apply_adjacency(mechanism: Mechanism, requested: str | None) -> str:

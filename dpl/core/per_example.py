@@ -198,33 +198,42 @@ class PerExampleClipper:
                 for rec in self.records for local, p in rec.params.items()
                 for full in [rec.full_names[local]]}
 
-    def clipped_sum(self, losses: Tensor, max_norm: float,
-                    exclude: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
+    def clipped_sum(self, losses: Tensor, max_norm: float, exclude: Tensor | None = None,
+                    units: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
         """Clip each example's gradient of ``losses[i]`` to ``max_norm`` and sum over the batch; examples flagged
-        in ``exclude`` (bool per example: FSDP's fillers) contribute exactly zero."""
+        in ``exclude`` (bool per example: FSDP's fillers) contribute exactly zero.
+
+        ``units`` (the privacy unit of every example, the examples of a unit contiguous): the gradient of each unit
+        (the sum of its examples' gradients of ``losses``) is clipped as one, and ``norms`` are per unit. Linear and
+        embedding layers treat a unit as one example whose tokens are all its rows' tokens (the ghost-norm and
+        direct paths as for one example); the others sum their per-example gradients by unit."""
         if losses.dim() != 1 or losses.shape[0] != self._batch_size:
             raise ValueError(f"expected per-example losses of shape ({self._batch_size},), got {tuple(losses.shape)}")
         # Under mixed precision (bf16-mixed) autocast would run the norms' and sums' products in bfloat16, with
         # separate roundings for the norm and for the summed gradient: an example could then add more than
         # max_norm. Both are computed in float32 from the recorded activations and output gradients.
         with torch.autocast(device_type=losses.device.type, enabled=False):
-            return self._clipped_sum(losses, max_norm, exclude)
+            return self._clipped_sum(losses, max_norm, exclude, units)
 
-    def _clipped_sum(self, losses: Tensor, max_norm: float,
-                     exclude: Tensor | None) -> tuple[dict[str, Tensor], Tensor]:
+    def _clipped_sum(self, losses: Tensor, max_norm: float, exclude: Tensor | None,
+                     units: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
         active = [rec for rec in self.records if rec.outputs]
         outputs = [out for rec in active for out in rec.outputs]
         grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []
         it = iter(grads)
         grads_per_rec = [[g if g is not None else torch.zeros_like(o) for g, o in zip(
             [next(it) for _ in rec.outputs], rec.outputs)] for rec in active]
-        sq_norms = torch.zeros(self._batch_size, dtype=torch.float32, device=losses.device)
+        grouping = None if units is None else _Grouping(units.to(losses.device))
+        count = self._batch_size if grouping is None else grouping.count
+        sq_norms = torch.zeros(count, dtype=torch.float32, device=losses.device)
         prepared = []
         grams: dict[tuple, Tensor] = {}  # Gram matrices of layer inputs shared by several layers (Q, K, V)
         for rec, gs in zip(active, grads_per_rec):
-            state = _PREPARE[rec.kind](rec, gs, grams)
+            state = _prepare(rec, gs, grams, grouping)
             sq_norms += state.sq_norms
             prepared.append((rec, state))
+        if grouping is not None and exclude is not None:
+            exclude = grouping.all_rows(exclude.to(device=losses.device, dtype=torch.bool))
         norms = sq_norms.sqrt()
         if math.isinf(max_norm):
             factors = torch.ones_like(norms)
@@ -367,7 +376,7 @@ def _prepare_embedding(rec: _Record, grads: list[Tensor], grams: dict[tuple, Ten
     return _Prepared(sq, weighted_sum)
 
 
-def _prepare_layer_norm(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
+def _layer_norm_per_example(rec: _Record, grads: list[Tensor]) -> dict[str, Tensor]:
     module: nn.LayerNorm = rec.module
     per_example: dict[str, Tensor] = {}
     for x, g in zip(rec.inputs, grads):
@@ -384,7 +393,7 @@ def _prepare_layer_norm(rec: _Record, grads: list[Tensor], grams: dict[tuple, Te
             parts["bias"] = g.sum(batch_dims) if batch_dims else g
         for name, t in parts.items():
             per_example[name] = per_example[name] + t if name in per_example else t
-    return _per_example_prepared(per_example)
+    return per_example
 
 
 def _per_example_prepared(per_example: dict[str, Tensor]) -> _Prepared:
@@ -397,14 +406,14 @@ def _per_example_prepared(per_example: dict[str, Tensor]) -> _Prepared:
     return _Prepared(sq, weighted_sum)
 
 
-def _prepare_rms_norm(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
+def _rms_norm_per_example(rec: _Record, grads: list[Tensor]) -> dict[str, Tensor]:
     """RMSNorm weight: per example, sum over positions of g * x / rms(x) (no parameter value needed)."""
     per_example = None
     for x, g in zip(rec.inputs, grads):
         t = g.float() * _rms_normed(rec.module, x)
         t = t.reshape(t.shape[0], -1, t.shape[-1]).sum(1)
         per_example = t if per_example is None else per_example + t
-    return _per_example_prepared({"weight": per_example})
+    return {"weight": per_example}
 
 
 def _generic_per_example(module: nn.Module, params: dict[str, Tensor], inputs: list[Tensor],
@@ -426,10 +435,62 @@ def _generic_per_example(module: nn.Module, params: dict[str, Tensor], inputs: l
     return per_example
 
 
-def _prepare_generic(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor]) -> _Prepared:
+def _generic(rec: _Record, grads: list[Tensor]) -> dict[str, Tensor]:
     params = {n: p.detach() for n, p in rec.params.items()}
-    return _per_example_prepared(_generic_per_example(rec.module, params, rec.inputs, grads))
+    return _generic_per_example(rec.module, params, rec.inputs, grads)
 
 
-_PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding, "layer_norm": _prepare_layer_norm,
-            "rms_norm": _prepare_rms_norm, "generic": _prepare_generic}
+#: kinds whose per-token contributions add up (a unit is one example made of all its rows' tokens)
+_PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding}
+#: kinds computed as materialised per-example gradients (a unit's is the sum of its rows')
+_PER_EXAMPLE = {"layer_norm": _layer_norm_per_example, "rms_norm": _rms_norm_per_example, "generic": _generic}
+
+
+def _prepare(rec: _Record, grads: list[Tensor], grams: dict[tuple, Tensor], grouping: _Grouping | None) -> _Prepared:
+    """Norms and the weighted sum of one module's parameters, per example or (``grouping``) per unit."""
+    if rec.kind in _PER_EXAMPLE:
+        per_example = _PER_EXAMPLE[rec.kind](rec, grads)
+        if grouping is not None:
+            per_example = {n: grouping.sum(t) for n, t in per_example.items()}
+        return _per_example_prepared(per_example)
+    if grouping is not None:
+        rec = _Record(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs])
+        grads = [grouping.tokens(g) for g in grads]
+    return _PREPARE[rec.kind](rec, grads, grams)
+
+
+class _Grouping:
+    """The units of a batch (``units``: unit id per example, a unit's examples contiguous): per-unit sums of
+    per-example tensors, and per-unit token sequences made of all the unit's examples' tokens."""
+
+    def __init__(self, units: Tensor) -> None:
+        _, self.inverse, counts = torch.unique_consecutive(units, return_inverse=True, return_counts=True)
+        self.count, self.rows = int(counts.numel()), int(units.numel())
+        if self.count != int(torch.unique(units).numel()):
+            raise ValueError("the rows of a privacy unit must be contiguous in the batch")
+        widest = int(counts.max()) if self.count else 0
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(widest, device=units.device)
+        index = starts[:, None] + slot[None, :]  # (units, widest): rows of each unit, then padding (= rows)
+        self.index = torch.where(slot[None, :] < counts[:, None], index, torch.full_like(index, self.rows))
+        self._tokens: dict[tuple, Tensor] = {}
+
+    def sum(self, t: Tensor) -> Tensor:
+        """(examples, ...) -> (units, ...): the sum over each unit's examples."""
+        out = torch.zeros((self.count, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return out.index_add_(0, self.inverse.to(t.device), t)
+
+    def all_rows(self, flags: Tensor) -> Tensor:
+        """Per unit: whether every example of it is flagged."""
+        return self.sum((~flags).to(torch.int64)) == 0
+
+    def tokens(self, t: Tensor) -> Tensor:
+        """(examples, [positions,] ...) -> (units, widest * positions, ...): each unit's examples concatenated
+        along the positions, padded with zeros (which add nothing to a gradient); computed once per tensor."""
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if key not in self._tokens:
+            x = t.unsqueeze(1) if t.dim() == 2 and t.is_floating_point() else t  # (B, d) -> (B, 1, d)
+            padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+            grouped = padded[self.index.to(t.device)]  # (units, widest, positions, ...)
+            self._tokens[key] = grouped.reshape(self.count, -1, *x.shape[2:])
+        return self._tokens[key]

@@ -269,6 +269,8 @@ class Contract:
             (DPZero).
         needs_gradient_matrices: it needs the release as a gradient per parameter (denoise's matrix shrinkage).
         full_tensors: it works on whole parameter tensors in place, so it cannot run on sharded parameters (FSDP).
+        clips_units: its ``estimate_gradient`` bounds each privacy unit of the batch as one (the batch's
+            ``dpl_units``: a user's rows under user-level sampling), so it may replace the default estimator there.
     """
 
     changes_noise: bool = False
@@ -276,6 +278,7 @@ class Contract:
     rank_one_release: bool = False
     needs_gradient_matrices: bool = False
     full_tensors: bool = False
+    clips_units: bool = False
 
 
 def contract_of(plugin: Any) -> Contract:
@@ -287,7 +290,7 @@ def contract_of(plugin: Any) -> Contract:
     return contract
 
 
-def check_contracts(pm: pluggy.PluginManager, sharded: bool = False) -> None:
+def check_contracts(pm: pluggy.PluginManager, sharded: bool = False, user_units: bool = False) -> None:
     """Refuse (one-line :class:`~dpl.errors.ConfigError`) the named plugins' combination when their contracts
     conflict: a plugin reading ``noise_std`` after one that changes the noise, a plugin needing gradient matrices
     with a rank-one estimator, a whole-tensor plugin on sharded parameters."""
@@ -307,6 +310,13 @@ def check_contracts(pm: pluggy.PluginManager, sharded: bool = False) -> None:
         if rank_one:
             raise ConfigError(f"{needer} needs a noisy gradient per parameter, but {rank_one[0]} releases one scalar "
                               "along a public direction (a rank-one update): there is no gradient matrix to work on")
+    if user_units:
+        estimators = [n for n in active_plugin_names(pm)
+                      if hasattr(named[n], "estimate_gradient") and not contracts[n].clips_units]
+        if estimators:
+            raise ConfigError(f"{estimators[0]} replaces estimate_gradient but does not clip per user "
+                              "(privacy.unit: user with user_sampling: users needs each user's rows bounded as one "
+                              "unit); use user_sampling: rows or drop it")
     whole = having("full_tensors")
     if sharded and whole:
         raise ConfigError(f"{whole[0]} works on whole parameter tensors in place; sharded parameters (FSDP) are not "

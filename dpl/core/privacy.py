@@ -36,6 +36,14 @@ class PrivacyConfig:
         force_resume: resume from a checkpoint even though sigma, C, the sampling rate, delta or the mechanism
             changed; epsilon is then composed over both parts (never reset). Without it such a resume is refused.
         log_epsilon_every_n_steps: how often epsilon spent is logged (and at the end).
+        unit: what one neighbouring data set adds or removes: ``example`` (one row; default) or ``user`` (all the
+            rows of one user, named by the data's ``user_column``): then the guarantee, epsilon and delta (default
+            1 / (10 users)) are per user, and ``batch_size`` counts users under ``user_sampling: users``.
+        max_rows_per_user: k, the most rows one user contributes (``unit: user``; required there).
+        user_sampling: how ``unit: user`` samples: ``users`` (user-level sampling: Poisson over users, up to k rows
+            of each sampled user, the user's mean gradient clipped to C as one unit, accounted as DP-SGD over users)
+            or ``rows`` (example-level sampling: each user bounded to k rows once, rows Poisson-sampled and clipped
+            one by one, accounted per user with the mixture-of-Gaussians accountant).
         adjacency: the neighbouring relation the guarantee must hold for: ``add_remove`` (one example added or
             removed), ``zero_out`` (one example's contribution replaced by zero) or ``replace_one`` (one example
             replaced by another). Default: the mechanism's own (DP-SGD: add_remove; ftrl: zero_out). A
@@ -56,6 +64,9 @@ class PrivacyConfig:
     force_resume: bool = False
     log_epsilon_every_n_steps: int = 1
     adjacency: Literal["add_remove", "zero_out", "replace_one"] | None = None
+    unit: Literal["example", "user"] = "example"
+    max_rows_per_user: int | None = None
+    user_sampling: Literal["users", "rows"] = "users"
 
     def validate(self) -> None:
         """Raise :class:`~dpl.errors.ConfigError` with one line for an unusable setting."""
@@ -79,6 +90,11 @@ class PrivacyConfig:
             raise ConfigError("privacy.secure_noise draws from the OS CSPRNG and cannot be seeded: unset privacy.seed")
         if self.log_epsilon_every_n_steps < 1:
             raise ConfigError("privacy.log_epsilon_every_n_steps must be >= 1")
+        if self.unit == "user" and self.max_rows_per_user is None:
+            raise ConfigError("privacy.unit: user needs privacy.max_rows_per_user (k, the most rows one user "
+                              "contributes)")
+        if self.max_rows_per_user is not None and self.max_rows_per_user < 1:
+            raise ConfigError(f"privacy.max_rows_per_user must be >= 1, got {self.max_rows_per_user}")
 
     def delta_for(self, num_examples: int) -> float:
         return self.target_delta if self.target_delta is not None else 0.1 / num_examples

@@ -17,6 +17,9 @@ from dpl.core.noise import NoiseSource
 
 #: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
 PADDING_KEY = "dpl_padding"
+#: batch key of the privacy unit of every row (int64 per row) under user-level sampling: the rows of one unit are
+#: contiguous, never split across micro-batches or ranks, and clipped together as one unit
+UNITS_KEY = "dpl_units"
 
 
 @dataclass
@@ -38,6 +41,9 @@ class RunSetup:
     optimizer_factory: Any = None  # the configured optimizer callable (plugins may refuse some optimizers)
     secure_noise: bool = False  # noise from the OS CSPRNG (dpl.core.noise.SecureNormal): it cannot be replayed
     sharded: bool = False  # parameters sharded over the ranks (FSDP, dpl.lightning.fsdp): hooks see full-size tensors
+    unit: str = "example"  # the privacy unit: "example" or "user" (num_examples then counts what is sampled)
+    user_sampling: str | None = None  # unit "user": "users" (ULS: batches carry UNITS_KEY) or "rows" (ELS)
+    max_rows_per_user: int | None = None  # unit "user": k
 
 
 @dataclass
@@ -93,12 +99,24 @@ def batch_size_of(batch: dict[str, Any]) -> int:
 def longest_first(batch: dict[str, Any]) -> dict[str, Any]:
     """``batch`` with its examples ordered by decreasing number of real tokens (``attention_mask``; stable), every
     per-example tensor and list permuted alike. Cut into micro-batches, similar lengths then share one, and the
-    modules drop the columns that are padding in a whole micro-batch. The order changes no clipped sum."""
+    modules drop the columns that are padding in a whole micro-batch. The order changes no clipped sum. With
+    privacy units (:data:`UNITS_KEY`) whole units move: ordered by their longest row, each unit's rows kept together
+    in their order."""
     mask = batch.get("attention_mask")
     total = batch_size_of(batch)
     if not torch.is_tensor(mask) or mask.dim() != 2 or mask.shape[0] != total or total < 2:
         return batch
-    order = torch.sort(mask.sum(1), descending=True, stable=True).indices
+    lengths = mask.sum(1)
+    units = batch.get(UNITS_KEY)
+    if torch.is_tensor(units):
+        _, inverse = torch.unique_consecutive(units.to(lengths.device), return_inverse=True)
+        longest = torch.zeros(int(inverse.max()) + 1, dtype=lengths.dtype, device=lengths.device)
+        longest = longest.scatter_reduce(0, inverse, lengths, reduce="amax")
+        # sort by (unit's longest row desc, unit position, row position): one stable sort on a combined key
+        key = -longest[inverse] * (total + 1) ** 2 + inverse * (total + 1) + torch.arange(total, device=lengths.device)
+        order = torch.sort(key, stable=True).indices
+    else:
+        order = torch.sort(lengths, descending=True, stable=True).indices
     if bool((order == torch.arange(total, device=order.device)).all()):
         return batch
     listed = order.tolist()
@@ -109,16 +127,32 @@ def longest_first(batch: dict[str, Any]) -> dict[str, Any]:
 
 def split_batch(batch: dict[str, Any], size: int) -> Iterator[dict[str, Any]]:
     """Physical micro-batches of at most ``size`` examples (one empty batch if ``batch`` is empty); a batch cut into
-    several is ordered longest first (:func:`longest_first`)."""
+    several is ordered longest first (:func:`longest_first`). A privacy unit (:data:`UNITS_KEY`) is never cut: a
+    micro-batch ends at a unit's boundary, and a unit of more than ``size`` rows forms a micro-batch of its own."""
     total = batch_size_of(batch)
     if total == 0:
         yield batch
         return
     if total > size:
         batch = longest_first(batch)
-    for start in range(0, total, size):
-        yield {k: v[start:start + size] if torch.is_tensor(v) or isinstance(v, list) else v
-               for k, v in batch.items()}
+    for start, end in _cuts(batch.get(UNITS_KEY), total, size):
+        yield {k: v[start:end] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
+
+
+def _cuts(units: Tensor | None, total: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each micro-batch: every ``size`` rows, or at unit boundaries with units."""
+    if not torch.is_tensor(units):
+        for start in range(0, total, size):
+            yield start, min(total, start + size)
+        return
+    _, counts = torch.unique_consecutive(units, return_counts=True)
+    start = end = 0
+    for count in counts.tolist():
+        if end > start and end + count - start > size:
+            yield start, end
+            start = end
+        end += count
+    yield start, end
 
 
 def private_step(hook: pluggy.HookRelay, ctx: StepContext, batch: dict[str, Any], physical_batch_size: int,

@@ -146,13 +146,15 @@ class ShardedBatchSampler(Sampler[list[int]]):
     and flags them); a filler's gradient is weighted zero, so the clipped sum is that of the shard alone.
     """
 
-    def __init__(self, inner: Sampler, rank: int, world_size: int, pad_to: int | None = None) -> None:
+    def __init__(self, inner: Sampler, rank: int, world_size: int, pad_to: int | None = None,
+                 unit_of: list[int] | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.inner = inner
         self.rank = rank
         self.world_size = world_size
         self.pad_to = pad_to
+        self.unit_of = unit_of  # user-level sampling: shard by user (unit_of[i] % world == rank), never split one
 
     @property
     def pads(self) -> bool:
@@ -163,11 +165,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         rank, world = self.rank, self.world_size
+        owner = (lambda i: i) if self.unit_of is None else self.unit_of.__getitem__
         for batch in self.inner:
             batch = [int(i) for i in batch]
-            mine = [i for i in batch if i % world == rank]
+            mine = [i for i in batch if owner(i) % world == rank]
             if self.pad_to is not None and batch:
-                largest = max(sum(1 for i in batch if i % world == r) for r in range(world))
+                largest = max(sum(1 for i in batch if owner(i) % world == r) for r in range(world))
                 fillers = mine or batch  # a filler repeats an example of the batch (weighted zero)
                 mine = mine + [self.pad_to + fillers[k % len(fillers)] for k in range(largest - len(mine))]
             yield mine
@@ -215,13 +218,14 @@ def _check_order_kept(examples: list[Any], batch: dict[str, Any]) -> None:
                            "flags are positional); this one reorders them")
 
 
-def shard_batch_sampler(sampler: Sampler, num_examples: int | None = None, pad: bool = False) -> Sampler:
+def shard_batch_sampler(sampler: Sampler, num_examples: int | None = None, pad: bool = False,
+                        unit_of: list[int] | None = None) -> Sampler:
     """``sampler`` itself in one process; its :class:`ShardedBatchSampler` for this rank under DDP (``pad``: FSDP,
-    every shard padded to the largest with fillers)."""
+    every shard padded to the largest with fillers; ``unit_of``: the user of every row, sharded whole)."""
     rank, world = rank_and_world()
     if world == 1:
         return sampler
-    return ShardedBatchSampler(sampler, rank, world, pad_to=num_examples if pad else None)
+    return ShardedBatchSampler(sampler, rank, world, pad_to=num_examples if pad else None, unit_of=unit_of)
 
 
 class BalancedShardBatchSampler(Sampler[list[int]]):

@@ -10,6 +10,7 @@ batch), its strategies (DDP/FSDP) and its checkpoints.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import lightning as L
@@ -19,11 +20,13 @@ from torch import Tensor, nn
 from torch.utils.data import Sampler
 
 from dpl.core.engine import PrivateEngine
+from dpl.core.ledger import steps_per_epoch
 from dpl.core.plugin_manager import plugin_options_type
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sharding import full_parameters
+from dpl.core.units import Users
 from dpl.core.update import apply_direction
-from dpl.errors import ConfigError
+from dpl.errors import ConfigError, PrivacyWarning
 from dpl.lightning import checkpoint as ckpt_io
 from dpl.lightning import distributed
 
@@ -112,7 +115,7 @@ class DPModule(L.LightningModule):
 
     @property
     def num_train_examples(self) -> int:
-        return self.engine.plan.num_examples if self.engine.plan is not None else 0
+        return self.engine.plan.num_rows if self.engine.plan is not None else 0
 
     def epsilon_after(self, steps: int) -> float:
         """Epsilon spent after ``steps`` steps in total (earlier parts of a resumed run included)."""
@@ -205,21 +208,49 @@ class DPModule(L.LightningModule):
         distributed.check_strategy(trainer)
         self._check_precision(trainer)
         cfg = self.privacy
-        if cfg.batch_size > num_examples:
+        users = self._users(num_examples)
+        population = num_examples if users is None else users.sampled(cfg.user_sampling)
+        if cfg.batch_size > population:
             raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
-                              f"({num_examples} examples)")
-        steps = self.planned_total_steps(trainer, max(1, num_examples // cfg.batch_size))
+                              f"({population} {'users' if users is not None and cfg.user_sampling == 'users' else 'examples'})")
+        steps = self.planned_total_steps(trainer, steps_per_epoch(population, cfg.batch_size))
+        if users is not None and cfg.user_sampling == "users" and distributed.shards_parameters(trainer):
+            raise ConfigError("privacy.unit: user with user_sampling: users is not supported under FSDP yet (its "
+                              "filler rows would split users); use strategy ddp or one process")
         self.engine.setup(self.ensure_model(), trainable=self.trainable, num_examples=num_examples, steps=steps,
                           optimizer_factory=self.optimizer_factory, world_size=trainer.world_size,
-                          sharded=distributed.shards_parameters(trainer))
+                          sharded=distributed.shards_parameters(trainer), users=users)
+        datamodule = self.datamodule
+        if datamodule is not None:
+            datamodule.train_units = self.engine.unit_of_row()
+
+    def _users(self, num_examples: int) -> Users | None:
+        """The rows of each user from the data's ``user_column`` (``privacy.unit: user``); with ``unit: example``, a
+        warning when users own several rows (the per-row epsilon then protects a user only by group privacy)."""
+        cfg = self.privacy
+        datamodule = self.datamodule
+        keys = datamodule.train_user_keys() if datamodule is not None else None
+        if cfg.unit == "user":
+            if keys is None:
+                raise ConfigError("privacy.unit: user needs the user of every training row: set data.user_column")
+            return Users.from_keys(keys, cfg.max_rows_per_user)
+        if keys is not None:
+            users = Users.from_keys(keys, 1)
+            most = users.summary()["rows_per_user_max"]
+            if most > 1:
+                warnings.warn(f"data.user_column is set but privacy.unit is example: a user with {most} rows is "
+                              f"protected only by group privacy (about {most} x epsilon, delta x {most} e^(({most} - "
+                              "1) epsilon)); set privacy.unit: user to protect users", PrivacyWarning, stacklevel=2)
+        return None
 
     def _train_batch_sampler(self, num_examples: int) -> Sampler:
         """The training batch sampler, handed to the data module at setup: the mechanism's own; under DDP this
         rank's share of each global batch (under FSDP padded to equal passes)."""
-        if num_examples != self.num_train_examples:
-            raise ConfigError(f"the training set has {num_examples} examples, the privacy plan {self.num_train_examples}")
+        if num_examples != self.engine.plan.num_rows:
+            raise ConfigError(f"the training set has {num_examples} examples, the privacy plan {self.engine.plan.num_rows}")
         return distributed.shard_batch_sampler(self.engine.batch_sampler(), num_examples,
-                                               pad=distributed.shards_parameters(self.trainer))
+                                               pad=distributed.shards_parameters(self.trainer),
+                                               unit_of=self.engine.unit_of_row())
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(list(self.trainable.values()))

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from dpl.api import (ConfigError, Contract, GradientSum, PluginError, PrivateGradient, ReleaseContext, RunSetup,
-                     StepContext, StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
+                     UNITS_KEY, StepContext, StreamingDirection, batch_size_of, hookimpl, streaming_refusal)
 from dpl_plugins.dpzero.directions import DirectionSampler, Distribution
 from dpl_plugins.dpzero.lookups import RowPerturbation, lookup_tables
 
@@ -92,7 +92,8 @@ class DPZeroPlugin:
         self.eval_forward = bool(eval_forward)
         # Both estimators perturb every parameter in place by a direction drawn per full tensor (no FSDP shards);
         # ``dpzero`` releases one scalar along that public direction.
-        self.contract = Contract(rank_one_release=estimator == "dpzero", full_tensors=True)
+        self.contract = Contract(rank_one_release=estimator == "dpzero", full_tensors=True,
+                                 clips_units=estimator == "dpzero")
         self.keep_direction = bool(keep_direction)
         self.direction = direction
         self.sparse_embeddings = bool(sparse_embeddings)
@@ -196,15 +197,24 @@ class DPZeroPlugin:
     @hookimpl
     def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]) -> GradientSum:
         sampler = self._direction(ctx)
+        batch = dict(batch)
+        units = batch.pop(UNITS_KEY, None)  # user-level sampling: the user of every row
         size = batch_size_of(batch)
         device = next(iter(ctx.trainable.values())).device
         if self.estimator == "dpgd0":
+            if units is not None:
+                raise ConfigError("dpzero: estimator dpgd0 does not support user-level sampling")
             return self._dpgd0(ctx, batch, sampler, size)
         if size == 0:
             return GradientSum({KEY: torch.zeros(1, dtype=torch.float64, device=device)}, 0)
         diffs = self._finite_differences(ctx, batch, sampler)
+        if units is not None:  # a user's difference is the mean of its rows', clipped as one unit
+            _, inverse, counts = torch.unique_consecutive(units.to(diffs.device), return_inverse=True,
+                                                          return_counts=True)
+            diffs = torch.zeros(counts.numel(), dtype=diffs.dtype, device=diffs.device).index_add_(
+                0, inverse, diffs) / counts.to(diffs.dtype)
         clipped = diffs.clamp(-ctx.max_grad_norm, ctx.max_grad_norm)
-        return GradientSum({KEY: clipped.sum().reshape(1).to(device)}, size)
+        return GradientSum({KEY: clipped.sum().reshape(1).to(device)}, int(diffs.numel()))
 
     def _dpgd0(self, ctx: StepContext, batch: dict[str, Any], sampler: DirectionSampler, size: int) -> GradientSum:
         """DPGD-0th: clip each example's vector d_i z to norm C (a per-example scalar factor), sum: s * z."""

@@ -99,6 +99,10 @@ class FTRLPlugin:
         if self.noise == "nu_ftrl" and self.memory == "regenerate" and setup.secure_noise:
             raise ConfigError("ftrl: memory: regenerate replays past noise from generator states, which "
                               "privacy.secure_noise (OS CSPRNG) cannot do; use memory: keep or another noise family")
+        if setup.unit == "user" and setup.user_sampling == "rows":
+            raise ConfigError("ftrl: privacy.user_sampling: rows has no correlated-noise accounting (the user-level "
+                              "accountant is the independent Gaussian's); use user_sampling: users, where every "
+                              "participation is a user's")
         n, batch = setup.num_examples, setup.expected_batch_size
         if self.sampling == "shuffle" and n % batch and not self.drop_remainder:
             raise ConfigError(f"ftrl: batch size {batch} does not divide the {n} training examples into equal "
@@ -137,6 +141,7 @@ class FTRLPlugin:
             log.info("dpl: ftrl nu_ftrl memory: keep stores every step's noise: %d x d floats", steps)
         self.mechanism = FTRLMechanism(plans[0], n, batch, accountant=setup.accountant, candidates=plans[1:],
                                        chooser=choose, replay_batches=setup.seed is not None)
+        self.mechanism.unit = setup.unit  # user-level sampling: the examples it orders and samples are users
         self.stream = None
         return self.mechanism
 

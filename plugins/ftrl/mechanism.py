@@ -159,6 +159,7 @@ class FTRLMechanism:
 
     name = "ftrl"
     adjacency = "zero_out"
+    unit = "example"  # or "user" (set from the run: under user-level sampling the units it orders are users)
 
     def __init__(self, plan: Plan, num_examples: int, batch_size: int, accountant: str = "prv",
                  candidates: list[Plan] | None = None, chooser: Any = None, replay_batches: bool = False) -> None:

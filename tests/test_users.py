@@ -1,0 +1,227 @@
+"""User-level DP (privacy.unit: user): the per-user clipped sums, the samplers, micro-batching and sharding that never
+split a user, the mechanisms and their refusals."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import random_batch, tiny_bert, tiny_llama
+from torch import nn
+
+from dpl.core.engine import PrivateEngine
+from dpl.core.per_example import PerExampleClipper
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.sampling import PoissonBatchSampler
+from dpl.core.step import UNITS_KEY, split_batch
+from dpl.core.units import Users, UserRowsSampler, unit_sizes
+from dpl.errors import ConfigError
+from dpl.lightning.distributed import ShardedBatchSampler
+from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+
+pytestmark = pytest.mark.filterwarnings("ignore::dpl.errors.PrivacyWarning")
+
+
+def _loss_fn(model):
+    def losses(batch):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return F.cross_entropy(out.logits, batch["labels"], reduction="none")
+    return losses
+
+
+def _lora(model):
+    return apply_finetuning(model, FinetuneOptions(method="lora", lora=LoraOptions(r=2, target_modules=None)),
+                            "SEQ_CLS")
+
+
+def _naive_user_sum(model, batch, units, max_norm):
+    """Per user: the gradient of the mean of its rows' losses, by ordinary autograd, clipped to max_norm; summed."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    norms = []
+    for user in units.unique_consecutive().tolist():
+        rows = (units == user).nonzero().flatten()
+        part = {k: v[rows] for k, v in batch.items()}
+        grads = torch.autograd.grad(_loss_fn(model)(part).mean(), list(params.values()), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        norms.append(norm)
+        factor = 1.0 if math.isinf(max_norm) else min(1.0, max_norm / (float(norm) + 1e-6))
+        for name, g in zip(params, grads):
+            total[name] += factor * g
+    return total, torch.stack(norms)
+
+
+@pytest.mark.parametrize("build", [tiny_bert, tiny_llama, lambda: _lora(tiny_bert()), lambda: _lora(tiny_llama())],
+                         ids=["bert-full", "llama-full", "bert-lora", "llama-lora"])
+@pytest.mark.parametrize("max_norm", [0.05, math.inf])
+def test_user_clipped_sums_equal_a_naive_per_user_loop(build, max_norm):
+    """The unit's gradient (the mean of its rows') is clipped as one vector: embeddings, LayerNorm/RMSNorm,
+    attention, heads, LoRA A/B. Per-row clipping (the planted bug) differs."""
+    model = build().double()
+    batch = random_batch(batch_size=7)
+    units = torch.tensor([3, 3, 0, 5, 5, 5, 1])  # users of 2, 1, 3 and 1 rows, contiguous
+    clipper = PerExampleClipper(model)
+    with clipper.record(7):
+        losses = _loss_fn(model)(batch) / unit_sizes(units).double()
+    sums, norms = clipper.clipped_sum(losses, max_norm, units=units)
+    expected, expected_norms = _naive_user_sum(model, batch, units, max_norm)
+    assert norms.shape == (4,)
+    torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-5, atol=1e-7)
+    for name in expected:
+        torch.testing.assert_close(sums[name].double(), expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    if not math.isinf(max_norm):  # clipping each row on its own is not the same release
+        with clipper.record(7):
+            losses = _loss_fn(model)(batch) / unit_sizes(units).double()
+        per_row, _ = clipper.clipped_sum(losses, max_norm)
+        assert max(float((per_row[n].double() - expected[n]).abs().max()) for n in expected) > 1e-4
+
+
+def test_every_user_contributes_at_most_the_clipping_bound():
+    """Each user's share of the clipped sum (all its rows) has norm <= C, whatever its number of rows."""
+    model = tiny_bert().double()
+    batch = random_batch(batch_size=6)
+    units = torch.tensor([0, 0, 0, 1, 2, 2])
+    clipper = PerExampleClipper(model)
+    for user in range(3):
+        with clipper.record(6):
+            losses = _loss_fn(model)(batch) / unit_sizes(units).double()
+        only = (units == user).double()
+        sums, _ = clipper.clipped_sum(losses * only, 0.01, units=units)
+        assert math.sqrt(sum(float(t.double().pow(2).sum()) for t in sums.values())) <= 0.01 * (1 + 1e-6)
+
+
+def test_users_from_keys_and_the_bound():
+    users = Users.from_keys(["a", "b", "a", "c", "a", "b"], max_rows=2)
+    assert users.rows == ((0, 2, 4), (1, 5), (3,))
+    assert users.unit_of_row() == [0, 1, 0, 2, 0, 1]
+    s = users.summary()
+    assert (s["users"], s["rows"], s["rows_per_user_min"], s["rows_per_user_max"], s["rows_beyond_bound"]) == \
+        (3, 6, 1, 3, 1)
+    assert s["rows_per_user_median"] == 2
+    assert users.sampled("users") == 3 and users.sampled("rows") == 5
+    gen = torch.Generator().manual_seed(0)
+    picks = Counter(tuple(users.pick(0, gen)) for _ in range(3000))
+    assert set(picks) == {(0, 2), (0, 4), (2, 4)}  # k of the user's own rows, in order
+    assert all(abs(c / 3000 - 1 / 3) < 0.04 for c in picks.values())  # uniformly
+    bounded = users.bounded_rows(gen)
+    assert len(bounded) == 5 and sum(r in (0, 2, 4) for r in bounded) == 2
+
+
+def test_user_sampling_includes_each_user_at_rate_q_and_at_most_k_rows():
+    """Poisson over users: inclusion frequency q per user whatever its number of rows; a user's rows contiguous and
+    at most k of them. 4,000 seeded steps: frequencies within 5 standard errors."""
+    keys = [u for u in range(40) for _ in range(1 + u % 5)]  # users of 1 to 5 rows
+    users = Users.from_keys(keys, max_rows=3)
+    q, steps = 0.1, 4000
+    gen = torch.Generator().manual_seed(1)
+    sampler = UserRowsSampler(PoissonBatchSampler(40, q, steps, gen), users, gen)
+    unit_of = users.unit_of_row()
+    counts = Counter()
+    for batch in sampler:
+        seen = [unit_of[r] for r in batch]
+        per_user = Counter(seen)
+        assert all(n <= 3 for n in per_user.values())
+        assert all(n == min(3, len(users.rows[u])) for u, n in per_user.items())
+        runs = [u for i, u in enumerate(seen) if i == 0 or seen[i - 1] != u]
+        assert len(runs) == len(per_user)  # contiguous
+        counts.update(per_user.keys())
+    se = math.sqrt(q * (1 - q) / steps)
+    assert all(abs(counts[u] / steps - q) < 5 * se for u in range(40))
+
+
+def test_micro_batches_and_ranks_never_split_a_user():
+    batch = random_batch(batch_size=9)
+    batch[UNITS_KEY] = torch.tensor([4, 4, 4, 1, 7, 7, 2, 2, 2])
+    parts = list(split_batch(batch, 4))
+    assert sum(len(p[UNITS_KEY]) for p in parts) == 9
+    seen = [set(p[UNITS_KEY].tolist()) for p in parts]
+    assert all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1:])  # a user in one micro-batch only
+    for p in parts:  # rows of a unit contiguous and ordered longest unit first
+        units = p[UNITS_KEY].tolist()
+        assert len([u for i, u in enumerate(units) if i == 0 or units[i - 1] != u]) == len(set(units))
+    assert all(len(p[UNITS_KEY]) <= 4 for p in parts)
+    big = dict(batch, **{UNITS_KEY: torch.tensor([0] * 6 + [1] * 3)})
+    assert sorted(len(p[UNITS_KEY]) for p in split_batch(big, 4)) == [3, 6]  # a unit larger than the micro-batch: alone
+    keys = [u for u in range(30) for _ in range(1 + u % 3)]
+    users = Users.from_keys(keys, 3)
+    unit_of = users.unit_of_row()
+    gen = torch.Generator().manual_seed(2)
+    inner = UserRowsSampler(PoissonBatchSampler(30, 0.3, 5, gen), users, gen)
+    shards = [ShardedBatchSampler(inner, r, 2, unit_of=unit_of) for r in range(2)]
+    state = gen.get_state()
+    per_rank = []
+    for shard in shards:
+        gen.set_state(state)
+        per_rank.append(list(shard))
+    for a, b in zip(*per_rank):
+        assert not {unit_of[i] for i in a} & {unit_of[i] for i in b}
+
+
+def _engine(privacy, n_rows=60):
+    keys = [r // 3 for r in range(n_rows)]  # 20 users of 3 rows
+    engine = PrivateEngine(privacy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    engine.setup(model, num_examples=n_rows, steps=6, users=Users.from_keys(keys, privacy.max_rows_per_user or 1))
+    return engine, model
+
+
+def test_user_level_sampling_accounts_as_dp_sgd_over_users():
+    privacy = PrivacyConfig(target_epsilon=2.0, batch_size=5, unit="user", max_rows_per_user=2, seed=0)
+    engine, model = _engine(privacy)
+    plan = engine.plan
+    assert (plan.num_examples, plan.num_units, plan.num_rows) == (20, 20, 60)
+    assert plan.delta == pytest.approx(0.1 / 20) and engine.sampling_rate == pytest.approx(5 / 20)
+    assert engine.mechanism.unit == "user"
+    from dpl.core.accounting import epsilon_for
+
+    assert engine.final_epsilon() == pytest.approx(epsilon_for(engine.noise_multiplier, 5 / 20, 6, 0.1 / 20), rel=1e-6)
+    # the rate of the rows would be the planted bug: a smaller epsilon than the truth
+    assert epsilon_for(engine.noise_multiplier, 5 / 60, 6, 0.1 / 20) < engine.final_epsilon() * 0.8
+    summary = engine.summary()
+    assert summary["unit"] == "user" and summary["users"]["users"] == 20 and summary["num_units"] == 20
+    batch = next(engine.batches())
+    unit_of = engine.unit_of_row()
+    assert all(Counter(unit_of[r] for r in batch)[u] <= 2 for u in set(unit_of[r] for r in batch))
+
+
+def test_a_user_step_clips_each_user_once():
+    """Through the engine and the default plugins: the release minus the noise is the sum over users of the clipped
+    mean gradients (noise_multiplier 0, C small: each user's contribution has norm exactly C)."""
+    privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=0.0, max_grad_norm=1e-3, batch_size=5,
+                            unit="user", max_rows_per_user=3, seed=0)
+    engine, model = _engine(privacy)
+    engine.start()
+    x, y = torch.randn(9, 4), torch.tensor([0, 1, 0, 1, 1, 0, 0, 1, 1])
+    units = torch.tensor([2, 2, 2, 5, 5, 9, 9, 9, 9])  # the last user has 4 rows here: a step takes what it is given
+
+    def loss(batch):
+        return F.cross_entropy(model(batch["x"]), batch["labels"], reduction="none")
+
+    trainable = dict(model.named_parameters())
+    direction = engine.step({"x": x, "labels": y, UNITS_KEY: units}, model=model, trainable=trainable,
+                            per_example_loss=loss)
+    total = torch.cat([direction[n].flatten() for n in trainable]) * 5  # times the expected batch (B users)
+    expected = torch.zeros_like(total)
+    for user in (2, 5, 9):
+        rows = units == user
+        grads = torch.autograd.grad(loss({"x": x[rows], "labels": y[rows]}).mean(), list(trainable.values()))
+        g = torch.cat([t.flatten() for t in grads])
+        expected += g * min(1.0, 1e-3 / (float(g.norm()) + 1e-6))
+    torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-9)
+
+
+def test_refusals_are_one_line():
+    with pytest.raises(ConfigError, match="max_rows_per_user"):
+        PrivacyConfig(unit="user").validate()
+    engine = PrivateEngine(PrivacyConfig(unit="user", max_rows_per_user=2))
+    with pytest.raises(ConfigError, match="user_column"):
+        engine.setup(nn.Linear(2, 2), num_examples=10, steps=2)
+    engine = PrivateEngine(PrivacyConfig(unit="user", max_rows_per_user=2, user_sampling="rows", batch_size=4),
+                           plugins={"ftrl": {}})
+    with pytest.raises(ConfigError, match="user_sampling: rows"):
+        engine.setup(nn.Linear(2, 2), num_examples=40, steps=2, users=Users.from_keys(list(range(40)), 2))
