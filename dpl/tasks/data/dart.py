@@ -34,7 +34,7 @@ class DARTDataModule(GenerationDataModule):
         prompt_template, completion_template: see :class:`~dpl.tasks.data.generation.GenerationDataModule`.
         user_column: column (generation readers: record field) naming the user who owns each row, for
             privacy.unit: user; rows of one user form one privacy unit. ``entry``: one unit per DART entry (its
-            triple set with all its annotations); a field (``triples``, ``source``) joins the entries sharing it.
+            triple set with all its annotations); a field works too (``triples`` joins the entries sharing it).
         **kwargs: the other options of :class:`~dpl.tasks.data.generation.GenerationDataModule` (``train_file``,
             ``val_file``, ``test_file``, ``tokenizer``, ``max_length``, ...).
     """
