@@ -51,6 +51,11 @@ class DPDataModule(L.LightningDataModule):
             needed = [*needed, "validation"]
         return [name for name in needed if name in available]
 
+    def train_user_keys(self) -> list[str] | None:
+        """The user owning each row of ``train_set``, in its index order (after ``setup("fit")``), for user-level
+        privacy; ``None`` when the rows carry no user (every row is its own unit)."""
+        return None
+
     @property
     def num_train_examples(self) -> int:
         assert self.train_set is not None, "call setup('fit') first"

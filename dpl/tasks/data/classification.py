@@ -19,7 +19,7 @@ import torch
 
 from dpl.errors import DataError
 from dpl.lightning.data import DPDataModule
-from dpl.tasks.data.files import resolve_location, split_files
+from dpl.tasks.data.files import check_columns, resolve_location, split_files
 from dpl.tasks.data.labels import label_key, show_labels, sort_labels
 from dpl.tasks.data.tables import FORMATS, SplitData, column_values, load_split
 
@@ -95,6 +95,8 @@ class ClassificationDataModule(DPDataModule):
             the whole file.
         max_eval_examples: keep only the first N validation / test rows.
         cache_dir: unused (kept for compatibility): the data is held in memory, never in a ``datasets`` cache.
+        user_column: column (generation readers: record field) naming the user who owns each row, for
+            privacy.unit: user; rows of one user form one privacy unit.
     """
 
     def __init__(self, tokenizer: str, data_dir: str | None = None, train_file: str | None = None,
@@ -102,7 +104,8 @@ class ClassificationDataModule(DPDataModule):
                  text_pair_column: str | None = None, label_column: str = "label",
                  labels: list[str | int] | None = None, max_length: int = 128, eval_batch_size: int = 64,
                  num_workers: int = 0, max_train_examples: int | None = None,
-                 max_eval_examples: int | None = None, cache_dir: str | None = None) -> None:
+                 max_eval_examples: int | None = None, cache_dir: str | None = None,
+                 user_column: str | None = None) -> None:
         super().__init__(eval_batch_size=eval_batch_size, num_workers=num_workers)
         if max_length < 1:
             raise DataError(f"data.max_length must be positive, got {max_length}")
@@ -133,6 +136,7 @@ class ClassificationDataModule(DPDataModule):
         self.max_train_examples = max_train_examples
         self.max_eval_examples = max_eval_examples
         self.cache_dir = cache_dir
+        self.user_column = user_column
         self._tokenizer: Any = None
         self._label_map: dict[str, int] | None = None
         self._splits: dict[str, SplitData] | None = None
@@ -161,6 +165,7 @@ class ClassificationDataModule(DPDataModule):
             splits = {name: load_split(name, path, self._columns(), self.cache_dir)
                       for name, path in self.data_files().items()}
             self._label_map = self._check_labels(splits)
+            self._check_users(splits)
             self._splits = splits
         return {"files": {k: str(s.path) for k, s in self._splits.items()},
                 "rows": {k: len(s.dataset) for k, s in self._splits.items()},
@@ -206,6 +211,31 @@ class ClassificationDataModule(DPDataModule):
                 raise DataError(f"{split.path} {split.where(i)}: label {split.keys[i]!r} is not in the label set "
                                 f"{show_labels(order)} (from {source}{more})")
         return label_map
+
+    def _check_users(self, splits: dict[str, SplitData]) -> None:
+        """Read the training split's ``user_column`` into its ``users`` (validation / test rows need none)."""
+        if self.user_column is None:
+            return
+        train = splits["train"]
+        check_columns(train.path, train.dataset.column_names, [self.user_column])
+        users = column_values(train.dataset, self.user_column)
+        for i, user in enumerate(users):
+            if user is None or not str(user).strip():
+                raise DataError(f"{train.path} {train.where(i)}: missing user in column {self.user_column!r} "
+                                f"(data.user_column)")
+        train.users = [str(user) for user in users]
+
+    def train_user_keys(self) -> list[str] | None:
+        """The ``user_column`` value (``str``) of each row of ``train_set``, in its order; ``None`` without a
+        ``user_column``."""
+        if self.user_column is None:
+            return None
+        assert self.train_set is not None and self._splits is not None, "call setup('fit') first"
+        users = self._splits["train"].users
+        assert users is not None
+        keys = users[:self.max_train_examples] if self.max_train_examples is not None else list(users)
+        assert len(keys) == len(self.train_set)
+        return keys
 
     @property
     def label_map(self) -> dict[str, int]:

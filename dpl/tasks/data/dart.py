@@ -11,6 +11,9 @@ from dpl.tasks.data.files import read_text
 from dpl.tasks.data.generation import GenerationDataModule
 from dpl.tasks.data.templates import Record
 
+#: the ``user_column`` value that makes each entry (a triple set with all its annotations) one user
+ENTRY = "entry"
+
 
 def linearize_triples(tripleset: list[list[str]]) -> str:
     """``"s : p : o | s : p : o"`` of a DART triple set."""
@@ -29,6 +32,9 @@ class DARTDataModule(GenerationDataModule):
         data_dir: folder with ``*.json`` files whose names contain ``train``, ``dev`` (or ``val``) and ``test``
             (e.g. ``dart-v1.1.1-full-train.json``, ``-dev.json``, ``-test.json``).
         prompt_template, completion_template: see :class:`~dpl.tasks.data.generation.GenerationDataModule`.
+        user_column: column (generation readers: record field) naming the user who owns each row, for
+            privacy.unit: user; rows of one user form one privacy unit. ``entry``: one unit per DART entry (its
+            triple set with all its annotations); a field works too (``triples`` joins the entries sharing it).
         **kwargs: the other options of :class:`~dpl.tasks.data.generation.GenerationDataModule` (``train_file``,
             ``val_file``, ``test_file``, ``tokenizer``, ``max_length``, ...).
     """
@@ -40,6 +46,12 @@ class DARTDataModule(GenerationDataModule):
                  completion_template: str = " {text}", **kwargs: Any) -> None:
         super().__init__(data_dir=data_dir, prompt_template=prompt_template, completion_template=completion_template,
                          **kwargs)
+
+    def user_key(self, record: Record) -> Any:
+        """``user_column: entry``: the entry's index in the file; otherwise the record field."""
+        if self.user_column == ENTRY:
+            return str(record.group[1])
+        return super().user_key(record)
 
     def read_file(self, split: str, path: Path) -> list[Record]:
         text = read_text(path)

@@ -68,6 +68,9 @@ class E2EDataModule(GenerationDataModule):
             (0, 1) or a count of distinct mrs; every row of a held-out mr goes to validation, none to training.
             Cannot be combined with ``val_file`` (a validation file found in ``data_dir`` is ignored).
         holdout_seed: seed of the random choice of held-out mrs (same seed and file: same split).
+        user_column: column (generation readers: record field) naming the user who owns each row, for
+            privacy.unit: user; rows of one user form one privacy unit. ``mr``: one unit per meaning
+            representation (all its references).
         prompt_template, completion_template: see :class:`~dpl.tasks.data.generation.GenerationDataModule`.
             Fields: ``mr``, ``ref`` and any other column.
         **kwargs: the other options of :class:`~dpl.tasks.data.generation.GenerationDataModule` (``train_file``,
@@ -99,7 +102,10 @@ class E2EDataModule(GenerationDataModule):
         return files
 
     def read_file(self, split: str, path: Path) -> list[Record]:
-        return read_csv_records(path, ("mr", "ref"), {"mr": "meaning representation", "ref": "reference"})
+        nonempty = {"mr": "meaning representation", "ref": "reference"}
+        if split == "train" and self.user_column is not None:
+            nonempty.setdefault(self.user_column, "user")
+        return read_csv_records(path, tuple(nonempty), nonempty)
 
     def read_splits(self) -> dict[str, list[Record]]:
         files = self.data_files()

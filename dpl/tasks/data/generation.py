@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from dpl.errors import ConfigError, DataError
 from dpl.lightning.data import DPDataModule
 from dpl.tasks.data.files import check_file, split_files
-from dpl.tasks.data.templates import Record, render, template_fields
+from dpl.tasks.data.templates import Record, render, show_fields, template_fields
 from dpl.tasks.loading import load_tokenizer
 
 __all__ = ["GenerationDataModule", "Record"]
@@ -52,6 +52,7 @@ class _Split:
     prompts: list[str]
     completions: list[str]
     groups: list[Hashable]
+    users: list[str] | None = None  # the user of each record (training split with a user column)
 
     def sources(self) -> list[tuple[str, list[str]]]:
         """``(prompt, references)`` per evaluation source, in order of first appearance; references in file
@@ -94,6 +95,8 @@ class GenerationDataModule(DPDataModule):
         max_eval_examples: use only the first N evaluation sources (unique prompts) of validation / test.
         eval_batch_size: sources per validation / test batch.
         num_workers: DataLoader worker processes.
+        user_column: column (generation readers: record field) naming the user who owns each row, for
+            privacy.unit: user; rows of one user form one privacy unit.
     """
 
     #: glob patterns (lower case) of each split's file name, for ``data_dir`` discovery
@@ -103,7 +106,7 @@ class GenerationDataModule(DPDataModule):
                  test_file: str | None = None, tokenizer: str = SMOLLM2, prompt_template: str = "{prompt}",
                  completion_template: str = "{completion}", max_length: int = 128,
                  max_train_examples: int | None = None, max_eval_examples: int | None = None,
-                 eval_batch_size: int = 16, num_workers: int = 0) -> None:
+                 eval_batch_size: int = 16, num_workers: int = 0, user_column: str | None = None) -> None:
         super().__init__(eval_batch_size=eval_batch_size, num_workers=num_workers)
         if not isinstance(max_length, int) or max_length < 2:
             raise DataError(f"data.max_length must be at least 2 (one prompt and one completion token), "
@@ -125,6 +128,7 @@ class GenerationDataModule(DPDataModule):
         self.max_length = max_length
         self.max_train_examples = max_train_examples
         self.max_eval_examples = max_eval_examples
+        self.user_column = user_column
         #: the tokenizer object; set it before :meth:`setup` to skip loading ``tokenizer`` (tests do)
         self._tokenizer: Any = None
         self._splits: dict[str, _Split] | None = None
@@ -149,6 +153,11 @@ class GenerationDataModule(DPDataModule):
     def read_splits(self) -> dict[str, list[Record]]:
         """The records of each configured split (``train`` is required)."""
         return {split: self.read_file(split, path) for split, path in self.data_files().items()}
+
+    def user_key(self, record: Record) -> Any:
+        """The user of a training record: its ``user_column`` field (``None`` when it has none). A reader may
+        override it for a name of its own."""
+        return record.fields.get(self.user_column)
 
     # ------------------------------------------------------------------------------------ checking
 
@@ -182,7 +191,32 @@ class GenerationDataModule(DPDataModule):
             completions.append(completion)
             groups.append(prompt if record.group is None else ("group", record.group))
         files = list(dict.fromkeys(r.path for r in records))
-        return _Split(name=name, files=files, prompts=prompts, completions=completions, groups=groups)
+        users = self._users(records) if name == "train" and self.user_column is not None else None
+        return _Split(name=name, files=files, prompts=prompts, completions=completions, groups=groups, users=users)
+
+    def _users(self, records: list[Record]) -> list[str]:
+        users = []
+        for record in records:
+            user = self.user_key(record)
+            if user is None and self.user_column not in record.fields:
+                raise DataError(f"{record.path} {record.where}: missing user field {self.user_column!r} "
+                                f"(data.user_column; fields: {show_fields(record.fields)})")
+            if user is None or not str(user).strip():
+                raise DataError(f"{record.path} {record.where}: empty user in field {self.user_column!r} "
+                                f"(data.user_column)")
+            users.append(str(user))
+        return users
+
+    def train_user_keys(self) -> list[str] | None:
+        """The user (``str``) of each example of ``train_set``, in its order; ``None`` without a ``user_column``."""
+        if self.user_column is None:
+            return None
+        assert self.train_set is not None and self._splits is not None, "call setup('fit') first"
+        users = self._splits["train"].users
+        assert users is not None
+        keys = users[:self.max_train_examples] if self.max_train_examples is not None else list(users)
+        assert len(keys) == len(self.train_set)
+        return keys
 
     def prepare_data(self) -> None:
         """Check the files, columns and rows (and fill the templates) so bad input fails before training."""

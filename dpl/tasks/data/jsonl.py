@@ -23,6 +23,8 @@ class JSONLDataModule(GenerationDataModule):
             files holding JSON lines are found too).
         prompt_field: key of the prompt text in each object.
         completion_field: key of the completion text in each object.
+        user_column: column (generation readers: record field) naming the user who owns each row, for
+            privacy.unit: user; rows of one user form one privacy unit. Any key of the objects.
         **kwargs: the other options of :class:`~dpl.tasks.data.generation.GenerationDataModule` (``train_file``,
             ``val_file``, ``test_file``, ``tokenizer``, templates, ``max_length``, ...).
     """

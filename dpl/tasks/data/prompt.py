@@ -65,6 +65,8 @@ class PromptClassificationDataModule(ClassificationDataModule):
     Args:
         template: the prompt, with ``{sentence}`` (the text column) and ``[MASK]`` (the tokenizer's mask token)
             each exactly once. Default: MeZO's SST-2 prompt ``"{sentence} It was [MASK]."``.
+        user_column: column (generation readers: record field) naming the user who owns each row, for
+            privacy.unit: user; rows of one user form one privacy unit.
         everything else: see :class:`~dpl.tasks.data.ClassificationDataModule` (no text pairs).
     """
 
@@ -73,14 +75,14 @@ class PromptClassificationDataModule(ClassificationDataModule):
                  text_column: str = "sentence", label_column: str = "label", labels: list[str | int] | None = None,
                  max_length: int = 128, eval_batch_size: int = 64, num_workers: int = 0,
                  max_train_examples: int | None = None, max_eval_examples: int | None = None,
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, user_column: str | None = None) -> None:
         if template.count(SLOT) != 1 or template.count(MASK) != 1:
             raise DataError(f"data.template must contain {SLOT} and {MASK} exactly once, got {template!r}")
         super().__init__(tokenizer=tokenizer, data_dir=data_dir, train_file=train_file, val_file=val_file,
                          test_file=test_file, text_column=text_column, label_column=label_column, labels=labels,
                          max_length=max_length, eval_batch_size=eval_batch_size, num_workers=num_workers,
                          max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
-                         cache_dir=cache_dir)
+                         cache_dir=cache_dir, user_column=user_column)
         self.template = template
 
     @property

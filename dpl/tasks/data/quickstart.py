@@ -51,12 +51,14 @@ class QuickstartDataModule(ClassificationDataModule):
         max_train_examples: keep only the first N training rows.
         max_eval_examples: keep only the first N validation rows.
         cache_dir: unused (kept for compatibility): the data is held in memory, never in a ``datasets`` cache.
+        user_column: column (generation readers: record field) naming the user who owns each row, for
+            privacy.unit: user; rows of one user form one privacy unit (files only: generated rows have none).
     """
 
     def __init__(self, tokenizer: str = MINILM, data_dir: str | None = None, train_size: int | None = None,
                  validation_size: int = 400, seed: int = SEED, max_length: int = 64, eval_batch_size: int = 64,
                  num_workers: int = 0, max_train_examples: int | None = None, max_eval_examples: int | None = None,
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, user_column: str | None = None) -> None:
         if train_size is not None and data_dir is not None:
             raise ConfigError("data.train_size generates the quickstart rows: it does not read data.data_dir "
                               "(set one of them)")
@@ -67,7 +69,7 @@ class QuickstartDataModule(ClassificationDataModule):
                          text_column="sentence", label_column="label", labels=list(LABELS), max_length=max_length,
                          eval_batch_size=eval_batch_size, num_workers=num_workers,
                          max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
-                         cache_dir=cache_dir)
+                         cache_dir=cache_dir, user_column=user_column)
         self.train_size = train_size
         self.validation_size = validation_size
         self.seed = seed
@@ -91,6 +93,7 @@ class QuickstartDataModule(ClassificationDataModule):
                 splits[name] = SplitData(name=name, path=Path(f"<quickstart {name}, generated, seed {self.seed}>"),
                                          dataset=dataset)
             self._label_map = self._check_labels(splits)
+            self._check_users(splits)
             self._splits = splits
             self.generation_stats = stats
             log.info("dpl: generated %d training and %d validation quickstart rows (seed %d)", self.train_size,

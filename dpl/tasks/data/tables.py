@@ -59,6 +59,7 @@ class SplitData:
     lines: list[int] | None = None  # line number of each row (CSV/TSV/JSON lines), else rows are numbered
     label_names: list[str] | None = None  # set when the label column is a ClassLabel
     keys: list[str | None] = field(default_factory=list)  # canonical label of each row
+    users: list[str] | None = None  # the user of each row (training split with a user column)
 
     def where(self, index: int) -> str:
         if self.lines is not None and index < len(self.lines):
