@@ -17,12 +17,12 @@ NeurIPS 2021: same grid, mean-preserving cell-centred discretisation, FFT compos
 upper bound (epsilon at ``delta - delta_error`` plus ``eps_error``) is returned: no dominance of one direction is
 assumed.
 
-Domain size, ``eps_error`` and the calibration's first guess use an RDP bound: P and Q are the images under
-summation of the k-fold products of the subsampled Gaussian with noise multiplier sigma / sqrt(k)
-(N(0, sigma^2) = sum of k independent N(0, sigma^2 / k)), so by post-processing and composition the ELS Renyi
-divergence (either direction) is at most k times that of one subsampled Gaussian step with sigma / sqrt(k); the
-remove direction of the subsampled Gaussian bounds its add direction (Mironov, Talwar & Zhang, "Renyi differential
-privacy of the sampled Gaussian mechanism", 2019). Where PRV fails, that RDP bound is the (logged) fallback.
+Domain size, ``eps_error`` and the calibration's proxy come from a Chernoff bound on the composed loss,
+P(sum Y > eps) <= steps * P(Y > t_cap) + exp(steps log E[e^(lam Y); Y <= t_cap] - lam eps), with the moment
+generating function bounded from the exact cell masses of one step (``k == 1``: the subsampled Gaussian's RDP bound,
+as in :mod:`~dpl.core.accounting.prv`). Renyi divergences themselves are useless here: the event that all k rows are
+sampled (probability q^k) makes them grow like alpha k^2 / (2 sigma^2). Where PRV fails, the Chernoff bound (a valid,
+looser upper bound) is returned with a logged warning.
 
 :func:`group_privacy` is the loose alternative: a row-level guarantee converted to a group of k rows.
 """
