@@ -45,6 +45,8 @@ Modules, one job each
 uses, and :func:`calibrate_noise_multiplier`), :mod:`~dpl.core.accounting.accountant`
 (:class:`PoissonGaussianAccountant`, a history of steps), :mod:`~dpl.core.accounting.schedule`
 (:class:`EpsilonSchedule`, epsilon for the current step computed ahead, off the training loop),
+:mod:`~dpl.core.accounting.users` (user-level DP of example-level sampling, :func:`els_epsilon`,
+:func:`els_calibrate`; :func:`group_privacy`),
 :mod:`~dpl.core.accounting.common` (error settings and argument checks).
 """
 
@@ -54,6 +56,7 @@ from dpl.core.accounting.common import METHODS, REL_EPS_ERROR, Segment
 from dpl.core.accounting.gaussian import calibrate_gaussian_mechanism, gaussian_mechanism_epsilon
 from dpl.core.accounting.prv import epsilon_for, prv_error_for
 from dpl.core.accounting.schedule import EpsilonSchedule
+from dpl.core.accounting.users import els_calibrate, els_epsilon, group_privacy
 
 __all__ = [
     "METHODS",
@@ -63,8 +66,11 @@ __all__ = [
     "Segment",
     "calibrate_gaussian_mechanism",
     "calibrate_noise_multiplier",
+    "els_calibrate",
+    "els_epsilon",
     "epsilon_for",
     "gaussian_mechanism_epsilon",
+    "group_privacy",
     "prv_error_for",
     "smallest_noise_multiplier",
 ]
