@@ -207,7 +207,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
                      max_grad_norm: float = 1.0, batch_size: int = 256, steps: int, seed: int = 0,
                      physical_batch_size: int = 4096, evaluate: Callable[[], dict[str, Any]] | None = None,
                      eval_steps: Sequence[int] = (), stop_after: int | None = None, device: str = "cpu",
-                     autocast: bool = False) -> dict[str, Any]:
+                     autocast: bool = False, user_keys: Sequence[Any] | None = None, max_rows_per_user: int = 1,
+                     user_sampling: str = "users") -> dict[str, Any]:
     """Train ``trainable`` (parameters of ``model``) privately for ``steps`` steps with dpl's private engine
     (:class:`~dpl.core.engine.PrivateEngine`, the one ``dpl fit`` and ``dpl audit`` drive), with its plugins,
     mechanism, calibration, batch sampler and private step: the one training loop of the studies.
@@ -221,7 +222,10 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     autocast's dtypes) and ``evaluate`` run under bfloat16 autocast on ``device``; dpl clips and sums in float32, and
     the hooks after the clipped sum (noise, post-processing) run outside autocast. ``evaluate()`` is called at
     ``eval_steps`` (the ``curve``) and at the end (``final``). ``stop_after``: stop after that many of the planned
-    ``steps`` (sigma stays calibrated for ``steps``). Returns sigma, epsilon (planned) and ``epsilon_spent`` (at the
+    ``steps`` (sigma stays calibrated for ``steps``). ``user_keys`` (the user of every training row): user-level DP
+    (``privacy.unit: user``) with k = ``max_rows_per_user`` and ``user_sampling`` (``users`` or ``rows``); epsilon,
+    delta (default 1 / (10 users)) and ``batch_size`` (under ``users``) are then per user. Returns sigma, epsilon
+    (planned) and ``epsilon_spent`` (at the
     stop), the mechanism (and ftrl's bands), the plugins' logged values (means over the steps taken) and the wall
     time. A run whose parameters become non-finite stops early with ``diverged: True``.
     """
@@ -232,9 +236,13 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     from dpl.core.update import apply_direction
     from dpl.errors import PrivacyWarning
 
+    from dpl.core.step import UNITS_KEY
+    from dpl.core.units import Users
+
     start = time.perf_counter()
     n = num_examples
-    delta = delta if delta is not None else 1.0 / (10 * n)
+    users = None if user_keys is None else Users.from_keys(list(user_keys), max_rows_per_user)
+    delta = delta if delta is not None else 1.0 / (10 * (n if users is None else users.num_users))
     torch.manual_seed(seed)
 
     def optimizer_factory(params):
@@ -244,12 +252,18 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
 
     privacy = PrivacyConfig(target_epsilon=epsilon if noise_multiplier is None else None, target_delta=delta,
                             noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, batch_size=batch_size,
-                            physical_batch_size=physical_batch_size, seed=seed)
+                            physical_batch_size=physical_batch_size, seed=seed,
+                            unit="example" if users is None else "user",
+                            max_rows_per_user=None if users is None else max_rows_per_user,
+                            user_sampling=user_sampling)
     with warnings.catch_warnings():  # a seeded run is an experiment, which is what a study is
         warnings.simplefilter("ignore", PrivacyWarning)
         engine = PrivateEngine(privacy, plugins, seed_namespace="studies/")
-        engine.setup(model, trainable=trainable, num_examples=n, steps=steps, optimizer_factory=optimizer_factory)
+        engine.setup(model, trainable=trainable, num_examples=n, steps=steps, optimizer_factory=optimizer_factory,
+                     users=users)
     engine.start(device)
+    unit_of = engine.unit_of_row()
+    unit_of = None if unit_of is None else torch.as_tensor(unit_of, dtype=torch.long)
     sigma, spent = float(engine.noise_multiplier), engine.final_epsilon()
     opt = optimizer_factory(list(trainable.values()))
     logged: dict[str, list[float]] = {}
@@ -274,6 +288,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     diverged = False
     for t, rows in enumerate(engine.batches()):
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch_of(rows).items()}
+        if unit_of is not None:  # user-level sampling: the batch says whose each row is
+            batch[UNITS_KEY] = unit_of[torch.as_tensor(rows, dtype=torch.long)].to(device)
         direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=loss, optimizer=opt,
                                 log_metric=log)
         apply_direction(opt, trainable, direction)
@@ -316,7 +332,7 @@ def train_private(data: Split, classes: int, *, lr: float, batch_size: int = 256
     trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
 
     def batch_of(rows: list[int]) -> dict[str, Tensor]:
-        if len(rows) == n:  # full batch (q = 1): every row, in order; no copy
+        if len(rows) == n and settings.get("user_keys") is None:  # full batch (q = 1): every row, in order; no copy
             return {"x": data.x, "y": data.y}
         idx = torch.as_tensor(rows, dtype=torch.long)
         return {"x": data.x[idx], "y": data.y[idx]}

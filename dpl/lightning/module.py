@@ -300,8 +300,10 @@ class DPModule(L.LightningModule):
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()
                    if k.startswith("val") and "/" not in k}  # per-class / per-group values stay in the logs
         shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+        unit = self.mechanism.unit
         self.fit_summary = (f"dpl: trained {self.steps_done} private steps; privacy spent (epsilon={eps:.3f}, "
-                            f"delta={self.delta:.3g}, {self.mechanism.adjacency} adjacency); "
+                            f"delta={self.delta:.3g}, {self.mechanism.adjacency} adjacency"
+                            f"{' of one user' if unit == 'user' else ''}); "
                             f"sigma={self.noise_multiplier:.4f}, C={self.privacy.max_grad_norm:g}"
                             + (f"; {shown}" if shown else ""))
         if self.trainer.is_global_zero and self.print_fit_summary:

@@ -53,8 +53,25 @@ ADJACENCY_TEXT = {"add_remove": "adding or removing one training example",
                   "replace_one": "replacing one training example by another"}
 
 
-def adjacency_text(adjacency: str | None) -> str:
+#: the same relations for the privacy unit "user" (all the rows of one user)
+USER_ADJACENCY_TEXT = {"add_remove": "adding or removing all the training rows of one user",
+                       "zero_out": "replacing all of one user's contributions by zero (zero-out)",
+                       "replace_one": "replacing all the rows of one user by another user's"}
+
+
+def adjacency_text(adjacency: str | None, unit: str = "example") -> str:
+    if unit == "user":
+        return USER_ADJACENCY_TEXT.get(adjacency, f"{adjacency} adjacency of one user")
     return ADJACENCY_TEXT.get(adjacency, f"{adjacency} adjacency of one training example")
+
+
+def _protects(report: dict[str, Any]) -> str:
+    """Whom the guarantee protects, in words."""
+    users = report.get("users")
+    if report.get("unit") == "user" and users:
+        return (f"each user's (up to {users['max_rows_per_user']}) records, among {users['users']} users "
+                f"({report['num_examples']} training rows)")
+    return f"each training example, among {report['num_examples']} training examples"
 
 
 def build_report(module: Any) -> dict[str, Any]:
@@ -62,9 +79,10 @@ def build_report(module: Any) -> dict[str, Any]:
     delta = module.privacy_summary()["delta"]
     deltas = tuple(delta * f for f in DELTA_FACTORS if delta * f < 1) if delta else ()
     summary = module.privacy_summary(deltas)
+    unit = summary.get("unit") or "example"
     report = {
-        "guarantee": f"(epsilon, delta)-DP with respect to {adjacency_text(summary['adjacency'])} (example-level), "
-                     "for the model's weights and everything computed from them",
+        "guarantee": f"(epsilon, delta)-DP with respect to {adjacency_text(summary['adjacency'], unit)} "
+                     f"({unit}-level), for the model's weights and everything computed from them",
         **{k: v for k, v in summary.items() if k != "epsilon_at_delta"},
         "epsilon_delta_table": [{"delta": d, "epsilon": e} for d, e in summary["epsilon_at_delta"].items()],
         "accountant_note": accountant_note(summary),
@@ -82,6 +100,13 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 
 def _sampling_text(report: dict[str, Any]) -> str:
+    users = report.get("users") if report.get("unit") == "user" else None
+    if users and users.get("sampling") == "users" and report["sampling"] == "poisson":
+        return (f"Poisson sampling of users with rate q = {_fmt(report['sampling_rate'], '.4g')} (expected "
+                f"{report['batch_size']} users per step, up to {users['max_rows_per_user']} rows of each)")
+    if users and report["sampling"] == "poisson":
+        return (f"Poisson sampling of rows with rate q = {_fmt(report['sampling_rate'], '.4g')} after bounding each "
+                f"user to {users['max_rows_per_user']} rows (expected batch size {report['batch_size']})")
     if report["sampling"] == "poisson":
         return (f"Poisson sampling with rate q = {_fmt(report['sampling_rate'], '.4g')} (expected batch size "
                 f"{report['batch_size']})")
@@ -96,12 +121,16 @@ def _sampling_text(report: dict[str, Any]) -> str:
 def model_card_paragraph(report: dict[str, Any]) -> str:
     """A paragraph to paste into a model card."""
     plugins = ", ".join(report["plugins"]) or "none"
+    user = report.get("unit") == "user"
+    clipped = ("each user's mean gradient" if user and (report.get("users") or {}).get("sampling") == "users"
+               else "each example's gradient")
     return (f"This model was fine-tuned with differential privacy using dpl {report['dpl_version']}. It satisfies "
             f"({_fmt(report['epsilon'], '.2f')}, {_fmt(report['delta'], '.2g')})-differential privacy with respect "
-            f"to {adjacency_text(report['adjacency'])}, among {report['num_examples']} training examples, "
-            f"for its weights and everything computed from them. Training ran {report['steps_taken']} private steps "
-            f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, each example's "
-            f"gradient clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
+            f"to {adjacency_text(report['adjacency'], report.get('unit') or 'example')}: it protects "
+            f"{_protects(report)}, for its weights and everything computed from them. Training ran "
+            f"{report['steps_taken']} private steps "
+            f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, {clipped} "
+            f"clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
             f"{_fmt(report['noise_multiplier'], '.4g')}; epsilon was computed with the {report['accountant']} "
             f"accountant. The guarantee does not cover the pretrained model, the validation data, the label set, the "
             f"number of training examples, or hyperparameters tuned on the private data.")
@@ -114,14 +143,29 @@ def report_markdown(report: dict[str, Any]) -> str:
             ("noise multiplier sigma", _fmt(report["noise_multiplier"], ".4g")),
             ("clipping norm C", _fmt(report["max_grad_norm"], "g")),
             ("sampling", _sampling_text(report)),
+            ("protects", _protects(report)),
             ("training examples N", str(report["num_examples"])),
             ("mechanism", str(report["mechanism"])),
             ("plugins", json.dumps(report["plugins"]) if report["plugins"] else "none (defaults: clip, gaussian)"),
             ("accountant", report["accountant_note"]),
-            ("adjacency", f"{report['adjacency']}: {adjacency_text(report['adjacency'])}"),
+            ("adjacency", f"{report['adjacency']}: {adjacency_text(report['adjacency'], report.get('unit') or 'example')}"),
             ("dpl version", str(report["dpl_version"]))]
     lines = ["# Privacy report", "", report["guarantee"] + ".", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
+    users = report.get("users")
+    if users:
+        lines += ["", "## Users", "", "| | |", "|---|---|",
+                  f"| users | {users['users']} ({users['rows']} rows) |",
+                  f"| rows per user | min {users['rows_per_user_min']}, median {_fmt(users['rows_per_user_median'], 'g')}"
+                  f", max {users['rows_per_user_max']} |",
+                  f"| rows per user used, k | {users['max_rows_per_user']} ({users['rows_beyond_bound']} rows beyond "
+                  "it are never used at once) |",
+                  f"| sampling | {users['sampling']} |"]
+        if report.get("epsilon_per_row") is not None:
+            lines += [f"| epsilon per row, for reference | {_fmt(report['epsilon_per_row'])} |"]
+        if report.get("epsilon_group_privacy") is not None:
+            lines += [f"| per-row guarantee converted by group privacy | epsilon {_fmt(report['epsilon_group_privacy'])}"
+                      f" at delta {_fmt(report['delta_group_privacy'], '.3g')} (loose) |"]
     lines += ["", "## Epsilon at other deltas", "", "| delta | epsilon |", "|---|---|"]
     lines += [f"| {_fmt(r['delta'], '.3g')} | {_fmt(r['epsilon'])} |" for r in report["epsilon_delta_table"]]
     lines += ["", "## For the model card", "", report["model_card"], "",

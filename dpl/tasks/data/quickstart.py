@@ -51,14 +51,17 @@ class QuickstartDataModule(ClassificationDataModule):
         max_train_examples: keep only the first N training rows.
         max_eval_examples: keep only the first N validation rows.
         cache_dir: unused (kept for compatibility): the data is held in memory, never in a ``datasets`` cache.
-        user_column: column (generation readers: record field) naming the user who owns each row, for
-            privacy.unit: user; rows of one user form one privacy unit (files only: generated rows have none).
+        user_column: column naming the user who owns each row, for privacy.unit: user; rows of one user form one
+            privacy unit. Generated rows have an ``author`` column with ``authors``.
+        authors: with ``train_size``: give every generated training row an ``author`` (one of this many, drawn with
+            Zipf-skewed frequencies 1 / rank from ``seed``: a few authors write many reviews, most a few), the
+            privacy unit of ``configs/privacy/users.yaml``.
     """
 
     def __init__(self, tokenizer: str = MINILM, data_dir: str | None = None, train_size: int | None = None,
                  validation_size: int = 400, seed: int = SEED, max_length: int = 64, eval_batch_size: int = 64,
                  num_workers: int = 0, max_train_examples: int | None = None, max_eval_examples: int | None = None,
-                 cache_dir: str | None = None, user_column: str | None = None) -> None:
+                 cache_dir: str | None = None, user_column: str | None = None, authors: int | None = None) -> None:
         if train_size is not None and data_dir is not None:
             raise ConfigError("data.train_size generates the quickstart rows: it does not read data.data_dir "
                               "(set one of them)")
@@ -70,6 +73,10 @@ class QuickstartDataModule(ClassificationDataModule):
                          eval_batch_size=eval_batch_size, num_workers=num_workers,
                          max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
                          cache_dir=cache_dir, user_column=user_column)
+        if authors is not None and (train_size is None or authors < 1):
+            raise ConfigError("data.authors needs data.train_size (authors are given to generated rows) and must be "
+                              ">= 1")
+        self.authors = authors
         self.train_size = train_size
         self.validation_size = validation_size
         self.seed = seed
@@ -89,6 +96,8 @@ class QuickstartDataModule(ClassificationDataModule):
             splits = {}
             for name, split in rows.items():
                 columns = {"sentence": [s for s, _ in split], "label": [y for _, y in split]}
+                if name == "train" and self.authors is not None:
+                    columns["author"] = zipf_authors(len(split), self.authors, self.seed)
                 dataset = datasets.Dataset.from_dict(columns)
                 splits[name] = SplitData(name=name, path=Path(f"<quickstart {name}, generated, seed {self.seed}>"),
                                          dataset=dataset)
@@ -101,3 +110,13 @@ class QuickstartDataModule(ClassificationDataModule):
         return {"files": {k: str(s.path) for k, s in self._splits.items()},
                 "rows": {k: len(s.dataset) for k, s in self._splits.items()},
                 "labels": list(self.label_map)}
+
+
+def zipf_authors(rows: int, authors: int, seed: int) -> list[str]:
+    """An author for each of ``rows`` rows: author j (1-based) with probability proportional to 1 / j, drawn from
+    ``seed`` (reproducible)."""
+    import torch
+
+    weights = 1.0 / torch.arange(1, authors + 1, dtype=torch.float64)
+    drawn = torch.multinomial(weights, rows, replacement=True, generator=torch.Generator().manual_seed(seed + 1))
+    return [f"author{int(j) + 1}" for j in drawn]
