@@ -10,6 +10,7 @@ checkpoint/resume under DDP. FSDP: tests/test_fsdp.py.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 import os
 import stat
 from pathlib import Path
@@ -380,3 +381,46 @@ def test_unsupported_strategy_is_refused():
     with pytest.raises(ConfigError, match="DPFSDPStrategy"):  # FSDP1 wraps the parameters even in one process
         check_strategy(SimpleNamespace(world_size=1, strategy=FSDPStrategy()))
     check_strategy(SimpleNamespace(world_size=1, strategy=object()))  # any single-process strategy is fine
+
+
+class UserIndexedData(IndexedData):
+    """IndexedData whose rows belong to users of 1 to 4 rows (row i: user i // 4 + (i % 4 == 3))."""
+
+    def train_user_keys(self):
+        return [str(i // 4 + (i % 4 == 3)) for i in range(self.n)]
+
+
+def test_user_level_sampling_two_processes_equal_one(tmp_path):
+    """privacy.unit: user under DDP: ranks hold whole users (never a user split across them) and the result equals one
+    process, to the float32-summation tolerance."""
+    settings = dict(noise_multiplier=0.5, batch_size=8, physical_batch_size=3, seed=7, max_grad_norm=1.0,
+                    unit="user", max_rows_per_user=2)
+
+    def fit(out, devices):
+        module = VectorModule(privacy=PrivacyConfig(**settings), optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+        trainer = L.Trainer(max_epochs=1, limit_train_batches=4, accelerator="cpu", devices=devices,
+                            strategy="ddp_fork" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=0, default_root_dir=str(out), precision="64-true",
+                            callbacks=[Recorder(out / "ranks")])
+        threads = torch.get_num_threads()
+        if devices > 1:
+            torch.set_num_threads(1)
+        try:
+            trainer.fit(module, UserIndexedData(160))
+        finally:
+            torch.set_num_threads(threads)
+        return [torch.load(out / "ranks" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+    one = fit(tmp_path / "one", 1)[0]
+    two = fit(tmp_path / "two", 2)
+    user_of = UserIndexedData(160).train_user_keys()
+    for step, batch in enumerate(one["batches"]):
+        shards = [set(r["batches"][step]) for r in two]
+        assert sorted(shards[0] | shards[1]) == sorted(batch)
+        assert not {user_of[i] for i in shards[0]} & {user_of[i] for i in shards[1]}  # users whole on one rank
+        assert max(Counter(user_of[i] for i in batch).values(), default=0) <= 2  # at most k rows of a user
+    assert any(one["batches"])
+    for rank in two:
+        assert rank["sigma"] == one["sigma"] and rank["epsilon"] == one["epsilon"]
+        assert_same_params(rank["params"], one["params"], atol=summation_tolerance(one, steps=4, lr=0.5, batch=8))
