@@ -225,3 +225,59 @@ def test_refusals_are_one_line():
                            plugins={"ftrl": {}})
     with pytest.raises(ConfigError, match="user_sampling: rows"):
         engine.setup(nn.Linear(2, 2), num_examples=40, steps=2, users=Users.from_keys(list(range(40)), 2))
+
+
+@pytest.mark.parametrize("plugins", [{"adambc": {}}, {"denoise": {}}, {"ftrl": {}}, {"dpzero": {"mu": 0.05}}],
+                         ids=["adambc", "denoise", "ftrl", "dpzero"])
+def test_every_plugin_trains_with_user_level_sampling(plugins):
+    """Each built-in plugin under privacy.unit: user (user-level sampling): its mechanism accounts per user, the
+    batches hold whole users (at most k rows each), and the steps run."""
+    from dpl.core.plugin_manager import installed_plugins
+    from dpl.core.update import apply_direction
+
+    name = next(iter(plugins))
+    if name not in installed_plugins():
+        pytest.skip(f"plugin {name} is not installed")
+    privacy = PrivacyConfig(target_epsilon=4.0, batch_size=4, physical_batch_size=4, unit="user",
+                            max_rows_per_user=2, seed=3)
+    keys = [r // 3 for r in range(48)]  # 16 users of 3 rows
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    engine = PrivateEngine(privacy, plugins)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.setup(model, num_examples=48, steps=4, users=Users.from_keys(keys, 2),
+                 optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine.start()
+    assert engine.mechanism.unit == "user" and engine.plan.num_examples == 16
+    x, y = torch.randn(48, 4), torch.randint(0, 2, (48,))
+    unit_of = torch.tensor(engine.unit_of_row())
+    trainable = dict(model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def loss(batch):
+        return F.cross_entropy(model(batch["x"]), batch["labels"], reduction="none")
+
+    for rows in engine.batches():
+        idx = torch.tensor(rows, dtype=torch.long)
+        assert all(n <= 2 for n in Counter(unit_of[idx].tolist()).values())
+        direction = engine.step({"x": x[idx], "labels": y[idx], UNITS_KEY: unit_of[idx]}, model=model,
+                                trainable=trainable, per_example_loss=loss, optimizer=optimizer)
+        apply_direction(optimizer, trainable, direction)
+    assert engine.steps_done == 4 and 0 < engine.epsilon() <= 4.0 * (1 + 1e-9)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_an_estimator_that_does_not_clip_users_is_refused(monkeypatch):
+    from helpers import fake_entry_points
+
+    from dpl.api import GradientSum, hookimpl
+
+    class RowClipper:
+        @hookimpl
+        def estimate_gradient(self, ctx, batch):
+            return GradientSum({}, 0)
+
+    fake_entry_points(monkeypatch, {"rowclip": RowClipper})
+    engine = PrivateEngine(PrivacyConfig(unit="user", max_rows_per_user=2, batch_size=4), {"rowclip": {}})
+    with pytest.raises(ConfigError, match="rowclip replaces estimate_gradient but does not clip per user"):
+        engine.setup(nn.Linear(2, 2), num_examples=40, steps=2, users=Users.from_keys(list(range(40)), 2))
