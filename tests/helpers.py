@@ -227,3 +227,11 @@ def fake_entry_points(monkeypatch, plugins: dict) -> None:
     fake = dict(real)
     fake.update({name: EP(name, obj) for name, obj in plugins.items()})
     monkeypatch.setattr(plugin_manager, "installed_plugins", lambda: fake)
+
+
+def real_model_precision() -> list[str]:
+    """``--trainer.precision 32-true`` on a CPU without native bfloat16 (where bf16-mixed is emulated, many times
+    slower than float32: the quickstart's real-MiniLM tests would take minutes), else nothing (the config's own)."""
+    from dpl.lightning.module import cpu_has_native_bf16
+
+    return [] if cpu_has_native_bf16() else ["--trainer.precision", "32-true"]

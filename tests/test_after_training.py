@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
+from helpers import real_model_precision, save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
 
 from dpl.cli import main
 from dpl.trained.predict import predict, write_outputs
@@ -271,7 +271,7 @@ def test_quickstart_lora_checkpoint_is_small(tmp_path, capsys):
     main(["fit", "--config", str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
           "--trainer.limit_train_batches", "2", "--model.privacy.batch_size", "32",
           "--model.privacy.physical_batch_size", "32", "--data.train_size", "2000", "--data.validation_size", "64",
-          "--trainer.default_root_dir", str(root)])
+          "--trainer.default_root_dir", str(root), *real_model_precision()])
     capsys.readouterr()
     ckpt = next(root.rglob("checkpoints/last.ckpt"))
     assert ckpt.stat().st_size < 5 * 2 ** 20, ckpt.stat().st_size

@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import SaveAndStopAt, tiny_classification_workspace
+from helpers import SaveAndStopAt, real_model_precision, tiny_classification_workspace
 
 from dpl.core.noise import normal
 from dpl.errors import ConfigError
@@ -99,7 +99,7 @@ def test_quickstart_config_with_real_minilm(tmp_path, capsys):
     main(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--trainer.max_steps", "3",
           "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3",
           "--trainer.default_root_dir", str(tmp_path),
-          "--trainer.enable_progress_bar", "false"])
+          "--trainer.enable_progress_bar", "false", *real_model_precision()])
     out = capsys.readouterr().out
     assert "dpl: trained 3 private steps" in out
     assert "val_acc=" in out
