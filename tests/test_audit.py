@@ -203,3 +203,16 @@ def test_a_plugin_with_its_own_mechanism_is_audited_the_same_way(bug):
     result = run_audit(AuditConfig(**FAST, plugins={"ftrl": {}}, score="sum", inject=bug))
     assert result.mechanism == "ftrl"
     assert result.violation == (bug != "none"), result.report()
+
+
+def test_user_level_audit_is_sound_and_catches_per_row_clipping():
+    """unit: user, k = 4: canaries are users of 4 copies of themselves. The honest mechanism (each user's mean clipped
+    as one) stays below its claimed user-level epsilon; clipping each row on its own (a canary user adds 4 C) is a
+    violation."""
+    honest = run_audit(AuditConfig(**FAST, unit="user", rows_per_user=4))
+    assert not honest.violation and honest.lower_bound < honest.claimed_epsilon
+    assert honest.best.correct > honest.best.guesses / 2  # the canary users are seen
+    broken = run_audit(AuditConfig(**FAST, unit="user", rows_per_user=4, inject="per_row_clip"))
+    assert broken.violation, broken.report()
+    with pytest.raises(ConfigError, match="per_row_clip needs unit: user"):
+        run_audit(AuditConfig(**FAST, inject="per_row_clip"))

@@ -36,8 +36,17 @@ class CanaryData:
         ey = _unit_rows(torch.randn(n, rows, generator=gen))
         ex = _unit_rows(torch.randn(n, cols, generator=gen)) * (cfg.example_norm * C)
         inc = self.included.nonzero().flatten()
-        self.x = torch.cat([cx[inc] * (cfg.canary_norm * C), ex])
-        self.y = torch.cat([cy[inc], ey])
+        k = cfg.rows_per_user if cfg.unit == "user" else 1
+        # unit "user": every canary a user of k copies of itself (its rows' gradients align: the worst case), every
+        # ordinary example a user of k independent random rows
+        x = [cx[inc].repeat_interleave(k, 0) * (cfg.canary_norm * C), ex]
+        y = [cy[inc].repeat_interleave(k, 0), ey]
+        if k > 1:
+            x.append(_unit_rows(torch.randn(n * (k - 1), cols, generator=gen)) * (cfg.example_norm * C))
+            y.append(_unit_rows(torch.randn(n * (k - 1), rows, generator=gen)))
+        self.x, self.y = torch.cat(x), torch.cat(y)
+        canary_users = [f"c{int(i)}" for i in inc for _ in range(k)]
+        self.user_keys = canary_users + [f"e{j}" for j in range(n)] + [f"e{j}" for j in range(n) for _ in range(k - 1)]
 
     def __len__(self) -> int:
         return int(self.x.shape[0])

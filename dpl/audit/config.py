@@ -47,8 +47,13 @@ class AuditConfig:
         seed: seed of the canaries, the inclusion, the sampler and the noise (None: OS entropy).
         accountant: ``prv`` or ``rdp``.
         physical_batch_size: micro-batch size of the private step.
-        inject: plant a bug to check the audit: ``weak_noise`` (noise x weak_noise_factor), ``no_clip``, or
-            ``noise_leak`` (the auditor knows the noise generator's state and subtracts the noise).
+        inject: plant a bug to check the audit: ``weak_noise`` (noise x weak_noise_factor), ``no_clip``,
+            ``noise_leak`` (the auditor knows the noise generator's state and subtracts the noise) or
+            ``per_row_clip`` (``unit: user``: each row clipped on its own, so a user adds up to k C).
+        unit: ``example`` or ``user``: audit user-level DP (user-level sampling): every canary and every ordinary
+            example is a user of ``rows_per_user`` rows (a canary's rows are copies of it: the worst case), users
+            are Poisson-sampled at q = B / (examples + canaries / 2), and the bound is on the user-level epsilon.
+        rows_per_user: k, the rows of each user with ``unit: user`` (also ``privacy.max_rows_per_user``).
         weak_noise_factor: the noise factor of ``weak_noise``.
     """
 
@@ -73,8 +78,10 @@ class AuditConfig:
     seed: int | None = None
     accountant: Literal["prv", "rdp"] = "prv"
     physical_batch_size: int = 4096
-    inject: Literal["none", "weak_noise", "no_clip", "noise_leak"] = "none"
+    inject: Literal["none", "weak_noise", "no_clip", "noise_leak", "per_row_clip"] = "none"
     weak_noise_factor: float = 0.1
+    unit: Literal["example", "user"] = "example"
+    rows_per_user: int = 1
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -98,6 +105,8 @@ class AuditConfig:
         need(self.noise_multiplier is None or self.noise_multiplier >= 0, "noise_multiplier must be >= 0")
         need(self.inject in INJECTIONS, f"inject must be one of {', '.join(INJECTIONS)}, got {self.inject!r}")
         need(self.weak_noise_factor >= 0, "weak_noise_factor must be >= 0")
+        need(self.rows_per_user >= 1, f"rows_per_user must be >= 1, got {self.rows_per_user}")
+        need(self.inject != "per_row_clip" or self.unit == "user", "inject: per_row_clip needs unit: user")
         rows, cols = self.shape()
         need(rows >= 1 and cols >= 1, f"rows and cols must be >= 1, got {rows} x {cols}")
         if self.canary_type == "dirac":

@@ -8,9 +8,10 @@ from typing import Any
 
 from dpl.core.gradients import GradientSum
 from dpl.core.hookspecs import hookimpl
-from dpl.core.step import StepContext
+from dpl.core.plugin_manager import Contract
+from dpl.core.step import UNITS_KEY, StepContext
 
-INJECTIONS = ("none", "weak_noise", "no_clip", "noise_leak")
+INJECTIONS = ("none", "weak_noise", "no_clip", "noise_leak", "per_row_clip")
 
 
 class WeakNoise:
@@ -40,3 +41,16 @@ class NoClip:
             return (yield)
         finally:
             ctx.max_grad_norm = claimed
+
+
+class PerRowClip:
+    """Bug (``unit: user``): ``estimate_gradient`` never sees the batch's users, so it clips every row on its own and a
+    user of k rows adds up to k C, while the accounting assumes C per user. It claims to clip per user (a plugin
+    whose contract lies: what the audit is for)."""
+
+    contract = Contract(clips_units=True)
+
+    @hookimpl(wrapper=True)
+    def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]):
+        batch.pop(UNITS_KEY, None)
+        return (yield)

@@ -43,14 +43,15 @@ import torch
 from dpl.audit.bound import guesses_for, perfect_guess_ceiling, score_guesses
 from dpl.audit.canaries import CanaryData, LinearCanaryModel
 from dpl.audit.config import AuditConfig, AuditResult
-from dpl.audit.injections import NoClip, WeakNoise
+from dpl.audit.injections import NoClip, PerRowClip, WeakNoise
 from dpl.core.engine import PrivateEngine
 from dpl.core.gradients import GradientSum
 from dpl.core.noise import replay_source
 from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_seed, secure_generator
-from dpl.core.step import StepContext
+from dpl.core.step import UNITS_KEY, StepContext
+from dpl.core.units import Users
 from dpl.core.update import apply_direction
 from dpl.errors import ConfigError
 
@@ -80,6 +81,8 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
         pm.register(NoClip(), name="audit-inject-no-clip")
     elif cfg.inject == "noise_leak":
         _check_leak_supported(pm)
+    elif cfg.inject == "per_row_clip":
+        pm.register(PerRowClip(), name="audit-inject-per-row-clip")
     B, C, T, m = cfg.batch_size, cfg.max_grad_norm, cfg.steps, cfg.canaries
     q = B / (cfg.examples + m / 2)  # fixed before the inclusion is drawn: it must not depend on it
 
@@ -88,11 +91,15 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
 
     privacy = PrivacyConfig(target_epsilon=cfg.epsilon, target_delta=cfg.delta, noise_multiplier=cfg.noise_multiplier,
                             max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
-                            accountant=cfg.accountant, seed=cfg.seed)
+                            accountant=cfg.accountant, seed=cfg.seed, unit=cfg.unit,
+                            max_rows_per_user=cfg.rows_per_user if cfg.unit == "user" else None)
+    users = Users.from_keys(data.user_keys, cfg.rows_per_user) if cfg.unit == "user" else None
     engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm, seed_namespace="audit/")
     engine.setup(model, trainable=trainable, num_examples=len(data), steps=T, sampling_rate=q,
-                 optimizer_factory=optimizer_factory)
+                 optimizer_factory=optimizer_factory, users=users)
     engine.start("cpu")
+    unit_of = engine.unit_of_row()
+    unit_of = None if unit_of is None else torch.as_tensor(unit_of, dtype=torch.long)
     sigma = float(engine.noise_multiplier)
     claimed = engine.final_epsilon()
 
@@ -104,7 +111,10 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     log_1mq, log_q = math.log1p(-min(q, 1.0 - 1e-12)), math.log(q)
     batches = engine.batches()
     for t in range(T):
-        batch = data.batch(next(batches))
+        rows = next(batches)
+        batch = data.batch(rows)
+        if unit_of is not None:  # user-level sampling: the user of every row
+            batch[UNITS_KEY] = unit_of[torch.as_tensor(rows, dtype=torch.long)]
         leaked_state = engine.secret_state_dict()["noise_rng"] if cfg.inject == "noise_leak" else None
         before = weight.detach().clone()
         direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=model.per_example_loss,
