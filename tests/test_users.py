@@ -281,3 +281,33 @@ def test_an_estimator_that_does_not_clip_users_is_refused(monkeypatch):
     engine = PrivateEngine(PrivacyConfig(unit="user", max_rows_per_user=2, batch_size=4), {"rowclip": {}})
     with pytest.raises(ConfigError, match="rowclip replaces estimate_gradient but does not clip per user"):
         engine.setup(nn.Linear(2, 2), num_examples=40, steps=2, users=Users.from_keys(list(range(40)), 2))
+
+
+def test_example_level_sampling_bounds_users_once_and_accounts_per_user():
+    """ELS: each user bounded to k rows for the whole run, rows sampled at q = B / bounded rows, clipped per row; the
+    user-level epsilon from the mixture accountant, the per-row epsilon and the loose group-privacy conversion in the
+    summary (the tight one below it)."""
+    from dpl.core.accounting import els_epsilon, epsilon_for, group_privacy
+
+    privacy = PrivacyConfig(target_epsilon=4.0, batch_size=6, unit="user", max_rows_per_user=2, user_sampling="rows",
+                            seed=0)
+    engine, model = _engine(privacy)  # 20 users of 3 rows: 40 bounded rows
+    plan = engine.plan
+    assert (plan.num_examples, plan.num_units, plan.num_rows) == (40, 20, 60)
+    assert engine.mechanism.unit == "user" and engine.unit_of_row() is None  # rows are clipped one by one
+    sigma, q = engine.noise_multiplier, 6 / 40
+    assert engine.final_epsilon() == pytest.approx(els_epsilon(sigma, q, 2, 6, 0.1 / 20), rel=1e-6)
+    assert engine.final_epsilon() <= 4.0 * (1 + 1e-9)
+    assert els_epsilon(sigma, q, 1, 6, 0.1 / 20) < engine.final_epsilon()  # k = 1 (the planted bug) says less
+    used = set()
+    for rows in engine.batches():
+        used.update(rows)
+    assert all(n <= 2 for n in Counter(r // 3 for r in used).values())  # the same k rows of a user all run long
+    engine.start()
+    engine.ledger.steps_done = 6  # as if trained: the report's figures
+    summary = engine.summary()
+    row = epsilon_for(sigma, q, 6, 0.1 / 20)
+    assert summary["epsilon_per_row"] == pytest.approx(row, rel=1e-9)
+    loose, loose_delta = group_privacy(row, 0.1 / 20, 2)
+    assert summary["epsilon_group_privacy"] == pytest.approx(loose) and loose_delta > summary["delta"]
+    assert summary["users"]["sampling"] == "rows" and summary["users"]["rows_beyond_bound"] == 20
