@@ -231,3 +231,14 @@ def test_poisson_inclusion_uses_53_bit_uniforms():
     assert (torch.rand(n * steps, generator=torch.Generator().manual_seed(1)) < rate).sum() > 0
     assert sum(map(len, PoissonBatchSampler(n, rate, steps, torch.Generator().manual_seed(1)))) == 0
 
+
+
+def test_the_cuda_generator_seed_keeps_all_64_key_bits():
+    """The CUDA (Philox) noise generator is seeded with the key's first 8 bytes as an unsigned 64-bit integer: all
+    64 bits, which torch's manual_seed accepts (up to 2^64 - 1); a shift would keep 63."""
+    from dpl.core.noise import philox_seed
+
+    assert philox_seed(b"\xff" * 32) == 2 ** 64 - 1
+    assert philox_seed(bytes([1] + [0] * 31)) == 1
+    assert torch.Generator().manual_seed(philox_seed(b"\xff" * 32)).initial_seed() == 2 ** 64 - 1
+    assert len({philox_seed(None) >> 63 for _ in range(64)}) == 2  # the top bit varies
