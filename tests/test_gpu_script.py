@@ -1,0 +1,69 @@
+"""benchmarks/gpu.py: its dry run (every stage on CPU with tiny settings) writes every stage's status in order, and
+benchmarks/gpu_tables.py turns a result file into the docs' GPU tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_tables  # noqa: E402
+
+STATUSES = {"passed", "failed", "skipped", "timed out"}
+
+
+def test_dry_run(tmp_path):
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    assert report["dry_run"] and list(report["stages"]) == ["tests", "speed_memory", "finetune"]
+    assert all(s["status"] in STATUSES and s["seconds"] >= 0 for s in report["stages"].values())
+    tests = report["stages"]["tests"]["results"]["tests"]
+    assert tests and set(tests.values()) == {"skipped"}  # the gpu tests skip without CUDA (parsed from junit XML)
+    assert "tests.test_gpu::test_cuda_run_predicts_and_exports" in tests
+    speed = report["stages"]["speed_memory"]
+    assert speed["status"] == "passed" and speed["results"][0]["rows"][0]["examples_per_s"] > 0
+    finetune = report["stages"]["finetune"]
+    assert finetune["status"] == "passed" and finetune["results"]["remaining"] == 0
+    assert (tmp_path / "finetune" / "finetune_ftrl_quick.json").is_file()
+    print(f"dry run: {time.perf_counter() - start:.0f} s")
+
+
+def synthetic_report() -> dict:
+    row = {"model": "minilm", "step": "dpl", "median_s": 0.0125, "examples_per_s": 2560.0, "x_nonprivate": 1.37,
+           "peak_memory_gib": 1.234}
+    return {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-25", "dry_run": False, "budget_seconds": 480,
+            "stages": {"tests": {"status": "failed", "seconds": 61.0, "results": {
+                "counts": {"passed": 5, "failed": 1, "skipped": 0},
+                "tests": {"tests.test_gpu::test_cuda_run_predicts_and_exports": "failed"}}},
+                "speed_memory": {"status": "passed", "seconds": 150.0, "results": [
+                    {"model": "minilm", "lora": True, "precision": "bf16", "batch": 64, "tokens": 256,
+                     "status": "passed", "rows": [row]}]},
+                "finetune": {"status": "timed out", "seconds": 250.0, "results": {"chunks": [], "remaining": 3}}}}
+
+
+def test_gpu_tables(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# Benchmarks\n\n## GPU\n\n{gpu_tables.BEGIN}\nold\n{gpu_tables.END}\n\nafter\n")
+    results = tmp_path / "gpu"
+    results.mkdir()
+    gpu_tables.main(["--results", str(results), "--docs", str(docs)])
+    assert "No GPU run yet." in docs.read_text() and "old" not in docs.read_text()
+    (results / "2026-11-25_nvidia-h100-80gb-hbm3.json").write_text(json.dumps(synthetic_report()))
+    (results / "2026-11-25_cpu-2-cores.json").write_text(json.dumps({**synthetic_report(), "dry_run": True,
+                                                                     "gpu": "CPU (2 cores)"}))
+    gpu_tables.main(["--results", str(results), "--docs", str(docs)])
+    text = docs.read_text()
+    assert "No GPU run yet." not in text and "CPU (2 cores)" not in text and text.endswith("\nafter\n")
+    assert "| 2026-11-25_nvidia-h100-80gb-hbm3.json | NVIDIA H100 80GB HBM3 | 480 | failed (61 s) | passed (150 s) | " \
+           "timed out (250 s) |" in text
+    assert "| 5 | 1 | 0 | tests.test_gpu::test_cuda_run_predicts_and_exports |" in text
+    assert "| NVIDIA H100 80GB HBM3 | minilm | LoRA r=8 | bf16 | 64 x 256 | dpl | 2560.0 | 1.37 | 1.23 |" in text
