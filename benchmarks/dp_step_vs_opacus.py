@@ -160,8 +160,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, " \
         f"{torch.get_num_threads()} threads)"
     tuning = "LoRA r = 8" if args.lora else "full fine-tuning"
-    print(f"\n{device}; batch {args.batch} x {args.tokens} tokens, {tuning}, {args.precision}, SGD, {args.repeats} interleaved "
-          f"repeats, torch {torch.__version__}\n")
+    print(f"\n{device}; batch {args.batch} x {args.tokens} tokens, {tuning}, {args.precision}, SGD, "
+          f"{args.repeats} interleaved repeats, torch {torch.__version__}\n")
     print("| model | step | median s | examples/s | x non-private | peak memory GiB |\n|---|---|---:|---:|---:|---:|")
     for r in rows:
         def fmt(value, spec):

@@ -76,8 +76,9 @@ def trimmed(run: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in run.items() if k != "output"}, "output_tail": run["output"][-2000:]}
 
 
-def python(script: Path | str, *args: str) -> list[str]:
-    return [sys.executable, str(script), *args]
+def python(script: str, *args: str) -> list[str]:
+    """A command running ``script`` (a path from the repository root) with this Python."""
+    return [sys.executable, script, *args]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -156,18 +157,21 @@ def speed_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
                 runs.append({**spec, "status": "done before", "seconds": 0})
             elif left < MIN_SECONDS:
                 runs.append({**spec, "status": "skipped", "seconds": 0})
-                continue
-            out = Path(tmp) / f"{i}.json"
-            run = run_command(python(BENCH / "dp_step_vs_opacus.py", "--device", args.device, "--models",
-                                     spec["model"], "--precision", spec["precision"], "--batch", str(spec["batch"]),
-                                     "--tokens", str(spec["tokens"]), "--repeats", str(spec["repeats"]),
-                                     "--json", str(out), *(["--lora"] if spec["lora"] else [])), left)
-            if run["status"] == "passed":
-                data = json.loads(out.read_text())
-                run.update(device=data["device"], rows=data["rows"])
-                del run["output"]
-            runs.append({**spec, **(trimmed(run) if "output" in run else run)})
+            else:
+                runs.append({**spec, **speed_run(args.device, spec, Path(tmp) / f"{i}.json", left)})
     return {"status": overall(runs), "results": runs}
+
+
+def speed_run(device: str, spec: dict[str, Any], out: Path, seconds: float) -> dict[str, Any]:
+    """One dp_step_vs_opacus.py run: its table rows, or the tail of its output if it did not pass."""
+    run = run_command(python("benchmarks/dp_step_vs_opacus.py", "--device", device, "--models", spec["model"],
+                             "--precision", spec["precision"], "--batch", str(spec["batch"]), "--tokens",
+                             str(spec["tokens"]), "--repeats", str(spec["repeats"]), "--json", str(out),
+                             *(["--lora"] if spec["lora"] else [])), seconds)
+    if run["status"] != "passed":
+        return trimmed(run)
+    data = json.loads(out.read_text())
+    return {**{k: v for k, v in run.items() if k != "output"}, "device": data["device"], "rows": data["rows"]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -226,11 +230,11 @@ def finetune_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
         elif left < MIN_SECONDS:
             chunks.append({**chunk, "status": "skipped", "seconds": 0})
         else:
-            run = run_command(python(BENCH / "studies" / "finetune.py", chunk["study"], *chunk["args"], "--out",
+            run = run_command(python("benchmarks/studies/finetune.py", chunk["study"], *chunk["args"], "--out",
                                      str(folder)), min(left, args.chunk_seconds))
             chunks.append({**chunk, **trimmed(run)})
     remaining = [c for c in chunks if c["status"] not in ("passed", "done before")]
-    return {"status": overall(chunks), "results": {"chunks": chunks, "remaining": len(remaining), "folder": str(folder)}}
+    return {"status": overall(chunks), "results": {"chunks": chunks, "remaining": len(remaining)}}
 
 
 # ----------------------------------------------------------------------------------------------------------

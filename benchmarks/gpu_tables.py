@@ -88,7 +88,8 @@ def finetune_tables(folder: Path) -> str:
             results = json.loads(path.read_text())
             if study == "denoise":
                 results["paired"] = paired(results)
-            parts.append(f"{study} ({len(results['cells'])} cells so far, `finetune/{path.name}`):\n\n"
+            cells = len(results["cells"])
+            parts.append(f"{study} ({cells} cell{'' if cells == 1 else 's'} so far, `finetune/{path.name}`):\n\n"
                          + table(results))
     return "\n\n".join(parts)
 
