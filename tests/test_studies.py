@@ -209,4 +209,4 @@ def test_users_study_quick(tmp_path):
         assert k1["group"]["sigma"] == pytest.approx(k1["ELS"]["sigma"], rel=1e-9)
         kmax = {c["arm"]: c for c in mine if c["k"] == max(ks)}
         assert kmax["ULS"]["sigma"] < kmax["ELS"]["sigma"] < kmax["group"]["sigma"]  # k > 1: group privacy costs most
-        assert kmax["group"]["row_level"]["epsilon"] == pytest.approx(res["settings"]["epsilons"][0] / max(ks))
+        assert kmax["group"]["row_level"]["epsilon"] == pytest.approx(res["settings"]["epsilons"][a][0] / max(ks))

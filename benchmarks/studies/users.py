@@ -34,10 +34,13 @@ at q, i.e. B_u = round(256 * users / R_k) expected users per step, which brings 
 sampled user brings on average R_k / users rows). So at k = 1 all three arms sample the same rate with the same
 accounting (Poisson Gaussian over users = rows): the same sigma (a sanity check in the table).
 
-Tuning: each arm's lr on a geometric grid (4 values), widened once at an edge (``common.tune``), scored by accuracy
+Tuning: each arm's lr on the grid {0.003, 0.01, 0.03, 0.1}, widened once at an edge (``common.tune``), scored by accuracy
 on the tuning split with a tuning seed; then 3 paired seeds report validation accuracy (mean +- sd).
-Grid: user-level epsilon in {1, 4, 8}; k in {1, 2, 4, 8, 16} for ``zipf``, {1, 2, 4, 8} for ``uniform`` (every user
-has 8 rows: k = 16 is k = 8).
+Grid: ``zipf``: user-level epsilon in {1, 4, 8} and k in {1, 2, 4, 8, 16}; ``uniform``: epsilon in {1, 8} and k in
+{1, 8} only (the sanity check and all of every user's rows; every user has 8 rows, so k = 16 is k = 8): the shared
+2-core machine ran at a load average of 10-15 and the full uniform grid did not fit the time.
+The two assignments can run as two processes (``--assignments zipf`` / ``--assignments uniform``); ``--resume``
+without ``--assignments`` then merges them into users.json (table and figure).
 
     python benchmarks/studies/users.py            # full study (benchmarks/results/studies/users.json, a figure)
     python benchmarks/studies/users.py --resume   # skip the cells already in users.json
@@ -135,22 +138,28 @@ def run_cell(arm: str, data, keys: list[int], k: int, epsilon: float, grid: list
 
 def main() -> None:
     parser = study_parser(__doc__)
-    parser.add_argument("--resume", action="store_true", help="keep the cells already in the results file")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cells already in the results file (and in users_<assignment>.json)")
+    parser.add_argument("--assignments", nargs="+", choices=["zipf", "uniform"], default=["zipf", "uniform"],
+                        help="run only these assignments (results: users_<assignment>.json; a later --resume of "
+                             "both merges them)")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.quick:
         data = sst2(train=1024, tune=512, quick=True)
         args.seeds = args.seeds[:2]
-        epsilons, ks, steps, rows_per_step, grid = [4.0], {"zipf": [1, 4], "uniform": [1, 4]}, 8, 64, [0.1, 1.0]
+        epsilons, ks, steps, rows_per_step, grid = {"zipf": [4.0], "uniform": [4.0]}, {"zipf": [1, 4], "uniform": [1, 4]}, \
+            8, 64, [0.1, 1.0]
         zipf_users, per_user = 100, 8
     else:
         data = sst2(train=8192, tune=2048)
-        epsilons, ks, steps, rows_per_step = [1.0, 4.0, 8.0], {"zipf": [1, 2, 4, 8, 16], "uniform": [1, 2, 4, 8]}, \
-            200, 256
-        grid, zipf_users, per_user = [0.03, 0.1, 0.3, 1.0], 500, 8
+        epsilons, ks, steps, rows_per_step = {"zipf": [1.0, 4.0, 8.0], "uniform": [1.0, 8.0]}, \
+            {"zipf": [1, 2, 4, 8, 16], "uniform": [1, 8]}, 200, 256
+        grid, zipf_users, per_user = [0.003, 0.01, 0.03, 0.1], 500, 8
     n = len(data.train)
     assignments = {"zipf": zipf_keys(n, zipf_users), "uniform": uniform_keys(n, per_user)}
-    name = "users" + ("_quick" if args.quick else "")
+    both = len(args.assignments) == 2
+    name = "users" + ("" if both else "_" + args.assignments[0]) + ("_quick" if args.quick else "")
     path = args.out / f"{name}.json"
     results = {"settings": {"rows": n, "tune_rows": len(data.tune), "test_rows": len(data.test),
                             "steps": steps, "rows_per_step": rows_per_step, "clip": 1.0, "optimizer": "sgd",
@@ -160,12 +169,22 @@ def main() -> None:
                                             if a == "zipf" else Users.from_keys(keys, 1).summary() | {
                                                 "rows_per_user": per_user} for a, keys in assignments.items()}},
                "cells": []}
-    if args.resume and path.exists():
-        results["cells"] = json.loads(path.read_text())["cells"]
+    if args.resume:
+        parts = [path] + ([args.out / f"users_{a}{'_quick' if args.quick else ''}.json" for a in assignments]
+                          if both else [])
+        for part in parts:
+            if part.exists():
+                old = json.loads(part.read_text())
+                keys_done = {(c["assignment"], c["epsilon"], c["k"], c["arm"]) for c in results["cells"]}
+                results["cells"] += [c for c in old["cells"] if c["assignment"] in args.assignments and (
+                    c["assignment"], c["epsilon"], c["k"], c["arm"]) not in keys_done]
+                results["seconds_before"] = results.get("seconds_before", 0.0) + old.get("seconds", 0.0)
     done = {(c["assignment"], c["epsilon"], c["k"], c["arm"]) for c in results["cells"]}
     for a, keys in assignments.items():
+        if a not in args.assignments:
+            continue
         print(f"{a}: {Users.from_keys(keys, 1).describe()}", flush=True)
-        for epsilon in epsilons:
+        for epsilon in epsilons[a]:
             for k in ks[a]:
                 for arm in ARMS:
                     if (a, epsilon, k, arm) in done:
@@ -189,13 +208,15 @@ def table(results: dict) -> str:
     s = results["settings"]
     out = []
     for a, ks in s["ks"].items():
+        if not any(c["assignment"] == a for c in results["cells"]):
+            continue
         u = s["assignments"][a]
         cells = {(c["epsilon"], c["k"], c["arm"]): c for c in results["cells"] if c["assignment"] == a}
         out += ["", f"{a}: {u['users']} users, rows per user min {u['rows_per_user_min']} / median "
                 f"{u['rows_per_user_median']:g} / max {u['rows_per_user_max']}; validation accuracy %, mean ± sd of "
                 f"{len(s['seeds'])} seeds (σ in brackets)", "",
                 "| ε (user) | k | ULS | ELS | group privacy |", "|---|---|---|---|---|"]
-        for epsilon in s["epsilons"]:
+        for epsilon in s["epsilons"][a]:
             for k in ks:
                 row = []
                 for arm in ARMS:
@@ -214,11 +235,13 @@ def table(results: dict) -> str:
 def plot(results: dict) -> None:
     plt = pyplot()
     s = results["settings"]
-    rows = list(s["ks"])
-    fig, axes = plt.subplots(len(rows), len(s["epsilons"]), figsize=(4 * len(s["epsilons"]), 3.2 * len(rows)),
-                             squeeze=False)
+    rows = [a for a in s["ks"] if any(c["assignment"] == a for c in results["cells"])]
+    cols = max(len(s["epsilons"][a]) for a in rows)
+    fig, axes = plt.subplots(len(rows), cols, figsize=(4 * cols, 3.2 * len(rows)), squeeze=False)
     for i, a in enumerate(rows):
-        for j, epsilon in enumerate(s["epsilons"]):
+        for ax in axes[i][len(s["epsilons"][a]):]:
+            ax.axis("off")
+        for j, epsilon in enumerate(s["epsilons"][a]):
             ax = axes[i][j]
             for m, arm in enumerate(ARMS):
                 cs = sorted((c for c in results["cells"] if c["assignment"] == a and c["epsilon"] == epsilon
