@@ -143,6 +143,10 @@ def main() -> None:
     parser.add_argument("--assignments", nargs="+", choices=["zipf", "uniform"], default=["zipf", "uniform"],
                         help="run only these assignments (results: users_<assignment>.json; a later --resume of "
                              "both merges them)")
+    parser.add_argument("--epsilons", type=float, nargs="+", default=None,
+                        help="run only these user-level epsilons (with --assignments: a part to merge by --resume)")
+    parser.add_argument("--reverse-k", action="store_true",
+                        help="the k values from the largest (a second process working toward the first)")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.quick:
@@ -185,7 +189,9 @@ def main() -> None:
             continue
         print(f"{a}: {Users.from_keys(keys, 1).describe()}", flush=True)
         for epsilon in epsilons[a]:
-            for k in ks[a]:
+            if args.epsilons and epsilon not in args.epsilons:
+                continue
+            for k in (reversed(ks[a]) if args.reverse_k else ks[a]):
                 for arm in ARMS:
                     if (a, epsilon, k, arm) in done:
                         continue
