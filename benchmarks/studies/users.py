@@ -45,6 +45,7 @@ without ``--assignments`` then merges them into users.json (table and figure).
     python benchmarks/studies/users.py            # full study (benchmarks/results/studies/users.json, a figure)
     python benchmarks/studies/users.py --resume   # skip the cells already in users.json
     python benchmarks/studies/users.py --quick    # a few steps on tiny data (the test)
+    python benchmarks/studies/users.py --assignments zipf --epsilons 8 --reverse-k   # a part, as a second process
 """
 
 from __future__ import annotations
