@@ -134,6 +134,20 @@ def _fft_friendly_domain(L: float, mesh: float) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
+def grid_domain(L: float, eps_error: float, steps: int, delta_error: float) -> tuple[Any, float]:
+    """The PRV grid for a safe domain half-width ``L`` and ``eps_error`` over ``steps`` compositions, with the mesh
+    Theorem 5.5 of Gopi et al. requires (coarsened beyond ``MAX_GRID_POINTS``), and the eps_error it guarantees."""
+    L = max(L, eps_error) + 3
+    if not math.isfinite(L):
+        raise RuntimeError("PRV domain size is infinite")
+    spread = math.sqrt(steps / 2 * math.log(12 / delta_error))
+    mesh = eps_error / spread  # Theorem 5.5
+    if 2 * L / mesh > MAX_GRID_POINTS:
+        mesh = 2 * L / MAX_GRID_POINTS
+        eps_error = mesh * spread
+    return _fft_friendly_domain(L, mesh), eps_error
+
+
 def _prv_bounds(segments: tuple[Segment, ...], delta: float, eps_error: float | None) -> tuple[float, float, float]:
     """(lower, estimate, upper) epsilon of the composition of ``segments`` (sigma > 0 each) with prv-accountant."""
     from prv_accountant import composers
@@ -148,15 +162,7 @@ def _prv_bounds(segments: tuple[Segment, ...], delta: float, eps_error: float | 
     L = _int_rdp_epsilon(segments, delta_error / 4)
     for s, q, _ in segments:
         L = max(L, _int_rdp_epsilon(((s, q, 1),), delta_error / 8 / total))
-    L = max(L, eps_error) + 3
-    if not math.isfinite(L):
-        raise RuntimeError("PRV domain size is infinite")
-    spread = math.sqrt(total / 2 * math.log(12 / delta_error))
-    mesh = eps_error / spread  # Theorem 5.5
-    if 2 * L / mesh > MAX_GRID_POINTS:
-        mesh = 2 * L / MAX_GRID_POINTS
-        eps_error = mesh * spread
-    domain = _fft_friendly_domain(L, mesh)
+    domain, eps_error = grid_domain(L, eps_error, total, delta_error)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         dprvs = [_discretise(s, q, domain) for s, q, _ in segments]

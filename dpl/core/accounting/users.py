@@ -41,7 +41,6 @@ from scipy import special
 from dpl.core.accounting.calibration import smallest_noise_multiplier
 from dpl.core.accounting.common import (
     DELTA_ERROR_FRACTION,
-    MAX_GRID_POINTS,
     _check_delta,
     _check_epsilon,
     _check_rate,
@@ -50,7 +49,7 @@ from dpl.core.accounting.common import (
     _real,
     _warn_once,
 )
-from dpl.core.accounting.prv import _epsilon_bounds, _fft_friendly_domain, _legendre, prv_error_for
+from dpl.core.accounting.prv import _epsilon_bounds, _legendre, grid_domain, prv_error_for
 from dpl.core.accounting.rdp import _int_rdp_epsilon
 
 _NEWTON_MAX_ITER = 100
@@ -265,15 +264,7 @@ def _els_bounds(sigma: float, q: float, k: int, steps: int, delta: float,
                 _int_rdp_epsilon(((sigma, q, 1),), delta_error / 8 / steps))
     else:  # the same from the Chernoff bound: mass beyond L at most delta_error / 16 + delta_error / 8
         L = max(_chernoff_epsilon(sigma, q, k, steps, delta_error / 16 * 3, delta_error / 16 / steps))
-    L = max(L, eps_error) + 3
-    if not math.isfinite(L):
-        raise RuntimeError("PRV domain size is infinite")
-    spread = math.sqrt(steps / 2 * math.log(12 / delta_error))
-    mesh = eps_error / spread  # Theorem 5.5
-    if 2 * L / mesh > MAX_GRID_POINTS:
-        mesh = 2 * L / MAX_GRID_POINTS
-        eps_error = mesh * spread
-    domain = _fft_friendly_domain(L, mesh)
+    domain, eps_error = grid_domain(L, eps_error, steps, delta_error)
     mixture = _Mixture(sigma, q, k)
     out = []
     with np.errstate(all="ignore"), warnings.catch_warnings():

@@ -19,7 +19,7 @@ import torch
 
 from dpl.errors import DataError
 from dpl.lightning.data import DPDataModule
-from dpl.tasks.data.files import check_columns, resolve_location, split_files
+from dpl.tasks.data.files import check_columns, resolve_location, split_files, user_keys_of
 from dpl.tasks.data.labels import label_key, show_labels, sort_labels
 from dpl.tasks.data.tables import FORMATS, SplitData, column_values, load_split
 
@@ -226,16 +226,8 @@ class ClassificationDataModule(DPDataModule):
         train.users = [str(user) for user in users]
 
     def train_user_keys(self) -> list[str] | None:
-        """The ``user_column`` value (``str``) of each row of ``train_set``, in its order; ``None`` without a
-        ``user_column``."""
-        if self.user_column is None:
-            return None
-        assert self.train_set is not None and self._splits is not None, "call setup('fit') first"
-        users = self._splits["train"].users
-        assert users is not None
-        keys = users[:self.max_train_examples] if self.max_train_examples is not None else list(users)
-        assert len(keys) == len(self.train_set)
-        return keys
+        """The user (``str``) of each row of ``train_set``, in its order; ``None`` without a ``user_column``."""
+        return user_keys_of(self)
 
     @property
     def label_map(self) -> dict[str, int]:

@@ -167,3 +167,16 @@ def check_columns(path: Path, columns: list[str], required: list[str], hint: str
     missing = [name for name in required if name not in columns]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing} (columns: {', '.join(columns) or 'none'}){hint}")
+
+
+def user_keys_of(module: Any) -> list[str] | None:
+    """The user (``str``) of each row of a data module's ``train_set``, in its order (its training split's ``users``,
+    cut like the rows by ``max_train_examples``); ``None`` without a ``user_column``."""
+    if module.user_column is None:
+        return None
+    assert module.train_set is not None and module._splits is not None, "call setup('fit') first"
+    users = module._splits["train"].users
+    assert users is not None
+    keys = users[:module.max_train_examples] if module.max_train_examples is not None else list(users)
+    assert len(keys) == len(module.train_set)
+    return keys

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from dpl.errors import ConfigError, DataError
 from dpl.lightning.data import DPDataModule
-from dpl.tasks.data.files import check_file, split_files
+from dpl.tasks.data.files import check_file, split_files, user_keys_of
 from dpl.tasks.data.templates import Record, render, show_fields, template_fields
 from dpl.tasks.loading import load_tokenizer
 
@@ -208,15 +208,8 @@ class GenerationDataModule(DPDataModule):
         return users
 
     def train_user_keys(self) -> list[str] | None:
-        """The user (``str``) of each example of ``train_set``, in its order; ``None`` without a ``user_column``."""
-        if self.user_column is None:
-            return None
-        assert self.train_set is not None and self._splits is not None, "call setup('fit') first"
-        users = self._splits["train"].users
-        assert users is not None
-        keys = users[:self.max_train_examples] if self.max_train_examples is not None else list(users)
-        assert len(keys) == len(self.train_set)
-        return keys
+        """The user (``str``) of each row of ``train_set``, in its order; ``None`` without a ``user_column``."""
+        return user_keys_of(self)
 
     def prepare_data(self) -> None:
         """Check the files, columns and rows (and fill the templates) so bad input fails before training."""
