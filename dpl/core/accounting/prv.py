@@ -133,7 +133,6 @@ def _fft_friendly_domain(L: float, mesh: float) -> Any:
     return Domain(-k * mesh, (k + 1) * mesh, size)
 
 
-@functools.lru_cache(maxsize=256)
 def grid_domain(L: float, eps_error: float, steps: int, delta_error: float) -> tuple[Any, float]:
     """The PRV grid for a safe domain half-width ``L`` and ``eps_error`` over ``steps`` compositions, with the mesh
     Theorem 5.5 of Gopi et al. requires (coarsened beyond ``MAX_GRID_POINTS``), and the eps_error it guarantees."""
@@ -148,6 +147,7 @@ def grid_domain(L: float, eps_error: float, steps: int, delta_error: float) -> t
     return _fft_friendly_domain(L, mesh), eps_error
 
 
+@functools.lru_cache(maxsize=256)
 def _prv_bounds(segments: tuple[Segment, ...], delta: float, eps_error: float | None) -> tuple[float, float, float]:
     """(lower, estimate, upper) epsilon of the composition of ``segments`` (sigma > 0 each) with prv-accountant."""
     from prv_accountant import composers
