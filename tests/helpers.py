@@ -14,17 +14,22 @@ def tiny_bert(num_labels: int = 2, seed: int = 0, positions: int = 32) -> BertFo
     return BertForSequenceClassification(config).train()
 
 
-def reference_clipped_sum(per_example_loss, model, batch: dict, max_norm: float):
+def reference_clipped_sum(per_example_loss, model, batch: dict, max_norm: float, units: torch.Tensor | None = None):
     """The clipped sum and per-example norms by looping over the examples with ordinary autograd (the reference
-    dpl's engine is compared with)."""
+    dpl's engine is compared with); with ``units`` (a unit per example), per unit: the gradient of the mean of its
+    examples' losses, clipped as one."""
     import math
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     norms = []
-    for i in range(batch["labels"].shape[0]):
-        one = {k: v[i:i + 1] for k, v in batch.items()}
-        grads = torch.autograd.grad(per_example_loss(one).sum(), list(params.values()), allow_unused=True)
+    if units is None:
+        groups = [torch.tensor([i]) for i in range(batch["labels"].shape[0])]
+    else:
+        groups = [(units == u).nonzero().flatten() for u in units.unique_consecutive().tolist()]
+    for rows in groups:
+        one = {k: v[rows] for k, v in batch.items()}
+        grads = torch.autograd.grad(per_example_loss(one).mean(), list(params.values()), allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         norms.append(norm)

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import random_batch, tiny_bert, tiny_llama
+from helpers import random_batch, reference_clipped_sum, tiny_bert, tiny_llama
 from torch import nn
 
 from dpl.core.engine import PrivateEngine
@@ -39,20 +39,7 @@ def _lora(model):
 
 def _naive_user_sum(model, batch, units, max_norm):
     """Per user: the gradient of the mean of its rows' losses, by ordinary autograd, clipped to max_norm; summed."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
-    norms = []
-    for user in units.unique_consecutive().tolist():
-        rows = (units == user).nonzero().flatten()
-        part = {k: v[rows] for k, v in batch.items()}
-        grads = torch.autograd.grad(_loss_fn(model)(part).mean(), list(params.values()), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        norms.append(norm)
-        factor = 1.0 if math.isinf(max_norm) else min(1.0, max_norm / (float(norm) + 1e-6))
-        for name, g in zip(params, grads):
-            total[name] += factor * g
-    return total, torch.stack(norms)
+    return reference_clipped_sum(_loss_fn(model), model, batch, max_norm, units=units)
 
 
 @pytest.mark.parametrize("build", [tiny_bert, tiny_llama, lambda: _lora(tiny_bert()), lambda: _lora(tiny_llama())],
