@@ -297,4 +297,4 @@ def test_example_level_sampling_bounds_users_once_and_accounts_per_user():
     assert summary["epsilon_per_row"] == pytest.approx(row, rel=1e-9)
     loose, loose_delta = group_privacy(row, 0.1 / 20, 2)
     assert summary["epsilon_group_privacy"] == pytest.approx(loose) and loose_delta > summary["delta"]
-    assert summary["users"]["sampling"] == "rows" and summary["users"]["rows_beyond_bound"] == 20
+    assert summary["users"] == {"users": 20, "max_rows_per_user": 2, "sampling": "rows"}  # no per-user statistics

@@ -305,7 +305,9 @@ class PrivateEngine:
             "max_epsilon": cfg.budget}
         users, per_row = None, {}
         if self.users is not None:
-            users = {**self.users.summary(), "sampling": cfg.user_sampling}
+            # the count and k only: rows per user describe single users (the largest), so they stay in the log
+            users = {"users": self.users.num_users, "max_rows_per_user": self.users.max_rows,
+                     "sampling": cfg.user_sampling}
             if self.ledger is not None:
                 per_row = self._per_row_epsilon()
         return {

@@ -103,10 +103,14 @@ class PrivacyLedger:
 
     # --- the budget ---------------------------------------------------------------------------------------
     def would_exceed_budget(self) -> bool:
-        """Whether the next step would spend more than the budget: the accountant's epsilon after the steps done
-        and this one (from the mechanism's precomputed schedule: no accountant evaluation on the hot path)."""
+        """Whether the next step would spend more than the budget. Within the plan this is proven, not evaluated:
+        epsilon never decreases with the steps, and :meth:`check_budget` verified the plan's last step against the
+        budget with this sigma and history (at setup and at every resume). A step beyond the plan asks the
+        accountant (a mechanism with no analysis there answers inf)."""
         budget = self.privacy.budget
-        return budget is not None and self.epsilon(self.steps_done + 1) > budget * (1 + 1e-9)
+        if budget is None or self.steps_done + 1 <= self.plan.steps:
+            return False
+        return self.epsilon(self.steps_done + 1) > budget * (1 + 1e-9)
 
     def check_budget(self) -> None:
         """Refuse, in one line, a plan (after a resume: the rest of it, with the sigma that will train) that would

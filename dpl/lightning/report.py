@@ -87,7 +87,8 @@ def build_report(module: Any) -> dict[str, Any]:
         "epsilon_delta_table": [{"delta": d, "epsilon": e} for d, e in summary["epsilon_at_delta"].items()],
         "accountant_note": accountant_note(summary),
         "not_protected": ["the pretrained model and tokenizer", "the validation and test sets", "the label set",
-                          "the number of training examples", "hyperparameters tuned on the private data"],
+                          "the number of training examples", *(["the number of users"] if unit == "user" else []),
+                          "hyperparameters tuned on the private data"],
     }
     if summary["sampling"] != "poisson" and summary["steps_per_epoch"]:
         report["epochs_planned"] = summary["steps_planned"] / summary["steps_per_epoch"]
@@ -155,11 +156,8 @@ def report_markdown(report: dict[str, Any]) -> str:
     users = report.get("users")
     if users:
         lines += ["", "## Users", "", "| | |", "|---|---|",
-                  f"| users | {users['users']} ({users['rows']} rows) |",
-                  f"| rows per user | min {users['rows_per_user_min']}, median {_fmt(users['rows_per_user_median'], 'g')}"
-                  f", max {users['rows_per_user_max']} |",
-                  f"| rows per user used, k | {users['max_rows_per_user']} ({users['rows_beyond_bound']} rows beyond "
-                  "it are never used at once) |",
+                  f"| users | {users['users']} ({report['num_examples']} rows) |",
+                  f"| rows of a user used at most, k | {users['max_rows_per_user']} |",
                   f"| sampling | {users['sampling']} |"]
         if report.get("epsilon_per_row") is not None:
             lines += [f"| epsilon per row, for reference | {_fmt(report['epsilon_per_row'])} |"]
