@@ -1,12 +1,16 @@
 """``dpl export <run or checkpoint> <folder>``: a Hugging Face model folder from a run.
 
-The folder loads with ``AutoModelForSequenceClassification`` / ``AutoModelForCausalLM.from_pretrained(folder)``
-(LoRA merged into the weights), or, with ``--adapter``, is a PEFT adapter folder (``AutoPeftModelFor...``; the base
-model is referenced by its path). Beside the weights: the tokenizer, the label mapping (``config.json``'s
-``id2label``), ``privacy.json`` / ``privacy.md`` of the exported checkpoint, and ``dpl.json`` (what ``dpl predict``
-needs: the task, label names, prompt template, max length). A classifier with dpl's mean-pooling head
-(``pooling: mean``) is saved with its few lines of modeling code (``modeling_dpl.py``): load it with
-``trust_remote_code=True``.
+The folder loads with the task's ``AutoModelFor...`` class (``from_pretrained(folder)``; LoRA merged into the
+weights; a base read from a GGUF file saved dequantized, as an ordinary float32 model), or, with ``--adapter``, is a
+PEFT adapter folder (``AutoPeftModelFor...``) whose ``adapter_config.json`` names a base that loads as is: the
+configured base model, or the base as trained saved beside it in ``base/`` (a classifier's new head and labels; a
+GGUF base). Beside the weights: the tokenizer, the label mapping (``config.json``'s ``id2label``),
+``privacy.json`` / ``privacy.md`` of the exported checkpoint, a ``README.md`` (how to load it, and the privacy
+guarantee), and ``dpl.json`` (what ``dpl predict`` needs: the task, label names, data settings). A classifier with
+dpl's mean-pooling head (``pooling: mean``) is saved with its few lines of modeling code (``modeling_dpl.py``):
+load it with ``trust_remote_code=True``. What a task and fine-tuning mode cannot export is refused in one line before
+anything is written; an export that fails leaves nothing behind (it is written into a hidden folder beside the
+target and renamed at the end).
 
 Nothing secret is exported: the checkpoint's ``.secret`` sidecar is never read, and only weights, tokenizer files
 and public settings are written.
@@ -16,84 +20,83 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError, DPLError
+from dpl.tasks.exporting import relocate_base
 from dpl.lightning.report import REPORT_KEY, write_report
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
-DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template")
-
-
-def _merged(model: Any) -> Any:
-    from peft import PeftModel
-
-    return model.merge_and_unload() if isinstance(model, PeftModel) else model
-
-
-def _label_config(config: Any, names: list[str]) -> None:
-    config.id2label = dict(enumerate(names))
-    config.label2id = {name: i for i, name in enumerate(names)}
-
-
-def _save_mean_pooled(model: Any, folder: Path, names: list[str]) -> None:
-    """dpl's :class:`~dpl.tasks.modules.classification.MeanPoolClassifier` as a remote-code model."""
-    from dpl.trained import modeling_dpl
-
-    encoder = _merged(model.encoder)
-    config = encoder.config
-    _label_config(config, names)
-    config.num_labels = len(names)
-    config.dpl_pooling = "mean"
-    config.auto_map = {"AutoModelForSequenceClassification": "modeling_dpl.MeanPoolForSequenceClassification"}
-    exported = modeling_dpl.MeanPoolForSequenceClassification(config)
-    exported.encoder.load_state_dict(encoder.state_dict())
-    exported.classifier.load_state_dict(model.classifier.state_dict())
-    exported.save_pretrained(folder)
-    shutil.copy(modeling_dpl.__file__, folder / "modeling_dpl.py")
+DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template")
 
 
 def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Path:
     """Write ``run``'s model to ``folder`` (see the module docstring); return the folder."""
-    from peft import PeftModel
-
     folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{folder} exists and is not empty: export into a new folder")
-    module, names = run.module, run.label_names
-    model = module.model
-    mean_pooled = type(model).__name__ == "MeanPoolClassifier"
-    if not mean_pooled and not callable(getattr(model, "save_pretrained", None)):
-        raise ConfigError(f"{type(model).__name__} is not a transformers model: export supports sequence "
-                          f"classifiers (pooling: model or mean) and causal LMs; use dpl predict on the run itself")
-    if adapter and (mean_pooled or not isinstance(model, PeftModel)):
-        raise ConfigError("--adapter needs a LoRA run whose model is a transformers model (not pooling: mean)"
-                          if mean_pooled or isinstance(getattr(model, "encoder", None), PeftModel) else
-                          "--adapter needs a LoRA run (finetuning.method: lora)")
-    folder.mkdir(parents=True, exist_ok=True)
-    if mean_pooled:
-        _save_mean_pooled(model, folder, names)
-    else:
-        if names is not None:
-            _label_config(model.config, names)
-            if isinstance(model, PeftModel):
-                _label_config(model.get_base_model().config, names)
-        (model if adapter else _merged(model)).save_pretrained(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
+    try:
+        _write(run, partial, adapter, folder.name)
+        if folder.exists():
+            folder.rmdir()
+        partial.replace(folder)
+        relocate_base(folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def _write(run: LoadedRun, folder: Path, adapter: bool, name: str) -> None:
+    module = run.module
+    module.export_model(folder, adapter)
     run.tokenizer.save_pretrained(folder)
-    meta = {"task": run.task, "label_names": names, "adapter": adapter,
+    meta = {"task": module.task, **module.export_meta(), "adapter": adapter,
             "data": {k: run.data[k] for k in DATA_KEYS if run.data.get(k) is not None},
             "source": run.source.name if run.source is not None else None}
-    if run.task == "generation":
-        meta["generation"] = {"max_new_tokens": module.generation.max_new_tokens,
-                              "num_beams": module.generation.num_beams}
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
     report = (run.checkpoint or {}).get(REPORT_KEY)
     if report is not None:
         write_report(report, folder)
-    return folder
+    (folder / "README.md").write_text(model_card(run, folder, adapter, report, name))
+    _shareable(folder)
+
+
+def _shareable(folder: Path) -> None:
+    """The modes of ordinary files (0644 and 0755 under the umask): the export is meant to be shared, and
+    ``mkdtemp`` and safetensors make their folder and files private."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o755 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o755 if path.is_dir() else 0o644) & ~umask)
+
+
+def model_card(run: LoadedRun, folder: Path, adapter: bool, report: dict[str, Any] | None, name: str) -> str:
+    """The export's README.md: what it is, how to load it, its privacy guarantee."""
+    module = run.module
+    auto = module.auto_class
+    remote = ", trust_remote_code=True" if (folder / "modeling_dpl.py").is_file() else ""
+    if adapter:
+        base = "f\"{folder}/base\"" if (folder / "base").is_dir() else repr(
+            json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"])
+        load = (f"from peft import PeftModel\nfrom transformers import {auto}\n\nfolder = \"path/to/this/folder\"\n"
+                f"model = PeftModel.from_pretrained({auto}.from_pretrained({base}), folder)")
+    else:
+        load = f"from transformers import {auto}\n\nmodel = {auto}.from_pretrained(\"path/to/this/folder\"{remote})"
+    privacy = report["model_card"] if report is not None else "The checkpoint held no privacy report."
+    return "\n".join([
+        f"# {name}",
+        "", f"A {module.task} model fine-tuned by dpl from `{module.model_location}`"
+        f" ({'a PEFT adapter' if adapter else 'merged weights'}).", "", "## Loading", "", "```python", load, "```",
+        "", "Or with dpl: `dpl predict path/to/this/folder inputs.jsonl`.", "", "## Privacy", "", privacy,
+        "", "Details: privacy.md and privacy.json in this folder.", ""])
 
 
 def export_command(argv: list[str]) -> int:

@@ -12,10 +12,9 @@ import argparse
 import csv
 import io
 import json
-import string
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -52,69 +51,15 @@ def read_inputs(source: str, default_field: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _field(row: dict[str, Any], name: str, where: int) -> str:
-    if name not in row:
-        raise ConfigError(f"input row {where}: no field {name!r} (fields: {', '.join(map(str, row)) or 'none'})")
-    return str(row[name])
-
-
-def _prompt_fields(template: str) -> list[str]:
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
-
-
-def _classification_batches(run: LoadedRun, rows: list[dict[str, Any]], size: int) -> Iterator[dict[str, Any]]:
-    column = run.data.get("text_column") or "sentence"
-    pair = run.data.get("text_pair_column")
-    length = run.data.get("max_length") or 512
-    for start in range(0, len(rows), size):
-        chunk = rows[start:start + size]
-        texts = [_field(r, column, start + i + 1) for i, r in enumerate(chunk)]
-        pairs = [_field(r, pair, start + i + 1) for i, r in enumerate(chunk)] if pair else None
-        if run.data.get("template"):  # prompt-based classification: each text in its cloze template
-            from dpl.tasks.data.prompt import render_ids
-
-            ids = [{"input_ids": render_ids(run.tokenizer, run.data["template"], t, length)} for t in texts]
-            yield dict(run.tokenizer.pad(ids, return_tensors="pt"))
-        else:
-            yield dict(run.tokenizer(texts, pairs, truncation=True, max_length=length, padding=True,
-                                     return_tensors="pt"))
-
-
-def render_prompt(run: LoadedRun, row: dict[str, Any], where: int) -> str:
-    """The prompt of a generation input: ``row`` through the run's prompt template (a row with only ``text``, as
-    from plain-text input, fills the template's one field)."""
-    template = run.data.get("prompt_template") or "{prompt}"
-    fields = _prompt_fields(template)
-    if set(row) == {"text"} and len(fields) == 1:
-        row = {fields[0]: row["text"]}
-    return template.format_map({name: _field(row, name, where) for name in fields})
-
-
-def _generation_batches(run: LoadedRun, prompts: list[str], size: int) -> Iterator[dict[str, Any]]:
-    tokenizer = run.tokenizer
-    budget = max(1, int(run.data.get("max_length") or 512) - 1)
-    for start in range(0, len(prompts), size):
-        ids = [list(x)[-budget:] for x in tokenizer(prompts[start:start + size])["input_ids"]]
-        length = max(len(x) for x in ids)
-        pad = tokenizer.pad_token_id
-        yield {"input_ids": torch.tensor([[pad] * (length - len(x)) + x for x in ids]),
-               "attention_mask": torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in ids])}
-
-
 def predict(run: LoadedRun, rows: list[dict[str, Any]], batch_size: int = 32) -> list[dict[str, Any]]:
-    """One output row per input row: its fields plus ``label``/``probabilities`` or ``prompt``/``completion``."""
-    module = run.module
-    if run.task == "generation":
-        prompts = [render_prompt(run, row, i + 1) for i, row in enumerate(rows)]
-        batches = _generation_batches(run, prompts, batch_size)
-        extra = [{"prompt": p} for p in prompts]
-    else:
-        batches, extra = _classification_batches(run, rows, batch_size), [{} for _ in rows]
+    """One output row per input row: its fields plus what the task predicts (``label``/``probabilities``,
+    ``prompt``/``completion``)."""
     outputs: list[dict[str, Any]] = []
     with torch.inference_mode():
-        for index, batch in enumerate(batches):
-            outputs += module.predict_step(batch, index)
-    return [{**row, **more, **out} for row, more, out in zip(rows, extra, outputs)]
+        batches = run.module.inference_batches(rows, run.tokenizer, run.data, batch_size)
+        for index, (batch, extras) in enumerate(batches):
+            outputs += [{**more, **out} for more, out in zip(extras, run.module.predict_step(batch, index))]
+    return [{**row, **out} for row, out in zip(rows, outputs)]
 
 
 def write_outputs(rows: list[dict[str, Any]], out: Any, fmt: str) -> None:
@@ -148,10 +93,9 @@ def predict_command(argv: list[str]) -> int:
     fmt = args.format or ("csv" if args.output.endswith((".csv", ".tsv")) else "jsonl")
     try:
         run = load_run(args.run)
-        if args.max_new_tokens is not None and run.task == "generation":
+        if args.max_new_tokens is not None and hasattr(run.module, "generation"):
             run.module.generation.max_new_tokens = args.max_new_tokens
-        default_field = run.data.get("text_column") or "sentence" if run.task == "classification" else "text"
-        rows = predict(run, read_inputs(args.input, default_field), args.batch_size)
+        rows = predict(run, read_inputs(args.input, run.module.input_field(run.data)), args.batch_size)
     except DPLError as exc:
         print(f"dpl: error: {exc}", file=sys.stderr)
         return 2

@@ -23,16 +23,23 @@ EXPORT_META = "dpl.json"  # what an exported folder adds for dpl predict (task, 
 
 @dataclass
 class LoadedRun:
-    """What inference needs. ``data`` holds the data module's settings (``max_length``, ``text_column``,
-    ``prompt_template`` ...), ``checkpoint`` the loaded checkpoint (``None`` for an exported folder)."""
+    """What inference needs: the task module (:class:`~dpl.tasks.modules.base.DPTaskModule`, which knows how its task
+    predicts and exports), the tokenizer, the data module's settings (``max_length``, ``text_column``,
+    ``prompt_template`` ...) and the loaded checkpoint (``None`` for an exported folder)."""
 
     module: Any
     tokenizer: Any
-    task: str
-    label_names: list[str] | None = None
     data: dict[str, Any] = field(default_factory=dict)
     checkpoint: dict[str, Any] | None = None
     source: Path | None = None
+
+    @property
+    def task(self) -> str:
+        return self.module.task
+
+    @property
+    def label_names(self) -> list[str] | None:
+        return getattr(self.module, "label_names", None)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -73,14 +80,6 @@ def _instantiate(config: dict[str, Any], group: str) -> Any:
         raise ConfigError(f"cannot rebuild the run's {group} from its config.yaml ({first})") from exc
 
 
-def _label_names(checkpoint: dict[str, Any]) -> list[str] | None:
-    for value in checkpoint.values():  # the data module's state: {"label_map": {name: id}}
-        if isinstance(value, dict) and isinstance(value.get("label_map"), dict):
-            mapping = value["label_map"]
-            return [name for name, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
-    return None
-
-
 def load_run(path: str | Path) -> LoadedRun:
     """Load a run (folder or ``.ckpt``) or an exported folder, in eval mode, on the CPU."""
     path = Path(path)
@@ -94,22 +93,12 @@ def load_run(path: str | Path) -> LoadedRun:
     from dpl.tasks.loading import load_tokenizer
 
     tokenizer = load_tokenizer(data.get("tokenizer") or module.model_location)
-    labels = None
-    if module.task == "classification":
-        labels = _label_names(checkpoint)
-        if labels is None:
-            raise ConfigError(f"{ckpt}: the checkpoint has no label map (written by an older dpl?)")
-        module.label_names = labels
-        module.num_labels = len(labels)
-        module.head_origin = "weights from the checkpoint"
-    else:
-        module.tokenizer = tokenizer
+    module.restore_for_inference(checkpoint, tokenizer)
     module.ensure_model()
     module.restore_frozen(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
-    return LoadedRun(module=module, tokenizer=tokenizer, task=module.task, label_names=labels, data=data,
-                     checkpoint=checkpoint, source=ckpt)
+    return LoadedRun(module=module, tokenizer=tokenizer, data=data, checkpoint=checkpoint, source=ckpt)
 
 
 def load_export(folder: str | Path) -> LoadedRun:
@@ -117,36 +106,9 @@ def load_export(folder: str | Path) -> LoadedRun:
     folder = Path(folder)
     meta = json.loads((folder / EXPORT_META).read_text())
     from dpl.tasks.loading import load_tokenizer
+    from dpl.tasks.modules.base import task_class
 
     tokenizer = load_tokenizer(str(folder))
-    task = meta["task"]
-    if task == "classification":
-        from transformers import AutoModelForSequenceClassification
-
-        from dpl.tasks.modules import DPClassificationModule
-
-        module = DPClassificationModule(model=str(folder), num_labels=len(meta["label_names"]))
-        module.label_names = list(meta["label_names"])
-        module.model = _from_pretrained(AutoModelForSequenceClassification, folder)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        from dpl.tasks.modules import DPGenerationModule, GenerationOptions
-
-        module = DPGenerationModule(model=str(folder), generation=GenerationOptions(**meta.get("generation", {})))
-        module.tokenizer = tokenizer
-        module.model = _from_pretrained(AutoModelForCausalLM, folder)
+    module = task_class(meta["task"]).from_export(folder, meta, tokenizer)
     module.eval()
-    return LoadedRun(module=module, tokenizer=tokenizer, task=task, label_names=meta.get("label_names"),
-                     data=dict(meta.get("data") or {}), source=folder)
-
-
-def _from_pretrained(auto_class: Any, folder: Path) -> Any:
-    """Load an exported model (a PEFT adapter folder through peft; dpl's mean-pooling head as its remote code)."""
-    if (folder / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
-
-        peft_class = AutoPeftModelForCausalLM if "CausalLM" in auto_class.__name__ else \
-            AutoPeftModelForSequenceClassification
-        return peft_class.from_pretrained(str(folder))
-    return auto_class.from_pretrained(str(folder), trust_remote_code=(folder / "modeling_dpl.py").is_file())
+    return LoadedRun(module=module, tokenizer=tokenizer, data=dict(meta.get("data") or {}), source=folder)

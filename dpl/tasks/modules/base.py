@@ -1,15 +1,20 @@
 """``DPTaskModule``: what every task module adds to :class:`~dpl.lightning.module.DPModule` - checkpoints that hold
-only the trained parameters, a one-line refusal of a checkpoint of another architecture, and ``predict_step``.
+only the trained parameters, a one-line refusal of a checkpoint of another architecture, and the task's life after
+training (rebuilt from a run or an export, exported, predicting), with a registry of tasks by name (:data:`TASKS`).
 
 A LoRA or partial fine-tuning checkpoint holds the trainable parameters only (LoRA of rank 1 on MiniLM: a few
 hundred KB instead of 95 MB) plus a fingerprint of the frozen ones (:data:`BASE_KEY`): the frozen weights come from
-the pretrained model named by the config, and loading checks that they are the same, bit for bit.
+the pretrained model named by the config, and loading checks that they are the same, bit for bit. Frozen tensors
+that do not come from the pretrained model (peft's frozen copy of a new, randomly initialised head) are kept in
+the checkpoint instead: nothing rebuilds them.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -17,6 +22,19 @@ from dpl.errors import ConfigError
 from dpl.lightning.module import DPModule
 
 BASE_KEY = "dpl_frozen_base"
+
+#: task name -> task module class; a subclass of :class:`DPTaskModule` that sets ``task`` registers itself
+TASKS: dict[str, type["DPTaskModule"]] = {}
+
+
+def task_class(name: str) -> type["DPTaskModule"]:
+    """The task module class registered as ``name`` (one-line ``ConfigError`` for an unknown one)."""
+    import dpl.tasks.modules  # noqa: F401 - registers the built-in tasks
+
+    if name not in TASKS:
+        raise ConfigError(f"unknown task {name!r} (known: {', '.join(sorted(TASKS))}); is the package that "
+                          f"defines it installed?")
+    return TASKS[name]
 
 
 def _is_sharded(tensor: Any) -> bool:
@@ -52,13 +70,20 @@ def _examples(names: list[str]) -> str:
 
 
 class DPTaskModule(DPModule):
-    """A :class:`DPModule` whose checkpoints hold only what trains (see the module docstring); tasks implement
-    :meth:`predict_step` (``dpl predict``, :mod:`dpl.trained.predict`)."""
+    """A :class:`DPModule` whose checkpoints hold only what trains (see the module docstring), and which owns its
+    life after training: ``dpl predict`` and ``dpl export`` (:mod:`dpl.trained`) call only the methods of the section
+    "after training" below, so a new task touches its own module only."""
 
-    #: what the task predicts: ``classification`` (labels) or ``generation`` (completions); read by ``dpl predict``
-    #: and ``dpl export``
-    task: str = "classification"
+    #: the task's registered name (:data:`TASKS`), written into exports (``dpl.json``)
+    task: ClassVar[str] = ""
+    #: the transformers class that loads this task's exports (``AutoModelForCausalLM`` ...), for their README
+    auto_class: ClassVar[str] = ""
     _frozen_fingerprint: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("task"):
+            TASKS[cls.task] = cls
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -78,9 +103,17 @@ class DPTaskModule(DPModule):
         return any(_is_sharded(p) for p in self.ensure_model().parameters())
 
     def _frozen_state(self) -> dict[str, torch.Tensor]:
-        """This module's state-dict entries that do not train (frozen parameters and buffers)."""
+        """This module's state-dict entries that do not train and come from the pretrained model (frozen
+        parameters and buffers; not the frozen copies of new heads, :meth:`_new_frozen`)."""
+        kept = self._new_frozen()
         trainable = {f"model.{name}" for name in self.trainable}
-        return {k: v for k, v in self.state_dict().items() if k not in trainable}
+        return {k: v for k, v in self.state_dict().items() if k not in trainable and not k.startswith(kept)}
+
+    def _new_frozen(self) -> tuple[str, ...]:
+        """Prefixes of frozen state that no pretrained model holds: peft keeps the original of every module it
+        trains as a whole (``modules_to_save``: a new classification head) frozen beside the trained copy."""
+        return tuple(f"model.{name}.original_module." for name, module in self.ensure_model().named_modules()
+                     if type(module).__name__ == "ModulesToSaveWrapper")
 
     def frozen_fingerprint(self) -> str:
         """Fingerprint of the frozen weights (computed once: they never change)."""
@@ -134,6 +167,52 @@ class DPTaskModule(DPModule):
                                   f"({getattr(self, 'model_location', '?')}): load the same pretrained model")
             state.update(frozen)
 
+    # --- after training: rebuilt from a run or an export, exported, predicting ------------------------------
+    def restore_for_inference(self, checkpoint: dict[str, Any], tokenizer: Any) -> None:
+        """Before a run's weights are loaded for inference: set what training took from the data module (label
+        names, the tokenizer) from the ``checkpoint`` and the run's ``tokenizer``."""
+
+    def input_field(self, data: dict[str, Any]) -> str:
+        """The field that one line of plain-text input fills (``data``: the run's data settings)."""
+        return "text"
+
+    def inference_batches(self, rows: list[dict[str, Any]], tokenizer: Any, data: dict[str, Any],
+                          batch_size: int) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """The model inputs of ``rows`` in batches of ``batch_size``, each with what its rows' outputs show
+        besides the predictions (e.g. the rendered prompt); ``data``: the run's data settings."""
+        raise NotImplementedError
+
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> list[dict[str, Any]]:
         """One row per example of ``batch`` (``dpl predict``)."""
         raise NotImplementedError
+
+    def export_meta(self) -> dict[str, Any]:
+        """What an export records (``dpl.json``) for :meth:`from_export` besides the task and the data settings."""
+        return {}
+
+    def export_model(self, folder: Path, adapter: bool) -> None:
+        """Write the trained model into the new, empty ``folder``: merged weights that a plain ``AutoModelFor...``
+        loads, or (``adapter``) a PEFT adapter that ``AutoPeftModelFor...`` loads. One-line ``ConfigError``,
+        before anything is written, for what this task and fine-tuning mode cannot export."""
+        raise ConfigError(f"{type(self).__name__} cannot be exported; use dpl predict on the run itself")
+
+    @classmethod
+    def from_export(cls, folder: Path, meta: dict[str, Any], tokenizer: Any) -> "DPTaskModule":
+        """This task's module around the model that :meth:`export_model` wrote into ``folder``."""
+        raise ConfigError(f"{cls.__name__} cannot load exports")
+
+
+def row_field(row: dict[str, Any], name: str, where: int) -> str:
+    """Field ``name`` of input row number ``where`` (one-line ``ConfigError`` when it is missing)."""
+    if name not in row:
+        raise ConfigError(f"input row {where}: no field {name!r} (fields: {', '.join(map(str, row)) or 'none'})")
+    return str(row[name])
+
+
+def checkpoint_label_names(checkpoint: dict[str, Any]) -> list[str] | None:
+    """Class id -> label name, from the data module's state in a checkpoint (``{"label_map": {name: id}}``)."""
+    for value in checkpoint.values():
+        if isinstance(value, dict) and isinstance(value.get("label_map"), dict):
+            mapping = value["label_map"]
+            return [name for name, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
+    return None

