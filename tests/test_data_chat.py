@@ -216,4 +216,4 @@ def test_smollm2_renders_one_e2e_row(tmp_path):
     assert example["input_ids"][-1] == dm.eos_token_id and example["input_ids"].count(dm.eos_token_id) == 3
     assert example["input_ids"][:n] == tok(prompt, add_special_tokens=False)["input_ids"]
     assert dm.val_set[0]["input_ids"] == example["input_ids"][:n]
-    assert chat_prompt(tok, "Table: name[Aromi], eatType[pub], area[riverside]\nSentence:") == (prompt, False)
+    assert chat_prompt(tok, "Table: name[Aromi], eatType[pub], area[riverside]\nSentence:", "auto") == (prompt, False)

@@ -186,11 +186,12 @@ def encode_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[list[
     """The token ids of each prompt, rendered by :func:`prompt_text`."""
     if not prompts:
         return []
-    texts = [prompt_text(tokenizer, p, chat)[0] for p in prompts]
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
+    rendered = [prompt_text(tokenizer, p, chat) for p in prompts]
+    texts, special = [text for text, _ in rendered], rendered[0][1]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
 
-def chat_prompt(tokenizer: Any, prompt: str, mode: str = "auto") -> tuple[str, bool]:
+def chat_prompt(tokenizer: Any, prompt: str, mode: str) -> tuple[str, bool]:
     """The text to tokenize for a generation ``prompt`` exactly as the data module renders it under
     ``data.chat_template`` = ``mode``, and whether the tokenizer must add its special tokens to it.
 
