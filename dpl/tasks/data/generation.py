@@ -8,6 +8,9 @@ templates (``prompt_template``, ``completion_template``) turn into a prompt and 
 
 * Training: one example per record, ``input_ids`` = prompt tokens + completion tokens + EOS, ``labels`` = the same
   ids with the prompt positions set to -100 (unshifted: the model shifts). Batches are right-padded.
+* Chat template (``chat_template``; by default when the tokenizer has one): the prompt is one user turn of the
+  tokenizer's chat template followed by its generation prompt, the completion the assistant's reply followed by
+  the end of the turn (:class:`~dpl.tasks.data.templates.ChatFormat`).
 * Evaluation (validation / test): one example per *source* (records with the same prompt; for DART, the same
   entry): the prompt tokens and all reference completions, in file order. Batches are left-padded, for
   generation.
@@ -31,7 +34,8 @@ from torch.utils.data import DataLoader
 from dpl.errors import ConfigError, DataError
 from dpl.lightning.data import DPDataModule
 from dpl.tasks.data.files import check_file, split_files, user_keys_of
-from dpl.tasks.data.templates import Record, render, show_fields, template_fields
+from dpl.tasks.data.templates import (ChatFormat, ChatTemplateMode, Record, chat_format, check_chat_mode,
+                                     encode_prompts, render, show_fields, template_fields)
 from dpl.tasks.loading import load_tokenizer
 
 __all__ = ["GenerationDataModule", "Record"]
@@ -87,8 +91,15 @@ class GenerationDataModule(DPDataModule):
             ``"Table: {mr}\\nSentence:"``.
         completion_template: ``str.format`` template giving the completion (the text the model learns to write;
             an EOS token is appended), e.g. ``" {ref}"``.
+        chat_template: ``auto`` renders prompt and completion with the tokenizer's chat template when it has one
+            (``tokenizer.chat_template``), ``none`` keeps the plain prompt text, ``always`` requires a chat
+            template. With it, the prompt is one user turn (no system message: the template's default one, if
+            any, applies) ending with the generation prompt, tokenized without added special tokens (the template
+            writes them); the completion is the reply (stripped) followed by the template's end of turn, and an
+            EOS only when the end of turn does not end with it (SmolLM2: ``<|im_end|>`` is its EOS).
         max_length: most tokens of one training example (prompt + completion + EOS). Longer ones are truncated:
-            the prompt loses tokens from its start (a leading BOS is kept), keeping at least one prompt token;
+            the prompt loses tokens from its start (a leading BOS is kept; with a chat template, the start of the
+            user's prompt, keeping the template's tokens around it), keeping at least one prompt token;
             if the completion alone does not fit, it is cut at its end too. Evaluation prompts keep their last
             ``max_length - 1`` tokens. One warning per split says how many examples were truncated.
         max_train_examples: use only the first N training records (quick runs).
@@ -104,7 +115,8 @@ class GenerationDataModule(DPDataModule):
 
     def __init__(self, data_dir: str | None = None, train_file: str | None = None, val_file: str | None = None,
                  test_file: str | None = None, tokenizer: str = SMOLLM2, prompt_template: str = "{prompt}",
-                 completion_template: str = "{completion}", max_length: int = 128,
+                 completion_template: str = "{completion}", chat_template: ChatTemplateMode = "auto",
+                 max_length: int = 128,
                  max_train_examples: int | None = None, max_eval_examples: int | None = None,
                  eval_batch_size: int = 16, num_workers: int = 0, user_column: str | None = None) -> None:
         super().__init__(eval_batch_size=eval_batch_size, num_workers=num_workers)
@@ -118,6 +130,7 @@ class GenerationDataModule(DPDataModule):
                 raise DataError(f"data.{arg} must be positive (or null for all), got {value}")
         self.prompt_fields = template_fields(prompt_template, "prompt_template")
         self.completion_fields = template_fields(completion_template, "completion_template")
+        self.chat_template = check_chat_mode(chat_template)
         self.data_dir = data_dir
         self.train_file = train_file
         self.val_file = val_file
@@ -134,6 +147,7 @@ class GenerationDataModule(DPDataModule):
         self._splits: dict[str, _Split] | None = None
         self._encoded: dict[str, list[dict[str, Any]]] = {}
         self._pad_id: int | None = None
+        self._chat: tuple[ChatFormat | None, list[int], list[int]] | None = None
 
     # ------------------------------------------------------------------------------------ subclass API
 
@@ -228,8 +242,26 @@ class GenerationDataModule(DPDataModule):
         return self._tokenizer
 
     @property
+    def chat_format(self) -> ChatFormat | None:
+        """The tokenizer's chat template as applied to the data (``None``: plain prompt text), per
+        ``chat_template``."""
+        return self._chat_frame()[0]
+
+    def _chat_frame(self) -> tuple[ChatFormat | None, list[int], list[int]]:
+        """The chat format and the token ids of the rendered prompt's text before and after the user's prompt."""
+        if self._chat is None:
+            chat = chat_format(self.tokenizer, self.chat_template, self.tokenizer_location)
+            if chat is None:
+                self._chat = (None, [], [])
+            else:
+                head, tail = self._encode([chat.head, chat.tail], special=False)
+                self._chat = (chat, head, tail)
+        return self._chat
+
+    @property
     def eos_token_id(self) -> int:
-        """The id appended to every completion (generation stops there)."""
+        """The id ending every completion (generation stops there): appended to it, unless the chat template's
+        end of turn already ends with it."""
         eos = self.tokenizer.eos_token_id
         if eos is None:
             raise DataError(f"tokenizer {self.tokenizer_location!r} has no EOS token to end the completions")
@@ -252,14 +284,24 @@ class GenerationDataModule(DPDataModule):
         out = tokenizer(texts)["input_ids"] if special else tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [list(ids) for ids in out]
 
+    def _encode_prompts(self, prompts: list[str]) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, prompts, self.chat_format is not None)
+
     def _truncate_prompt(self, ids: list[int], budget: int) -> list[int]:
-        """The last ``budget`` (>= 1) tokens of a prompt; a leading BOS stays when there is room for it."""
+        """The prompt in ``budget`` (>= 1) tokens: its text loses tokens from its start. A chat template's frame
+        (the tokens before and after the user's prompt) stays when there is room for it and one more token;
+        otherwise the last tokens stay, after a leading BOS when there is room for it."""
         if len(ids) <= budget:
             return ids
         bos = getattr(self.tokenizer, "bos_token_id", None)
-        if budget >= 2 and bos is not None and ids[0] == bos:
-            return [ids[0], *ids[len(ids) - budget + 1:]]
-        return ids[len(ids) - budget:]
+        keep = 1 if bos is not None and ids[0] == bos else 0
+        _, head, tail = self._chat_frame()
+        if head and len(head) + len(tail) < budget and ids[:len(head)] == head \
+                and ids[len(ids) - len(tail):] == tail:
+            keep = len(head)
+        elif keep >= budget:
+            keep = 0
+        return [*ids[:keep], *ids[len(ids) - budget + keep:]]
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -281,16 +323,19 @@ class GenerationDataModule(DPDataModule):
         if self.max_train_examples is not None:
             prompts, completions = prompts[:self.max_train_examples], completions[:self.max_train_examples]
         eos = self.eos_token_id
+        chat = self.chat_format
         unique = list(dict.fromkeys(prompts))
-        prompt_ids = dict(zip(unique, self._encode(unique, special=True)))
-        completion_ids = self._encode(completions, special=False)
+        prompt_ids = dict(zip(unique, self._encode_prompts(unique)))
+        completion_ids = self._encode(completions if chat is None else [chat.completion(c) for c in completions],
+                                      special=False)
         limit = self.max_length
         examples, truncated = [], 0
         for prompt, tail in zip(prompts, completion_ids):
             head = prompt_ids[prompt]
             if not head:
                 raise DataError(f"the {split.name} prompt {prompt[:60]!r} has no tokens")
-            tail = [*tail, eos]
+            if chat is None or not tail or tail[-1] != eos:
+                tail = [*tail, eos]
             if len(head) + len(tail) > limit:
                 truncated += 1
                 if len(tail) > limit - 1:
@@ -308,7 +353,7 @@ class GenerationDataModule(DPDataModule):
         if self.max_eval_examples is not None:
             sources = sources[:self.max_eval_examples]
         prompts = [prompt for prompt, _ in sources]
-        ids = self._encode(prompts, special=True)
+        ids = self._encode_prompts(prompts)
         budget = self.max_length - 1
         examples, truncated = [], 0
         for (prompt, references), head in zip(sources, ids):
