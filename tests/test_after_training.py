@@ -85,10 +85,13 @@ def test_classification_journey(classification, tmp_path, capsys, pooling):
 
     assert bool(list(run_dir.glob("events.out.tfevents.*"))) == bool(_TENSORBOARD_AVAILABLE)
 
-    # the checkpoint holds the trained parameters only
+    # the checkpoint holds the trained parameters only, and (pooling: model) peft's frozen copy of the new head,
+    # which no pretrained model holds
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     run = load_run(run_dir)
-    assert set(ckpt["state_dict"]) == {f"model.{name}" for name in run.module.trainable}
+    head_copy = {f"model.base_model.model.classifier.original_module.{k}" for k in ("weight", "bias")}
+    assert set(ckpt["state_dict"]) == {f"model.{name}" for name in run.module.trainable} | (
+        head_copy if pooling == "model" else set())
     assert all("lora_" in k or "classifier" in k for k in ckpt["state_dict"])
     assert ckpt["dpl_privacy_report"]["epsilon"] == pytest.approx(report["epsilon"])
 

@@ -259,13 +259,18 @@ class DPGenerationModule(DPTaskModule):
 
     def inference_batches(self, rows: list[dict[str, Any]], tokenizer: Any, data: dict[str, Any],
                           batch_size: int) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
-        """Prompts left-padded (the newest tokens kept where a prompt is longer than ``data.max_length`` - 1)."""
+        """Prompts in the run's chat template where it trained with one (``data.chat_template``; a run without the
+        setting trained on the plain prompt), left-padded; the newest tokens kept where a prompt is longer than
+        ``data.max_length`` - 1."""
+        from dpl.tasks.data.templates import encode_prompts, uses_chat_template
+
+        chat = uses_chat_template(tokenizer, data.get("chat_template") or "none")
         budget = max(1, int(data.get("max_length") or 512) - 1)
         pad = tokenizer.pad_token_id
         for start in range(0, len(rows), batch_size):
             prompts = [self.render_prompt(row, data, start + i + 1)
                        for i, row in enumerate(rows[start:start + batch_size])]
-            ids = [list(x)[-budget:] for x in tokenizer(prompts)["input_ids"]]
+            ids = [x[-budget:] for x in encode_prompts(tokenizer, prompts, chat)]
             length = max(len(x) for x in ids)
             yield ({"input_ids": torch.tensor([[pad] * (length - len(x)) + x for x in ids]),
                     "attention_mask": torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in ids])},
