@@ -258,12 +258,15 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
 
 
 def _run_file(pattern: str, world: dict) -> str:
-    """``runs/<name>/.../<file>``: the newest such file of the runs before (the quickstart is trained if need be)."""
+    """``runs/<name>/.../<file>``: the newest such file of the runs before (if none, the config whose
+    ``default_root_dir`` is ``runs/<name>`` is trained first)."""
     work = world["work"]
     head, tail = pattern.split("/.../")
     found = sorted((work / head).glob(f"**/{tail}"))
-    if not found and head.startswith("runs/quickstart"):  # run alone: train the quickstart first
-        fit, _ = prepare("dpl fit --config configs/quickstart.yaml", world)
+    config = next((c for c in CONFIGS if ((yaml.safe_load(c.read_text()) or {}).get("trainer") or {})
+                   .get("default_root_dir") == head.rstrip("/")), None)
+    if not found and config is not None:  # run alone: train the run's config first
+        fit, _ = prepare(f"dpl fit --config {config.relative_to(ROOT)}", world)
         cwd = Path.cwd()
         try:
             os.chdir(work)
