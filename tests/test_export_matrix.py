@@ -30,10 +30,15 @@ def workspace(tmp_path_factory):
     bert = Path(save_tiny_bert(tmp / "bert"))
     from transformers import BertModel
 
+    from transformers import BertForMaskedLM
+
     BertModel.from_pretrained(bert).save_pretrained(tmp / "encoder")  # the encoder alone: no classifier weights
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (bert / name).is_file():
-            (tmp / "encoder" / name).write_bytes((bert / name).read_bytes())
+    torch.manual_seed(0)
+    BertForMaskedLM(BertModel.from_pretrained(bert).config).save_pretrained(tmp / "mlm")  # a masked LM with its head
+    for folder in ("encoder", "mlm"):
+        for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (bert / name).is_file():
+                (tmp / folder / name).write_bytes((bert / name).read_bytes())
     write_sentiment_tsv(tmp / "cls" / "train.tsv", rows=96)
     write_sentiment_tsv(tmp / "cls" / "validation.tsv", rows=8, seed=1)
     llama = save_tiny_llama_lm(tmp / "llama", tie=True)
@@ -151,16 +156,35 @@ def test_classification_predicts_and_exports(workspace, tmp_path, capsys, mode):
                                atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
-def test_prompt_classification_predicts_and_refuses_export(workspace, tmp_path, capsys, mode):
-    extra = LORA if mode == "lora" else []
-    run_dir = _fit(workspace, tmp_path / "runs", _classification(
-        workspace, "--model.label_words", "[bad, good]", "--data.template", "{sentence} it was [MASK] .", *extra,
-        task="DPPromptClassificationModule", data="PromptClassificationDataModule"))
+@pytest.mark.parametrize("mode", ["full", "lora", "mlm_head"])
+def test_prompt_classification_predicts_and_exports(workspace, tmp_path, capsys, mode):
+    from transformers import AutoModelForSequenceClassification
+
+    from dpl.tasks.data.prompt import render_ids
+
+    extra = {"full": [], "lora": LORA, "mlm_head": ["--model.decoder", "mlm_head"]}[mode]
+    model = workspace / ("mlm" if mode == "mlm_head" else "encoder")
+    args = _classification(workspace, "--model.label_words", "[bad, good]", "--data.template",
+                           "{sentence} it was [MASK] .", *extra, task="DPPromptClassificationModule",
+                           data="PromptClassificationDataModule")
+    args[args.index("--model.model") + 1] = args[args.index("--data.tokenizer") + 1] = str(model)
+    run_dir = _fit(workspace, tmp_path / "runs", args)
     capsys.readouterr()
-    rows = predict(load_run(run_dir), [{"sentence": t} for t in TEXTS])
+    run = load_run(run_dir)
+    rows = predict(run, [{"sentence": t} for t in TEXTS])
     assert all(r["label"] in ("negative", "positive") for r in rows)
-    _refused(run_dir, tmp_path / "export", says="prompt-based classifier")
+    expected = _probabilities(rows)
+
+    merged = tmp_path / "merged"
+    assert _export(run_dir, merged)[0] == 0
+    hf = AutoModelForSequenceClassification.from_pretrained(merged, trust_remote_code=True).eval()
+    ids = [{"input_ids": render_ids(run.tokenizer, "{sentence} it was [MASK] .", t, 16)} for t in TEXTS]
+    with torch.no_grad():
+        got = torch.softmax(hf(**run.tokenizer.pad(ids, return_tensors="pt")).logits.float(), dim=-1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(_probabilities(predict(load_run(merged), [{"sentence": t} for t in TEXTS])), expected,
+                               atol=1e-5, rtol=1e-4)
+    _refused(run_dir, tmp_path / "adapter", "--adapter", says="merged only")
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

@@ -176,7 +176,8 @@ class DPPromptClassificationModule(DPClassificationModule):
         return model
 
     def forward(self, batch: dict[str, Any]) -> Tensor:
-        return self.model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+        out = self.model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+        return out if torch.is_tensor(out) else out.logits  # an export's model returns transformers outputs
 
     def per_example_loss(self, batch: dict[str, Any]) -> Tensor:
         return F.cross_entropy(self(batch).float(), batch["labels"], reduction="none")
@@ -193,6 +194,46 @@ class DPPromptClassificationModule(DPClassificationModule):
         ids = [{"input_ids": render_ids(tokenizer, template, text, length)} for text in texts]
         return dict(tokenizer.pad(ids, return_tensors="pt"))
 
+    def export_meta(self) -> dict[str, Any]:
+        return {**super().export_meta(), "label_words": list(self.label_words)}
+
     def export_model(self, folder: Path, adapter: bool) -> None:
-        raise ConfigError("a prompt-based classifier (label words scored at the mask) is not a transformers model "
-                          "class: use dpl predict on the run itself")
+        """The masked LM (LoRA merged) with its label-word scoring, as transformers remote code
+        (:class:`~dpl.tasks.modeling_dpl.PromptForSequenceClassification`; ``trust_remote_code=True``)."""
+        import shutil
+
+        from dpl.tasks import modeling_dpl
+        from dpl.tasks.exporting import label_config, merged
+
+        if adapter:
+            raise ConfigError("--adapter: a prompt-based classifier (label words scored at the mask) exports merged "
+                              "only, as remote code")
+        model, names = self.model, self.label_names or self._label_names()
+        encoder = merged(model.encoder)
+        config = encoder.config
+        config.dpl_prompt = {"mask_token_id": int(model.mask_token_id), "decoder": self.decoder_used,
+                             "word_ids": self._word_ids(self._tokenizer())}
+        label_config(config, names)
+        config.num_labels = len(names)
+        config.auto_map = {"AutoModelForSequenceClassification": "modeling_dpl.PromptForSequenceClassification"}
+        exported = modeling_dpl.PromptForSequenceClassification(config)
+        if self.decoder_used == "mlm_head":
+            exported.mlm.base_model.load_state_dict(encoder.state_dict())
+            head = getattr(exported.mlm, "cls", None) or exported.mlm.lm_head
+            head.load_state_dict(model.label_decoder.state_dict())
+        else:
+            exported.encoder.load_state_dict(encoder.state_dict())
+            exported.label_decoder.load_state_dict(model.label_decoder.state_dict())
+        exported.save_pretrained(folder)
+        shutil.copy(modeling_dpl.__file__, folder / "modeling_dpl.py")
+
+    @classmethod
+    def from_export(cls, folder: Path, meta: dict[str, Any], tokenizer: Any) -> "DPPromptClassificationModule":
+        from transformers import AutoModelForSequenceClassification
+
+        from dpl.tasks.exporting import load_exported
+
+        module = cls(model=str(folder), label_words=list(meta["label_words"]))
+        module.label_names = list(meta["label_names"])
+        module.model = load_exported(AutoModelForSequenceClassification, folder, trust_remote_code=True)
+        return module
