@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
               "(docs/audit.md)", "dpl.audit.command:audit_command"),
+    "plan": ("sigma, the noise against the clipped signal and the batch sizes at the same epsilon and compute, from "
+             "a fit config, without training (docs/planning.md)", "dpl.planning.command:plan_command"),
 }
 
 _ARGV: list[str] = []

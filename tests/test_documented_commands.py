@@ -334,6 +334,8 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
         assert "\x1b[" not in out and "\r" not in out, "terminal control codes in redirected output"
     if args[0] == "validate":
         assert "val_" in out
+    if args[0] == "plan":
+        assert "sigma = " in out and "recommended" in out, out[-2000:]
 
 
 def test_every_config_is_covered():

@@ -38,6 +38,7 @@ from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_sour
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
 from dpl.core.privacy import PrivacyConfig
+from dpl.core.regime import NoiseRegime
 from dpl.core.sampling import derive_key, derive_seed, secure_generator
 from dpl.core.step import RunSetup, StepContext, private_step
 from dpl.core.units import RowsSampler, Users, UserRowsSampler
@@ -89,6 +90,7 @@ class PrivateEngine:
         self._replayed = False  # the generators continue a checkpoint's streams
         self._announced = False
         self.resumed_from: str | None = None  # the checkpoint this run continues (set by the driver)
+        self.release_dimension: int | None = None  # coordinates the noise goes on (None: a plugin's own estimate)
 
     # --- setup --------------------------------------------------------------------------------------------
     @property
@@ -149,11 +151,25 @@ class PrivateEngine:
                               "its plugin does not support this privacy unit")
         apply_adjacency(mechanism, cfg.adjacency)  # before calibration: the adjacency sets the sensitivity
         self.mechanism = mechanism
+        # the default estimate releases one value per trainable coordinate; a replaced one releases its own
+        self.release_dimension = None if "estimate_gradient" in replaced else sum(t.numel() for t in trainable.values())
         self.ledger = PrivacyLedger(cfg, plan, mechanism)
         if cfg.seed is not None:
             warnings.warn("privacy.seed is set: noise and batches are reproducible, and so predictable by anyone "
                           "who knows the seed. Use it for experiments, never in production.", PrivacyWarning,
                           stacklevel=2)
+
+    def noise_regime(self) -> NoiseRegime | None:
+        """One step's noise against its clipped signal (:mod:`dpl.core.regime`) with the sigma that trains; the
+        noise multiplier of a step is sigma times the mechanism's ``noise_scale`` where it declares one (ftrl: its
+        sensitivity; the first step's marginal, later steps' are at least as large). ``None`` where a plugin replaces
+        ``estimate_gradient`` (its release need not have one coordinate per trainable parameter)."""
+        ledger = self._configured_ledger()
+        if self.release_dimension is None:
+            return None
+        scale = float(getattr(self.mechanism, "noise_scale", 1.0))
+        return NoiseRegime(ledger.noise_multiplier * scale, float(self.privacy.batch_size), self.release_dimension,
+                           float(self.privacy.max_grad_norm))
 
     # --- what the ledger holds ----------------------------------------------------------------------------
     @property
@@ -240,6 +256,9 @@ class PrivateEngine:
                  "adjacency]%s", plan.num_examples, cfg.batch_size, self.sampling_rate, plan.steps,
                  self.noise_multiplier, cfg.max_grad_norm, self.final_epsilon(), plan.delta, mechanism.name,
                  mechanism.adjacency, resumed)
+        regime = self.noise_regime()
+        if regime is not None and regime.hopeless:
+            log.warning(regime.warning())
 
     # --- the step -----------------------------------------------------------------------------------------
     def step(self, batch: dict[str, Any], *, model: nn.Module, trainable: Mapping[str, Tensor],

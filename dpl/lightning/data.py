@@ -61,6 +61,15 @@ class DPDataModule(L.LightningDataModule):
         assert self.train_set is not None, "call setup('fit') first"
         return len(self.train_set)
 
+    def count_train_examples(self) -> int:
+        """N, the :attr:`num_train_examples` that ``setup("fit")`` gives, for planning (``dpl plan``); afterwards
+        :meth:`train_user_keys` answers too. This default sets the data up; subclasses that can count the rows
+        without tokenizing (or generating) them override it."""
+        if self.train_set is None:
+            self.prepare_data()
+            self.setup("fit")
+        return self.num_train_examples
+
     def train_dataloader(self) -> DataLoader:
         if self.train_batch_sampler is None:
             raise ConfigError(f"{type(self).__name__} trains only under a dpl.lightning.module.DPModule, which draws "

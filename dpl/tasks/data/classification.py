@@ -229,6 +229,14 @@ class ClassificationDataModule(DPDataModule):
         """The user (``str``) of each row of ``train_set``, in its order; ``None`` without a ``user_column``."""
         return user_keys_of(self)
 
+    def count_train_examples(self) -> int:
+        """N without tokenizing: the training rows :meth:`validate_data` reads and checks, cut by
+        ``max_train_examples`` as :meth:`setup` cuts them."""
+        if self.train_set is not None:
+            return len(self.train_set)
+        rows = self.validate_data()["rows"]["train"]
+        return rows if self.max_train_examples is None else min(rows, self.max_train_examples)
+
     @property
     def label_map(self) -> dict[str, int]:
         """Label string -> class id (reads the training file on first use when ``labels`` is not given)."""

@@ -170,13 +170,15 @@ def check_columns(path: Path, columns: list[str], required: list[str], hint: str
 
 
 def user_keys_of(module: Any) -> list[str] | None:
-    """The user (``str``) of each row of a data module's ``train_set``, in its order (its training split's ``users``,
-    cut like the rows by ``max_train_examples``); ``None`` without a ``user_column``."""
+    """The user (``str``) of each training row of a data module, in the order of its ``train_set`` (its training
+    split's ``users``, cut like the rows by ``max_train_examples``; read by ``validate_data``, no tokenizing needed);
+    ``None`` without a ``user_column``."""
     if module.user_column is None:
         return None
-    assert module.train_set is not None and module._splits is not None, "call setup('fit') first"
+    if module._splits is None:
+        module.validate_data()
     users = module._splits["train"].users
     assert users is not None
     keys = users[:module.max_train_examples] if module.max_train_examples is not None else list(users)
-    assert len(keys) == len(module.train_set)
+    assert module.train_set is None or len(keys) == len(module.train_set)
     return keys

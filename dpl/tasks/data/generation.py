@@ -225,6 +225,14 @@ class GenerationDataModule(DPDataModule):
         """The user (``str``) of each row of ``train_set``, in its order; ``None`` without a ``user_column``."""
         return user_keys_of(self)
 
+    def count_train_examples(self) -> int:
+        """N without tokenizing: the training records :meth:`validate_data` reads (one example each), cut by
+        ``max_train_examples`` as :meth:`setup` cuts them."""
+        if self.train_set is not None:
+            return len(self.train_set)
+        records = self.validate_data()["records"]["train"]
+        return records if self.max_train_examples is None else min(records, self.max_train_examples)
+
     def prepare_data(self) -> None:
         """Check the files, columns and rows (and fill the templates) so bad input fails before training."""
         self.validate_data()

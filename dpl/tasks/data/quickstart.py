@@ -112,6 +112,26 @@ class QuickstartDataModule(ClassificationDataModule):
                 "labels": list(self.label_map)}
 
 
+    def count_train_examples(self) -> int:
+        """N without generating the rows when ``train_size`` gives it (the generator returns exactly that many)."""
+        if self.train_size is None or self._splits is not None or self.train_set is not None:
+            return super().count_train_examples()
+        if self.user_column is not None and not self._generated_authors():
+            return super().count_train_examples()  # generates and checks the rows (an unknown column fails there)
+        limit = self.max_train_examples
+        return self.train_size if limit is None else min(self.train_size, limit)
+
+    def train_user_keys(self) -> list[str] | None:
+        """The author of each training row; without generating the rows when they are the generated authors."""
+        if self._splits is None and self.train_set is None and self._generated_authors():
+            keys = zipf_authors(self.train_size, self.authors, self.seed)
+            return keys if self.max_train_examples is None else keys[:self.max_train_examples]
+        return super().train_user_keys()
+
+    def _generated_authors(self) -> bool:
+        return self.train_size is not None and self.authors is not None and self.user_column == "author"
+
+
 def zipf_authors(rows: int, authors: int, seed: int) -> list[str]:
     """An author for each of ``rows`` rows: author j (1-based) with probability proportional to 1 / j, drawn from
     ``seed`` (reproducible)."""

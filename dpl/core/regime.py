@@ -1,0 +1,82 @@
+"""The noise regime of a private step: the noise on the mean update against the clipped signal.
+
+A step releases the mean of clipped per-unit gradients, each of norm at most C, plus Gaussian noise of std
+sigma C / B per coordinate (sigma: the step's noise multiplier, B: the expected batch). Over d coordinates the
+noise has norm about sigma C sqrt(d) / B, against a mean clipped signal of norm at most C. Their ratio,
+``sigma sqrt(d) / B`` (:attr:`NoiseRegime.relative_noise`), is the quantity checked here; Sander, Stock & Sablayrolles,
+"TAN without a burn: scaling laws of DP-SGD" (ICML 2023) show that at a fixed number of steps utility is governed
+by the noise-batch ratio sigma / B.
+
+:data:`HOPELESS` and :data:`QUIET` are placed from this project's own runs (``benchmarks/noise_regimes.py``,
+docs/planning.md): every classification run at a relative noise of 5.2 or less learned (at 5.2 partly), every one at
+7.6 or more learned nothing; every run at 1 or less learned. The check sees neither the task nor how concentrated
+its gradients are: the E2E generation run (a pretrained language model's LoRA) learned at 52.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: relative noise sigma sqrt(d) / B above which ``dpl fit`` warns that nothing may learn
+HOPELESS = 6.0
+#: relative noise at or below which the noise on a step is at most the largest clipped signal
+QUIET = 1.0
+
+
+@dataclass(frozen=True)
+class NoiseRegime:
+    """One step's noise against its clipped signal.
+
+    Args:
+        noise_multiplier: the noise std of one step's release per coordinate, in units of C, times B (sigma for
+            DP-SGD; sigma times the mechanism's ``noise_scale`` for correlated noise).
+        batch_size: the expected batch B the noisy sum is divided by.
+        dimension: d, the number of coordinates the noise is added to (the trainable parameters).
+        max_grad_norm: C, the clipping bound.
+    """
+
+    noise_multiplier: float
+    batch_size: float
+    dimension: int
+    max_grad_norm: float
+
+    @property
+    def noise_batch_ratio(self) -> float:
+        """sigma / B."""
+        return self.noise_multiplier / self.batch_size
+
+    @property
+    def relative_noise(self) -> float:
+        """sigma sqrt(d) / B: the expected noise norm on the mean update in units of C (the clipped signal's bound)."""
+        return self.noise_batch_ratio * math.sqrt(self.dimension)
+
+    @property
+    def noise_norm(self) -> float:
+        """sigma C sqrt(d) / B: the expected norm of the noise on the mean update."""
+        return self.relative_noise * self.max_grad_norm
+
+    @property
+    def hopeless(self) -> bool:
+        """Whether the relative noise is above :data:`HOPELESS`."""
+        return self.relative_noise > HOPELESS
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the relative noise is at most :data:`QUIET`."""
+        return self.relative_noise <= QUIET
+
+    def warning(self) -> str:
+        """The one line ``dpl fit`` logs when :attr:`hopeless`."""
+        return (f"dpl: the noise on each step's mean update, sigma C sqrt(d)/B = {self.relative_noise:.3g} C (sigma "
+                f"{self.noise_multiplier:.3g}, B {self.batch_size:g}, d {self.dimension:,}), dwarfs the clipped signal "
+                f"(<= C): above {HOPELESS:g} C the project's classification runs learned nothing; raise B or train "
+                f"fewer parameters (dpl plan shows how; docs/planning.md)")
+
+
+def needed_dimension(noise_multiplier: float, batch_size: float, relative_noise: float = QUIET) -> int:
+    """The largest d whose relative noise sigma sqrt(d) / B is at most ``relative_noise`` (sigma does not depend
+    on d)."""
+    if noise_multiplier <= 0:
+        return 2 ** 62
+    return int((relative_noise * batch_size / noise_multiplier) ** 2)

@@ -1,0 +1,291 @@
+"""``dpl plan --config ...``: what a ``dpl fit`` config will do to privacy and noise, from the config alone.
+
+The config is parsed by ``dpl fit``'s own parser (the same files, overrides and one-line errors), the model and data
+classes are instantiated, N is counted without tokenizing, the model is built without its weights
+(:mod:`~dpl.planning.skeleton`), and the privacy engine is set up by the very call ``dpl fit`` makes before training
+(:meth:`~dpl.lightning.module.DPModule.prepare_privacy`: plugins, mechanism, calibration, budget). So sigma is the one
+``dpl fit`` would train with. Printed: N, B, q, steps, epochs, (epsilon, delta), the mechanism, d, sigma, the
+noise-batch ratio sigma / B and the noise on the mean update against the clipped signal
+(:mod:`dpl.core.regime`), then the alternatives at the same epsilon and compute (:mod:`~dpl.planning.alternatives`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from dpl.core.regime import HOPELESS, QUIET
+from dpl.planning.alternatives import Row, alternatives, recommend, row_of
+
+USAGE = "usage: dpl plan --config CONFIG [--config CONFIG ...] [--KEY VALUE ...]"
+HELP = (f"{USAGE}\n\n"
+        "The privacy plan of a dpl fit config, without training: N, B, q, steps, (epsilon, delta), sigma as\n"
+        "dpl fit calibrates it, the noise-batch ratio sigma/B and the noise on the mean update sigma C sqrt(d)/B\n"
+        "against the clipped signal (<= C), and the batch sizes at the same epsilon and compute (B x steps).\n"
+        "Takes the configs and options of dpl fit (dpl fit --help); loads no weights, and dpl's data modules\n"
+        "tokenize no data for it.\n"
+        "See docs/planning.md.")
+
+
+@dataclass
+class PlanReport:
+    """What ``dpl plan`` prints (see :func:`format_report`)."""
+
+    configs: list[str]
+    rows_in_data: int
+    population: int
+    num_units: int
+    unit: str
+    user_sampling: str | None
+    max_rows_per_user: int | None
+    sampling_rate: float
+    sampling: str
+    steps_per_epoch: int
+    target_epsilon: float
+    delta: float
+    mechanism: str
+    accounting: str
+    adjacency: str
+    max_grad_norm: float
+    current: Row
+    trainable: int
+    estimator: str | None  # the plugin whose gradient estimate replaces the default, if any
+    lora: tuple[int, int, int] | None
+    rows: list[Row] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    recommended: Row | None = None
+    why: str = ""
+
+
+def plan_command(argv: list[str]) -> int:
+    """``dpl plan``: print the plan of the config given as ``dpl fit`` takes it."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(HELP)
+        return 0
+    if not argv:
+        print(f"dpl: error: dpl plan needs a config ({USAGE[7:]}), e.g. dpl plan --config configs/quickstart.yaml",
+              file=sys.stderr)
+        return 2
+    from dpl.cli import _dpl_error_in, _quiet
+
+    _quiet()  # the warnings dpl fit silences
+    try:
+        report = plan_config(argv)
+    except Exception as exc:
+        error = _dpl_error_in(exc)
+        if error is None or os.environ.get("DPL_DEBUG"):
+            raise
+        print(f"dpl: error: {error}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return 0
+
+
+def plan_config(argv: list[str]) -> PlanReport:
+    """The :class:`PlanReport` of the config and options ``argv`` (as ``dpl fit`` takes them)."""
+    from dpl.cli import DPLightningCLI
+    from dpl.lightning.data import DPDataModule
+    from dpl.lightning.module import DPModule
+
+    class PlanCLI(DPLightningCLI):
+        """``dpl fit``'s parser and classes; instead of fitting, the plan (a bare trainer: no logger, callbacks or
+        run folder)."""
+
+        report: PlanReport
+
+        def _set_seed(self) -> None:  # nothing random is drawn
+            pass
+
+        def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+            from lightning.pytorch import Trainer
+
+            return Trainer(**{**config, "logger": False, "callbacks": [], "enable_checkpointing": False,
+                              "enable_progress_bar": False, "enable_model_summary": False})
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            self.report = make_report(self.model, self.datamodule, self.trainer, self._check_val_check_interval)
+
+    with _lightning_quiet(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter")  # dpl plan passes fit's args
+        cli = PlanCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                      save_config_callback=None, args=["fit", *argv], auto_configure_optimizers=False)
+    report = cli.report
+    report.configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    return report
+
+
+@contextlib.contextmanager
+def _lightning_quiet() -> Iterator[None]:
+    """Lightning's start lines (accelerators available, ...) say nothing about a plan."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -> PlanReport:
+    """Count N, build the model without weights, set the engine up as ``dpl fit`` does (``check``: the CLI's own
+    checks of the trainer against the plan), then plan the alternatives."""
+    from dpl.planning.skeleton import build_without_weights
+
+    num_rows = datamodule.count_train_examples()
+    build_without_weights(module, datamodule)
+    module.prepare_privacy(num_rows, trainer)
+    if check is not None:
+        check()
+    engine = module.engine
+    plan, mechanism, cfg = engine.plan, engine.mechanism, module.privacy
+    current = row_of(engine, current=True)
+    target = cfg.target_epsilon if cfg.noise_multiplier is None else current.epsilon
+    trainable = module.trainable
+    report = PlanReport(
+        configs=[], rows_in_data=num_rows, population=plan.num_examples, num_units=plan.num_units, unit=plan.unit,
+        user_sampling=cfg.user_sampling if cfg.unit == "user" else None,
+        max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None,
+        sampling_rate=float(mechanism.sample_rate),
+        sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
+        delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
+        adjacency=mechanism.adjacency, max_grad_norm=float(cfg.max_grad_norm), current=current,
+        trainable=sum(p.numel() for p in trainable.values()), estimator=_estimator(engine), lora=_lora(module))
+    if current.noise_multiplier == 0 or not math.isfinite(target):
+        report.rows = [current]
+        report.why = "no alternatives: the run adds no noise (not private)"
+        return report
+    replan = partial(_replan, module, trainer, float(target))
+    report.rows, report.refused = alternatives(replan, engine)
+    report.recommended, report.why = recommend(report.rows, replan, plan.num_examples, report.lora)
+    return report
+
+
+def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: int) -> Any:
+    """A new engine for ``batch_size`` and ``steps``, calibrated to ``epsilon``, set up as ``dpl fit`` sets one up."""
+    from dpl.core.engine import PrivateEngine
+    from dpl.lightning import distributed
+
+    base = module.engine
+    privacy = dataclasses.replace(module.privacy, batch_size=batch_size, target_epsilon=epsilon, noise_multiplier=None)
+    engine = PrivateEngine(privacy, base.plugin_options)
+    with warnings.catch_warnings():  # the run's own warnings (delta, seed) were shown once already
+        warnings.simplefilter("ignore")
+        engine.setup(module.model, trainable=module.trainable, num_examples=base.plan.num_rows, steps=steps,
+                     optimizer_factory=module.optimizer_factory, world_size=trainer.world_size,
+                     sharded=distributed.shards_parameters(trainer), users=base.users)
+    return engine
+
+
+def _estimator(engine: Any) -> str | None:
+    """The plugin whose ``estimate_gradient`` replaces the default, if any."""
+    from dpl.core.plugin_manager import active_plugin_names, implemented_hooks
+
+    if engine.release_dimension is not None:
+        return None
+    pm = engine.plugin_manager
+    return next((name for name in active_plugin_names(pm) if "estimate_gradient" in implemented_hooks(
+        pm.get_plugin(name))), "a plugin")
+
+
+def _lora(module: Any) -> tuple[int, int, int] | None:
+    """``(rank, LoRA's trainable parameters, the other trainable parameters)`` when the module trains LoRA."""
+    finetuning = getattr(module, "finetuning", None)
+    if getattr(finetuning, "method", None) != "lora":
+        return None
+    trainable = module.trainable
+    in_lora = sum(p.numel() for n, p in trainable.items() if "lora_" in n)
+    if not in_lora:
+        return None
+    return int(finetuning.lora.r), in_lora, sum(p.numel() for p in trainable.values()) - in_lora
+
+
+# ------------------------------------------------------------------------------------------------- printing
+
+
+def format_report(report: PlanReport) -> str:
+    """The plan as text: the run, its noise regime, the alternatives and the recommendation."""
+    r, cur = report, report.current
+    units = {"users": "users", "rows": "rows"}.get(r.user_sampling or "", "examples")
+    source = f" ({', '.join(r.configs)})" if r.configs else ""
+    lines = [f"dpl plan{source}"]
+    data = f"N = {r.population:,} {units}"
+    if r.user_sampling == "users":
+        data += f" ({r.rows_in_data:,} rows; up to k = {r.max_rows_per_user} rows of a sampled user)"
+    elif r.user_sampling == "rows":
+        data += (f" (each of the {r.num_units:,} users bounded to k = {r.max_rows_per_user} of its rows; "
+                 f"{r.rows_in_data:,} in all)")
+    lines.append(f"  data     {data}; B = {cur.batch_size:,} expected per step (q = {r.sampling_rate:.4g}, {r.sampling} "
+                 f"sampling); {cur.steps:,} steps = {cur.epochs:.3g} epoch{'' if cur.epochs == 1 else 's'}")
+    unit = "one user" if r.unit == "user" else "one example"
+    lines.append(f"  privacy  epsilon = {cur.epsilon:.3f} (target {r.target_epsilon:g}), delta = {r.delta:.3g}, "
+                 f"{r.adjacency} adjacency of {unit}; mechanism {r.mechanism}, {r.accounting}")
+    lora = f" ({r.lora[1]:,} in LoRA r {r.lora[0]})" if r.lora else ""
+    lines.append(f"  model    d = {r.trainable:,} trainable parameters{lora}")
+    lines.append("  noise    " + _noise_line(r))
+    lines.append("  regime   " + _regime_line(r))
+    if len(r.rows) > 1 or r.recommended is not None:
+        lines += ["", f"alternatives at epsilon = {r.target_epsilon:g} and the same compute (B x steps = "
+                      f"{cur.batch_size * cur.steps:,} {units}):", _table(r)]
+    lines += [f"  not planned: {line}" for line in r.refused]
+    mark = "recommended (*)" if r.recommended is not None else "recommended"
+    lines.append(f"  {mark}: {r.why}")
+    return "\n".join(lines)
+
+
+def _noise_line(r: PlanReport) -> str:
+    cur = r.current
+    if cur.noise_multiplier == 0:
+        return "sigma = 0: no noise (not private)"
+    text = f"sigma = {cur.noise_multiplier:.4f}, C = {r.max_grad_norm:g}"
+    if cur.noise_scale != 1.0:
+        text += (f"; per step sigma x {cur.noise_scale:.3g} ({r.mechanism}'s sensitivity) = "
+                 f"{cur.step_noise_multiplier:.4f} (the first step; later steps' at least as large)")
+    text += f"\n           noise-batch ratio sigma/B = {cur.step_noise_multiplier / cur.batch_size:.3g}"
+    if cur.regime is None:
+        return text + f"; the gradient estimate is {r.estimator}'s own: its noise is not on d coordinates"
+    return text + (f"; noise on the mean update sigma C sqrt(d)/B = {cur.regime.noise_norm:.3g} against a clipped "
+                   f"signal of norm <= C = {r.max_grad_norm:g}")
+
+
+def _regime_line(r: PlanReport) -> str:
+    regime = r.current.regime
+    if regime is None:
+        return "not assessed (docs/planning.md)"
+    x = regime.relative_noise
+    if regime.quiet:
+        return f"{x:.3g} x the largest clipped signal: at most {QUIET:g}, where the project's runs learned (docs/planning.md)"
+    if not regime.hopeless:
+        return (f"{x:.3g} x the largest clipped signal: between {QUIET:g} and {HOPELESS:g}, where the project's "
+                "classification runs learned, slowly (docs/planning.md)")
+    return (f"{x:.3g} x the largest clipped signal: above {HOPELESS:g}, where the project's classification runs "
+            "learned nothing (dpl fit warns; docs/planning.md)")
+
+
+def _table(r: PlanReport) -> str:
+    header = ("B", "steps", "epochs", "sigma", "epsilon", "sigma/B", "noise norm")
+    rows = [header]
+    for row in r.rows:
+        sigma = row.step_noise_multiplier
+        norm = f"{row.regime.noise_norm:.3g}" if row.regime is not None else "-"
+        rows.append((f"{row.batch_size:,}", f"{row.steps:,}", f"{row.epochs:.3g}", f"{sigma:.4f}",
+                     f"{row.epsilon:.3f}", f"{sigma / row.batch_size:.2e}", norm))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    out = []
+    for i, row in enumerate(rows):
+        item = r.rows[i - 1] if i else None
+        mark = "*" if item is not None and item is r.recommended else " "
+        note = "  (current)" if item is not None and item.current else ""
+        out.append(f"  {mark} " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + note)
+    return "\n".join(out)
+
