@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError, DPLError
-from dpl.lightning.report import REPORT_KEY, write_report
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
 DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template")
@@ -90,10 +90,24 @@ def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Pat
         meta["generation"] = {"max_new_tokens": module.generation.max_new_tokens,
                               "num_beams": module.generation.num_beams}
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+    from dpl.lightning.report import REPORT_KEY, write_report
+
     report = (run.checkpoint or {}).get(REPORT_KEY)
     if report is not None:
         write_report(report, folder)
+    public_modes(folder)
     return folder
+
+
+def public_modes(folder: Path) -> None:
+    """Give every file below ``folder`` the mode of a new public file (0644 under the usual umask 022): safetensors
+    writes its files owner-only (0600), and an export is meant to be shared."""
+    from dpl.lightning.checkpoint import public_mode
+
+    mode = public_mode()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def export_command(argv: list[str]) -> int:

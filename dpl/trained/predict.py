@@ -15,12 +15,12 @@ import json
 import string
 import sys
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from dpl.errors import ConfigError, DPLError
-from dpl.trained.runs import LoadedRun, load_run
+
+if TYPE_CHECKING:  # torch and the run loader are imported when used: dpl predict --help stays fast
+    from dpl.trained.runs import LoadedRun
 
 
 def read_inputs(source: str, default_field: str) -> list[dict[str, Any]]:
@@ -91,6 +91,8 @@ def render_prompt(run: LoadedRun, row: dict[str, Any], where: int) -> str:
 
 
 def _generation_batches(run: LoadedRun, prompts: list[str], size: int) -> Iterator[dict[str, Any]]:
+    import torch
+
     tokenizer = run.tokenizer
     budget = max(1, int(run.data.get("max_length") or 512) - 1)
     for start in range(0, len(prompts), size):
@@ -103,6 +105,8 @@ def _generation_batches(run: LoadedRun, prompts: list[str], size: int) -> Iterat
 
 def predict(run: LoadedRun, rows: list[dict[str, Any]], batch_size: int = 32) -> list[dict[str, Any]]:
     """One output row per input row: its fields plus ``label``/``probabilities`` or ``prompt``/``completion``."""
+    import torch
+
     module = run.module
     if run.task == "generation":
         prompts = [render_prompt(run, row, i + 1) for i, row in enumerate(rows)]
@@ -146,6 +150,8 @@ def predict_command(argv: list[str]) -> int:
     parser.add_argument("--max_new_tokens", type=int, default=None, help="generation: tokens per completion")
     args = parser.parse_args(argv)
     fmt = args.format or ("csv" if args.output.endswith((".csv", ".tsv")) else "jsonl")
+    from dpl.trained.runs import load_run
+
     try:
         run = load_run(args.run)
         if args.max_new_tokens is not None and run.task == "generation":
