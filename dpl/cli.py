@@ -1,5 +1,8 @@
-"""The ``dpl`` command: LightningCLI (``fit``, ``validate``, ``test``) plus dpl's own commands (:data:`COMMANDS`:
-``dpl plugins``, ...)."""
+"""The ``dpl`` command: Lightning's ``fit``, ``validate`` and ``test`` (:mod:`dpl.cli_lightning`) plus dpl's own
+commands (:data:`COMMANDS`: ``dpl plugins``, ...).
+
+This module imports neither torch nor Lightning: ``dpl --help`` and the light commands start in well under a
+second, and the training commands load them when they run."""
 
 from __future__ import annotations
 
@@ -15,19 +18,11 @@ import sys
 import textwrap
 import typing
 import warnings
-import zipfile
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
-from lightning.pytorch.callbacks.progress import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-
 from dpl.allocator import keep_freed_memory
-from dpl.lightning.data import DPDataModule
-from dpl.errors import ConfigError, DPLError
-from dpl.lightning.module import DPModule
-from dpl.lightning.report import PrivacyReport
+from dpl.errors import DPLError, PrivacyWarning
 
 DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-SGD (Poisson sampling, per-example\n"
                "clipping, calibrated noise, PRV accounting) on Lightning; private-training methods plug in as hooks.")
@@ -41,7 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "report", "dpl.trained.export:export_command"),
     "report": ("plots of a run: loss/accuracy and epsilon over steps (PNG; needs matplotlib)",
                "dpl.trained.plots:report_command"),
-    "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.cli:plugins_command"),
+    "plugins": ("list the installed dpl plugins: what each does, its hooks and its config fragments",
+                "dpl.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
               "(docs/audit.md)", "dpl.audit.command:audit_command"),
     "plan": ("sigma, the noise against the clipped signal and the batch sizes at the same epsilon and compute, from "
@@ -57,6 +53,8 @@ def task_classes() -> tuple[list[str], list[str]]:
     ``--model.help NAME`` and ``class_path: NAME`` find them by their short name."""
     import dpl.tasks.data
     import dpl.tasks.modules
+    from dpl.lightning.data import DPDataModule
+    from dpl.lightning.module import DPModule
 
     def names(package: Any, base: type) -> list[str]:
         classes = [getattr(package, name) for name in package.__all__]
@@ -108,205 +106,6 @@ def privacy_help() -> str:
     return "\n".join(lines)
 
 
-def _parser_kwargs() -> dict[str, Any]:
-    import argparse
-
-    from jsonargparse import DefaultHelpFormatter
-
-    class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    import dataclasses
-
-    from dpl.core.privacy import PrivacyConfig
-
-    models, data = task_classes()
-    keys = ", ".join(f.name for f in dataclasses.fields(PrivacyConfig))
-    sub = {"epilog": textwrap.fill(_SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
-           + "\n\n" + textwrap.fill(f"Privacy options (--model.privacy.KEY VALUE): {keys}. Their meaning: dpl fit "
-                                    f"--model.privacy.help", 79)}
-    return {"description": DESCRIPTION, "epilog": _epilog(), "formatter_class": Formatter,
-            "fit": sub, "validate": sub, "test": sub}
-
-
-class DPLArgumentParser(LightningArgumentParser):
-    """Lightning's parser, whose errors are one ``dpl: error:`` line (a mistyped option names the closest valid
-    one) instead of the usage text and the nested union errors. ``DPL_DEBUG=1`` shows the original."""
-
-    def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
-        if not self.exit_on_error or os.environ.get("DPL_DEBUG"):
-            super().error(message, ex)
-        print(f"dpl: error: {summarize_parse_error(message, _ARGV, self)}", file=sys.stderr)
-        self.exit(2)
-
-
-class RunConfig(SaveConfigCallback):
-    """Saves the run's ``config.yaml`` with ``export: null``: ``--export`` is what to do once this run ends, not part
-    of the run (rerunning from the file must not export over that folder)."""
-
-    def __init__(self, parser: LightningArgumentParser, config: Any, *args: Any, **kwargs: Any) -> None:
-        if "export" in config:
-            config = config.clone()
-            config.export = None
-        super().__init__(parser, config, *args, **kwargs)
-
-
-class DPLightningCLI(LightningCLI):
-    """LightningCLI that validates the privacy setup before the trainer writes anything, saves ``last.ckpt``,
-    shows plain progress lines and a one-line model summary when stdout is not a terminal, and removes a run
-    directory it created when the run fails before any checkpoint was written."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("parser_class", DPLArgumentParser)
-        kwargs.setdefault("parser_kwargs", _parser_kwargs())
-        super().__init__(*args, **kwargs)
-
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        """Lightning's fit, validate and test (``dpl predict`` is dpl's own command)."""
-        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
-
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
-        given = config.get("callbacks") or []
-        given = given if isinstance(given, list) else [given]
-        if config.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
-            from dpl.lightning.progress import default_progress_bar
-
-            callbacks = [*callbacks, default_progress_bar()]
-        if config.get("enable_model_summary") is not False and not any(
-                isinstance(c, ModelSummary) for c in [*given, *callbacks]):
-            from dpl.lightning.progress import default_model_summary
-
-            summary = default_model_summary()  # off a terminal: one plain line, not the box-drawn table
-            if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
-                callbacks = [*callbacks, summary]
-                config = {**config, "enable_model_summary": False}
-        if self.subcommand in ("validate", "test"):  # evaluate a run: no new run folder, no checkpoint callback
-            self.save_config_callback = None
-            config = {**config, "enable_checkpointing": False}
-            warnings.filterwarnings("ignore", message=r".*callbacks used to create the checkpoint need to be")
-            if config.get("logger") in (None, True):
-                config["logger"] = False
-        elif config.get("logger") in (None, True):
-            config = {**config, "logger": default_loggers(config.get("default_root_dir"))}
-        if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
-            callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
-        trainer = super()._instantiate_trainer(config, callbacks)
-        for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
-            if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
-                callback.save_last = True
-        return trainer
-
-    def before_fit(self) -> None:
-        # Load and check the data, build the model, check plugins and calibrate sigma before fit starts, so a
-        # bad input fails with one line and leaves no half-written run behind.
-        self._check_ckpt_path()
-        self.datamodule.prepare_data()
-        self.datamodule.setup("fit")
-        self.model.ensure_model(self.datamodule)
-        self.model.prepare_privacy(self.datamodule.num_train_examples, self.trainer)
-        self._check_val_check_interval()
-        self.model.print_fit_summary = False  # printed by after_fit, below the finished progress bar
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--export", type=typing.Optional[str], default=None,
-                            help="fit: after training, export the last checkpoint to this folder (as dpl export)")
-
-    def after_fit(self) -> None:
-        folder = self.config[self.subcommand].get("export")
-        if folder and self.trainer.is_global_zero:
-            self._export(folder)
-        summary = self.model.fit_summary
-        if summary and self.trainer.is_global_zero:
-            print(summary, flush=True)
-
-    def _export(self, folder: str) -> None:
-        from dpl.trained.export import export_run
-        from dpl.trained.runs import load_run
-
-        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or ""
-        if not last or not Path(last).is_file():
-            raise ConfigError("--export needs a checkpoint, and this run wrote none (trainer.enable_checkpointing)")
-        print(f"dpl: exported to {export_run(load_run(last), folder)}", flush=True)
-
-    def before_validate(self) -> None:
-        self._check_ckpt_path()
-        self._say_where_weights_come_from()
-
-    def before_test(self) -> None:
-        self._check_ckpt_path()
-        self._say_where_weights_come_from()
-
-    def _say_where_weights_come_from(self) -> None:
-        if hasattr(self.model, "head_origin"):  # a new classification head: from the checkpoint, or untrained
-            given = self.config_init[self.subcommand].get("ckpt_path") is not None
-            self.model.head_origin = ("weights from the checkpoint" if given else
-                                      "initialised randomly and not trained (no --ckpt_path given)")
-
-    def _parse_ckpt_path(self) -> None:
-        # Lightning reads the checkpoint here (before any hook), for hyperparameters: check it first, and make a
-        # checkpoint torch cannot read a one-line error.
-        if not self.config.get("subcommand"):
-            return
-        value = self.config[self.config.subcommand].get("ckpt_path")
-        self._check_ckpt_path(value)
-        try:
-            super()._parse_ckpt_path()
-        except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"checkpoint {str(value)!r} is not a readable checkpoint ({first})") from exc
-
-    def _check_ckpt_path(self, value: Any = ...) -> None:
-        if value is ...:
-            value = self.config_init[self.subcommand].get("ckpt_path")
-        if value is None or value in ("last", "best", "hpc", "registry") or "://" in str(value):
-            return
-        path = Path(value)
-        if not path.exists():
-            raise ConfigError(f"checkpoint {str(value)!r} not found (a run saves checkpoints/last.ckpt in its "
-                              f"log folder)")
-        if not path.is_file():
-            raise ConfigError(f"checkpoint {str(value)!r} is not a file")
-        with open(path, "rb") as f:
-            head = f.read(2)
-        if not (zipfile.is_zipfile(path) or head[:1] == b"\x80"):  # torch.save: a zip archive (or legacy pickle)
-            raise ConfigError(f"checkpoint {str(value)!r} is not a readable checkpoint (empty, truncated or not "
-                              f"written by dpl)")
-
-    def _check_val_check_interval(self) -> None:
-        trainer, model = self.trainer, self.model
-        interval = getattr(trainer, "val_check_interval", None)
-        steps = getattr(model, "steps_per_epoch", 0)
-        if (isinstance(interval, int) and not isinstance(interval, bool) and steps
-                and trainer.check_val_every_n_epoch is not None and interval > steps):
-            raise ConfigError(f"trainer.val_check_interval ({interval}) is more than one epoch ({steps} steps: "
-                              f"N={model.num_train_examples} // B={model.privacy.batch_size}); set "
-                              f"trainer.check_val_every_n_epoch null to validate every {interval} steps across "
-                              f"epochs, or lower val_check_interval")
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        new_dirs = _missing_dirs(_run_dir(self.trainer))
-        try:
-            super()._run_subcommand(subcommand)
-        except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
-            _remove_partial_run(new_dirs)
-            raise
-
-
-def default_loggers(root: str | None) -> list[Any]:
-    """``metrics.csv`` always (CSVLogger), and TensorBoard event files in the same run folder where tensorboard is
-    installed (``pip install tensorboard``; then ``tensorboard --logdir <default_root_dir>``)."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
-
-    csv = CSVLogger(save_dir=root or os.getcwd())
-    if not _TENSORBOARD_AVAILABLE:
-        return [csv]
-    return [csv, TensorBoardLogger(save_dir=csv.save_dir, name=csv.name, version=csv.version,
-                                   default_hp_metric=False)]
-
-
 def _run_dir(trainer: Any) -> Path | None:
     try:
         location = trainer.log_dir or trainer.default_root_dir
@@ -340,17 +139,11 @@ def _remove_partial_run(new_dirs: list[Path]) -> None:
 
 
 def print_plugins() -> None:
+    """``dpl plugins``' listing: each installed plugin's description, hooks, package and config fragments."""
+    from dpl.cli_help import plugins_listing
     from dpl.core.plugin_manager import describe_plugins
 
-    infos = describe_plugins()
-    if not infos:
-        print("no dpl plugins installed")
-        return
-    rows = [("name", "package", "version", "hooks")] + [(i.name, i.package, i.version, ", ".join(i.hooks))
-                                                          for i in infos]
-    widths = [max(len(r[c]) for r in rows) for c in range(3)]
-    for r in rows:
-        print("  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3])
+    print(plugins_listing(describe_plugins()), end="")
 
 
 def plugins_command(argv: list[str]) -> int:
@@ -376,6 +169,10 @@ def _no_tips(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("\U0001f4a1 Tip:")  # Lightning's advertisements for its cloud
 
 
+def _no_seed_line(record: logging.LogRecord) -> bool:
+    return "Seed set to" not in str(record.msg)
+
+
 def _rank_zero_info(record: logging.LogRecord) -> bool:
     """dpl's informational lines once per run, not once per process (warnings stay on every rank)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -396,6 +193,8 @@ def _quiet() -> None:
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_no_tips)  # the same function object: added once
+    for name in ("lightning.fabric.utilities.seed", "lightning_fabric.utilities.seed"):
+        logging.getLogger(name).addFilter(_no_seed_line)  # seed_everything's "Seed set to N": the config says so
     if not (sys.stderr.isatty() and sys.stdout.isatty()):  # no carriage-return bars in logs
         try:
             import datasets
@@ -407,28 +206,66 @@ def _quiet() -> None:
             pass
 
 
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _format_warnings() -> None:
+    """Show dpl's warnings as one line (:func:`format_warning`), other warnings as the current format does."""
+    if warnings.formatwarning is not format_warning:
+        format_warning.others = warnings.formatwarning  # type: ignore[attr-defined]
+        warnings.formatwarning = format_warning
+
+
+def format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                   line: str | None = None) -> str:
+    """dpl's warnings (a :class:`~dpl.errors.PrivacyWarning`, or one raised in dpl's code) as one line,
+    ``dpl: warning: ...``, without the source location; other warnings as before."""
+    try:
+        ours = issubclass(category, PrivacyWarning) or Path(filename).resolve().is_relative_to(_PACKAGE)
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if ours:
+        return f"dpl: warning: {message}\n"
+    return format_warning.others(message, category, filename, lineno, line)  # type: ignore[attr-defined]
+
+
+format_warning.others = warnings.formatwarning  # type: ignore[attr-defined]
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``dpl``; ``args`` defaults to the command line."""
     argv = sys.argv[1:] if args is None else list(args)
     _ARGV[:] = argv
     keep_freed_memory()  # glibc: reuse freed blocks step after step (dpl.allocator; DPL_MALLOC=system opts out)
+    _format_warnings()
+    if not argv:
+        print(f"dpl: error: expected a command: fit, validate, test, {', '.join(COMMANDS)} (see dpl --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if argv[0] in ("-h", "--help"):
+        from dpl.cli_help import top_level_help
+
+        print(top_level_help(DESCRIPTION, COMMANDS), end="")
+        raise SystemExit(0)
     if any(a in ("--model.privacy.help", "--model.init_args.privacy.help") for a in argv):
         print(privacy_help())
         return
     if argv[:1] and argv[0] in COMMANDS:
-        if argv[0] in ("predict", "export"):
+        if argv[0] in ("predict", "export") and not {"-h", "--help"} & set(argv):
             _quiet()  # no loading bars or deprecation notices around the outputs
         _run_command(argv[0], argv[1:])
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    _quiet()
+    # Lightning first: it gives its loggers their own handler when the root logger has none yet
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from dpl import cli_lightning
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _quiet()
+    _format_warnings()  # again: Lightning installs its own format when imported
     try:
-        DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                       save_config_callback=RunConfig, save_config_kwargs={"overwrite": True}, args=args,
-                       auto_configure_optimizers=False)
+        cli_lightning.run(args)
     except SIGTERMException:
         print("dpl: stopped by SIGTERM after the current step; checkpoints already written are complete (a run "
               "without one was removed)", file=sys.stderr)
@@ -593,5 +430,16 @@ def _dpl_error_in(exc: BaseException | None) -> DPLError | None:
     return None
 
 
-if __name__ == "__main__":
-    main()
+def __getattr__(name: str) -> Any:
+    """The Lightning part's names (:mod:`dpl.cli_lightning`: ``DPLightningCLI`` ...), imported when first used."""
+    if name in ("DPLightningCLI", "DPLArgumentParser", "RunConfig", "default_loggers"):
+        from dpl import cli_lightning
+
+        return getattr(cli_lightning, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":  # python -m dpl.cli: run the module dpl.cli_lightning shares state with, not this copy
+    from dpl.cli import main as _main
+
+    _main()

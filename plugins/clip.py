@@ -15,6 +15,8 @@ from dpl.api import (PADDING_KEY, UNITS_KEY, ConfigError, GradientSum, PerExampl
 class ClipPlugin:
     """Per-example clipping with one forward and one backward pass (see :mod:`dpl.core.per_example`)."""
 
+    description = "default estimate_gradient: per-example gradients by backpropagation, each clipped to norm C, summed"
+
     def __init__(self) -> None:
         self._clipper: PerExampleClipper | None = None
 

@@ -10,6 +10,8 @@ from dpl.api import (GradientSum, Mechanism, PoissonGaussian, PrivateGradient, R
 class GaussianPlugin:
     """The Gaussian mechanism of DP-SGD."""
 
+    description = "default privatize: independent Gaussian noise N(0, sigma^2 C^2), Poisson sampling, PRV accounting"
+
     @hookimpl(trylast=True)
     def configure_mechanism(self, setup: RunSetup) -> Mechanism:
         if setup.unit == "user" and setup.user_sampling == "rows":

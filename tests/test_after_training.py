@@ -79,7 +79,7 @@ def test_classification_journey(classification, tmp_path, capsys, pooling):
     assert f"({epsilon:.2f}," in report["model_card"] and "privacy" in (run_dir / "privacy.md").read_text()
     with open(run_dir / "metrics.csv") as f:
         logged = [row for row in csv.DictReader(f) if row.get("epsilon")]
-    assert int(logged[-1]["step"]) == 5 and round(float(logged[-1]["epsilon"]), 3) == epsilon
+    assert int(logged[-1]["step"]) == 6 and round(float(logged[-1]["epsilon"]), 3) == epsilon  # steps taken
 
     from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpl.cli import DPLightningCLI
+from dpl.cli_lightning import DPLightningCLI
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 

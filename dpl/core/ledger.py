@@ -63,7 +63,7 @@ def make_plan(privacy: PrivacyConfig, *, population: int, steps: int, num_rows: 
                 steps=steps, steps_per_epoch=steps_per_epoch(population, privacy.batch_size),
                 delta=privacy.delta_for(units), num_rows=population if num_rows is None else num_rows,
                 num_units=units, unit=privacy.unit)
-    if plan.delta * units > 0.1:
+    if plan.delta * units > 0.1 * (1 + 1e-9):  # the default 0.1 / N times N may round above 0.1
         warnings.warn(f"delta = {plan.delta:.3g} gives N * delta = {plan.delta * units:.2f} for N = {units} "
                       f"{privacy.unit}s: the guarantee may fail outright with probability delta, and N * delta should "
                       "be small (default: delta = 0.1 / N)", PrivacyWarning, stacklevel=3)

@@ -8,13 +8,17 @@ plugin implementing the same hook. Built-ins register through the same entry poi
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
+import os
 import re
 import typing
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -29,13 +33,16 @@ _EXCLUSIVE_HOOKS = ("estimate_gradient", "privatize", "precondition", "configure
 
 @dataclass(frozen=True)
 class PluginInfo:
-    """An installed plugin: its entry-point name, distribution, version and the hooks it implements."""
+    """An installed plugin: its entry-point name, distribution, version, the hooks it implements, a one-line
+    description and its config fragments (``*.yaml`` in the plugin's package folder)."""
 
     name: str
     package: str
     version: str
     hooks: tuple[str, ...]
     target: str
+    description: str = ""
+    fragments: tuple[str, ...] = ()
 
 
 def installed_plugins() -> dict[str, metadata.EntryPoint]:
@@ -58,16 +65,77 @@ def _replaces(plugin: Any, hook: str) -> bool:
 
 
 def describe_plugins() -> list[PluginInfo]:
-    """One :class:`PluginInfo` per installed plugin, sorted by name (loads each entry point)."""
+    """One :class:`PluginInfo` per installed plugin, sorted by name. A plugin class is read from its source where it
+    can be (its module is not imported: ``dpl plugins`` stays fast); otherwise the entry point is loaded."""
     infos = []
     for name, ep in sorted(installed_plugins().items()):
         dist = ep.dist
-        try:
-            hooks = implemented_hooks(ep.load())
-        except Exception as exc:  # a broken third-party plugin must not break the listing
-            hooks = (f"<failed to load: {exc}>",)
-        infos.append(PluginInfo(name, dist.name if dist else "?", dist.version if dist else "?", hooks, ep.value))
+        static = _read_plugin_source(ep.value)
+        if static is not None:
+            hooks, description, folder = static
+        else:
+            folder = None
+            try:
+                target = ep.load()
+                hooks, description = implemented_hooks(target), describe(target)
+            except Exception as exc:  # a broken third-party plugin must not break the listing
+                hooks, description = (f"<failed to load: {exc}>",), ""
+        fragments = tuple(_shown_path(p) for p in sorted(folder.glob("*.yaml"))) if folder is not None else ()
+        infos.append(PluginInfo(name, dist.name if dist else "?", dist.version if dist else "?", hooks, ep.value,
+                                description, fragments))
     return infos
+
+
+def describe(plugin: Any) -> str:
+    """A plugin's one-line description: its ``description`` attribute, else the first sentence of its docstring."""
+    text = getattr(plugin, "description", None)
+    if not isinstance(text, str) or not text.strip():
+        text = first_sentence(inspect.getdoc(plugin) or "")
+    return text.strip()
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a docstring's first paragraph, without reStructuredText markup."""
+    paragraph = " ".join(text.strip().split("\n\n", 1)[0].split())
+    paragraph = re.sub(r":\w+:`~?([^`]+)`", r"\1", paragraph).replace("``", "")
+    match = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", paragraph)
+    return paragraph[: match.start() + 1] if match else paragraph
+
+
+def _read_plugin_source(value: str) -> tuple[tuple[str, ...], str, Path | None] | None:
+    """Hooks, description and package folder of the plugin class ``module:Class`` read from its source file, or
+    ``None`` when that is not enough (not a class defined there, or a class with base classes)."""
+    module, _, attr = value.partition(":")
+    attr = attr.strip()
+    if not attr.isidentifier():
+        return None
+    try:
+        spec = importlib.util.find_spec(module.strip())
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return None
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return None
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == attr), None)
+    if cls is None or any(not (isinstance(b, ast.Name) and b.id == "object") for b in cls.bases) or cls.keywords:
+        return None
+    marked = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and any("hookimpl" in ast.unparse(d) for d in n.decorator_list)}
+    hooks = tuple(n for n in hookspecs.STEP_HOOKS + hookspecs.SETUP_HOOKS if n in marked)
+    description = ""
+    for node in cls.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "description" for t in node.targets)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            description = node.value.value.strip()
+    description = description or first_sentence(ast.get_docstring(cls) or ast.get_docstring(tree) or "")
+    folder = Path(spec.origin).parent if spec.submodule_search_locations else None
+    return hooks, description, folder
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the working directory when it lies below it (as the docs write it), else absolute."""
+    path = path.resolve()
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd().resolve()) else str(path)
 
 
 def load_plugin(name: str, options: dict[str, Any] | None = None) -> Any:

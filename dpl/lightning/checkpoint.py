@@ -47,6 +47,13 @@ def new_secret_id() -> str:
     return secrets.token_hex(16)
 
 
+def public_mode() -> int:
+    """The mode of a new public file: 0666 less the process's umask (0644 under the usual umask 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _write_atomic(data: bytes, path: Path, mode: int) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder, created with ``mode``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +159,7 @@ class SidecarCheckpointIO(CheckpointIO):
             _write_atomic(_serialize({"entries": entries}), sidecar, stat.S_IRUSR | stat.S_IWUSR)
         elif sidecar.exists():
             sidecar.unlink()  # a stale sidecar must not pair with this checkpoint
-        _write_atomic(_serialize(checkpoint), path, 0o644)
+        _write_atomic(_serialize(checkpoint), path, public_mode())
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -267,6 +267,7 @@ class DPModule(L.LightningModule):
         engine = self.engine
         if engine.would_exceed_budget():
             self._stop_for_budget(self.privacy.budget)
+            self._log_step()
             return
         wrapped = self.optimizers()  # LightningOptimizer: stepping it advances trainer.global_step
         trainable = self.trainable
@@ -283,6 +284,16 @@ class DPModule(L.LightningModule):
         every, done = self.privacy.log_epsilon_every_n_steps, engine.steps_done
         if done % every == 0 or done == self.planned_steps or done == 1:
             self.log("epsilon", engine.epsilon(), prog_bar=True, on_step=True, on_epoch=False)
+        self._log_step()
+
+    def _log_step(self) -> None:
+        """Log under ``step`` the private steps taken (1 after the first), which Lightning's loggers then use as the
+        step of the row (``metrics.csv``), instead of its 0-based batch index."""
+        self.log("step", float(self.engine.steps_done), on_step=True, on_epoch=False)
+
+    def on_validation_epoch_start(self) -> None:
+        if self._trainer is not None and self.trainer.state.fn == "fit":  # validation metrics: at the steps taken
+            self.log("step", float(self.engine.steps_done), on_step=False, on_epoch=True)
 
     def _stop_for_budget(self, budget: float) -> None:
         if not self.stopped_by_budget:

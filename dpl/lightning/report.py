@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from dpl.lightning.checkpoint import _write_atomic
+from dpl.lightning.checkpoint import _write_atomic, public_mode
 
 REPORT_JSON = "privacy.json"
 REPORT_MD = "privacy.md"
@@ -175,15 +175,16 @@ def write_report(report: dict[str, Any], folder: str | Path) -> Path:
     """Write ``privacy.json`` and ``privacy.md`` into ``folder`` (atomically); return the JSON file's path."""
     folder = Path(folder)
     path = folder / REPORT_JSON
-    _write_atomic((json.dumps(report, indent=2) + "\n").encode(), path, 0o644)
-    _write_atomic(report_markdown(report).encode(), folder / REPORT_MD, 0o644)
+    _write_atomic((json.dumps(report, indent=2) + "\n").encode(), path, public_mode())
+    _write_atomic(report_markdown(report).encode(), folder / REPORT_MD, public_mode())
     return path
 
 
 class PrivacyReport(Callback):
     """Keeps ``privacy.json`` / ``privacy.md`` in the run's log folder current: written when training starts, at
     every checkpoint (whose report also goes into the checkpoint, under :data:`REPORT_KEY`, for ``dpl export``) and
-    when it ends; at the end epsilon is also logged at the final step (``metrics.csv``)."""
+    when it ends. Epsilon after the first and after the last step is also logged (``metrics.csv``) when Lightning's
+    ``log_every_n_steps`` skips those rows."""
 
     def _write(self, trainer: Any, module: Any) -> dict[str, Any] | None:
         if getattr(module, "mechanism", None) is None:
@@ -195,7 +196,17 @@ class PrivacyReport(Callback):
         return report
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._flushed_at: int | None = None
         self._write(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Epsilon after the first step goes into ``metrics.csv`` whatever ``trainer.log_every_n_steps``."""
+        steps = getattr(pl_module, "steps_done", 0)
+        every = trainer.log_every_n_steps
+        if every > 0 and (trainer.global_step % every == 0 or trainer.should_stop):  # Lightning writes this row
+            self._flushed_at = steps
+        elif steps == 1 and getattr(pl_module, "mechanism", None) is not None:
+            self._log_epsilon(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         report = self._write(trainer, pl_module)
@@ -205,10 +216,17 @@ class PrivacyReport(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if getattr(pl_module, "mechanism", None) is None:
             return
+        if getattr(self, "_flushed_at", None) != pl_module.steps_done:  # the last step's epsilon, unless written
+            self._log_epsilon(trainer, pl_module)
+        self._write(trainer, pl_module)
+
+    @staticmethod
+    def _log_epsilon(trainer: Any, pl_module: Any) -> None:
+        """Epsilon spent so far into the loggers, at the step taken (1-based, as the rows Lightning writes)."""
         # float32, as the values the module logs every step (Lightning logs tensors), so that the column stays monotone
-        epsilon = float(torch.tensor(pl_module.epsilon_after(pl_module.steps_done), dtype=torch.float32))
+        steps = pl_module.steps_done
+        epsilon = float(torch.tensor(pl_module.epsilon_after(steps), dtype=torch.float32))
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics({"epsilon": epsilon}, step=max(0, trainer.global_step - 1))
+                logger.log_metrics({"epsilon": epsilon}, step=steps)
                 logger.save()
-        self._write(trainer, pl_module)

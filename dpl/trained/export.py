@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError, DPLError
-from dpl.tasks.exporting import relocate_base
-from dpl.lightning.report import REPORT_KEY, write_report
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
 DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template")
@@ -47,6 +45,8 @@ def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Pat
         if folder.exists():
             folder.rmdir()
         partial.replace(folder)
+        from dpl.tasks.exporting import relocate_base
+
         relocate_base(folder)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -61,6 +61,8 @@ def _write(run: LoadedRun, folder: Path, adapter: bool, name: str) -> None:
             "data": {k: run.data[k] for k in DATA_KEYS if run.data.get(k) is not None},
             "source": run.source.name if run.source is not None else None}
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+    from dpl.lightning.report import REPORT_KEY, write_report
+
     report = (run.checkpoint or {}).get(REPORT_KEY)
     if report is not None:
         write_report(report, folder)

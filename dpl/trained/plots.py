@@ -11,6 +11,7 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+from typing import Any
 
 from dpl.errors import ConfigError
 
@@ -25,7 +26,7 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
                 continue
             for name, value in row.items():
                 if name not in ("step", "epoch") and value not in (None, ""):
-                    series.setdefault(name, []).append((int(step) + 1, float(value)))  # steps taken, from 1
+                    series.setdefault(name, []).append((int(float(step)), float(value)))  # private steps taken
     return series
 
 
@@ -36,6 +37,15 @@ def _metrics_file(run: Path) -> Path:
         if candidate.is_file():
             return candidate
     raise ConfigError(f"{run}: no metrics.csv (give a run folder, lightning_logs/version_N)")
+
+
+def steps_axis(ax: Any, last: int) -> None:
+    """An x axis of private steps: whole steps only, from 0 to ``last`` (a lone point is not centred on its own
+    fractional ticks)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(0, last + max(1, last // 20))
 
 
 def write_plots(run: str | Path, output: str | Path | None = None) -> list[Path]:
@@ -53,11 +63,13 @@ def write_plots(run: str | Path, output: str | Path | None = None) -> list[Path]
     folder = Path(output) if output is not None else metrics.parent / "plots"
     folder.mkdir(parents=True, exist_ok=True)
     written = []
+    last = max((step for points in series.values() for step, _ in points), default=1)
     if "epsilon" in series:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         steps, values = zip(*series["epsilon"])
         ax.plot(steps, values, marker=".")
         ax.set(xlabel="private steps", ylabel="epsilon spent", title="Privacy spent")
+        steps_axis(ax, last)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(folder / "epsilon.png", dpi=120)
@@ -71,6 +83,7 @@ def write_plots(run: str | Path, output: str | Path | None = None) -> list[Path]
             ax.plot(steps, values, marker="o")
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
+            steps_axis(ax, last)
         axes[-1, 0].set_xlabel("private steps")
         fig.suptitle("Validation (the training loss is private and not logged)", fontsize=9)
         fig.tight_layout()

@@ -14,12 +14,12 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dpl.errors import ConfigError, DPLError
-from dpl.trained.runs import LoadedRun, load_run
+
+if TYPE_CHECKING:  # torch and the run loader are imported when used: dpl predict --help stays fast
+    from dpl.trained.runs import LoadedRun
 
 
 def read_inputs(source: str, default_field: str) -> list[dict[str, Any]]:
@@ -54,6 +54,8 @@ def read_inputs(source: str, default_field: str) -> list[dict[str, Any]]:
 def predict(run: LoadedRun, rows: list[dict[str, Any]], batch_size: int = 32) -> list[dict[str, Any]]:
     """One output row per input row: its fields plus what the task predicts (``label``/``probabilities``,
     ``prompt``/``completion``)."""
+    import torch
+
     outputs: list[dict[str, Any]] = []
     with torch.inference_mode():
         batches = run.module.inference_batches(rows, run.tokenizer, run.data, batch_size)
@@ -91,6 +93,8 @@ def predict_command(argv: list[str]) -> int:
     parser.add_argument("--max_new_tokens", type=int, default=None, help="generation: tokens per completion")
     args = parser.parse_args(argv)
     fmt = args.format or ("csv" if args.output.endswith((".csv", ".tsv")) else "jsonl")
+    from dpl.trained.runs import load_run
+
     try:
         run = load_run(args.run)
         if args.max_new_tokens is not None and hasattr(run.module, "generation"):

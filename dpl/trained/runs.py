@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 
 from dpl.errors import ConfigError
-from dpl.lightning.checkpoint import load_checkpoint_file
 
 EXPORT_META = "dpl.json"  # what an exported folder adds for dpl predict (task, label names, prompt template)
 
@@ -87,6 +86,8 @@ def load_run(path: str | Path) -> LoadedRun:
         return load_export(path)
     ckpt = find_checkpoint(path)
     config = _run_config(ckpt)
+    from dpl.lightning.checkpoint import load_checkpoint_file  # torch: when a run is loaded, not at import
+
     checkpoint = load_checkpoint_file(ckpt)  # the public file only: never the .secret sidecar
     module = _instantiate(config, "model")
     data = dict((config.get("data") or {}).get("init_args") or {})

@@ -72,6 +72,8 @@ class AdamBCPlugin:
             plain DP-Adam (Phi = 0), the papers' baseline. (Adam's usual 1 - beta^t correction is always on.)
     """
 
+    description = "DP-Adam with the DP noise variance removed from the second moment (DP-AdamBC)"
+
     def __init__(self, beta1: float = 0.9, beta2: float = 0.999, gamma: float = 1e-8, gamma_relative: float = 1.0,
                  weight_decay: float = 0.0, bias_correction: bool = True) -> None:
         if not 0.0 <= beta1 < 1.0:

@@ -57,6 +57,8 @@ class DenoisePlugin:
             covered by the privacy guarantee. Training is unaffected (bit for bit).
     """
 
+    description = "random-matrix-theory shrinkage of each noisy gradient matrix (post-processing: no privacy cost)"
+
     contract = Contract(changes_noise=True, needs_gradient_matrices=True)
 
     def __init__(self, kappa: float = 1.02, norm_correction: bool = True,

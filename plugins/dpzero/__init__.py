@@ -82,6 +82,8 @@ class DPZeroPlugin:
             the model reads other than by lookups is found in the first forward pass and stays dense).
     """
 
+    description = "zeroth-order DP fine-tuning: two forward passes along a public random direction, no backward pass"
+
     def __init__(self, mu: float = 1e-3, estimator: Literal["dpzero", "dpgd0"] = "dpzero",
                  eval_forward: bool = True, keep_direction: bool = False,
                  direction: Distribution = "gaussian", sparse_embeddings: bool = True) -> None:

@@ -68,6 +68,8 @@ class FTRLPlugin:
             the end of the secret permutation). ``false``: refuse such a batch size instead.
     """
 
+    description = "correlated noise across steps: amplified banded MF, BLT, banded, nu-DP-FTRL"
+
     def __init__(self, noise: Literal["blt", "banded", "nu_ftrl", "independent"] | None = None,
                  sampling: Literal["shuffle", "cyclic_poisson"] | None = None, nu: float | None = None,
                  bands: int | None = None, max_bands: int = 16,

@@ -30,7 +30,15 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 @dataclass
 class LoraOptions:
-    """LoRA settings (peft). ``target_modules: null`` uses peft's default for the architecture."""
+    """LoRA settings (peft).
+
+    Args:
+        r: rank of the adapters (trainable parameters, hence noise, grow with it).
+        alpha: scaling numerator: the adapter's update is scaled by alpha / r.
+        dropout: dropout on the adapters' input.
+        target_modules: names of the modules that get adapters (e.g. ``[query, value]``); null: peft's default for
+            the architecture.
+    """
 
     r: int = 8
     alpha: int = 16

@@ -1,0 +1,345 @@
+"""The ``dpl`` command's Lightning part: :class:`DPLightningCLI` (``dpl fit``, ``validate``, ``test``), its parser and
+run-folder handling. :mod:`dpl.cli` imports it only for those commands, so that ``dpl --help`` and dpl's own light
+commands start without torch and Lightning."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import textwrap
+import typing
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary
+from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+
+from dpl import cli
+from dpl.errors import ConfigError
+from dpl.lightning.data import DPDataModule
+from dpl.lightning.module import DPModule
+from dpl.lightning.report import PrivacyReport
+
+
+def _parser_kwargs() -> dict[str, Any]:
+    import argparse
+
+    from jsonargparse import DefaultHelpFormatter
+
+    from dpl.cli_help import COMMAND_DESCRIPTIONS
+
+    class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    models, data = cli.task_classes()
+    epilog = textwrap.fill(cli._SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
+    kwargs: dict[str, Any] = {"prog": "dpl", "description": cli.DESCRIPTION, "epilog": cli._epilog(),
+                              "formatter_class": Formatter}
+    for command in ("fit", "validate", "test"):
+        kwargs[command] = {"epilog": epilog, "description": COMMAND_DESCRIPTIONS[command], "dpl_command": command}
+    return kwargs
+
+
+#: the title of the Trainer's options in ``dpl fit --help``, which lists them after dpl's own
+TRAINER_OPTIONS = "Lightning Trainer options (--trainer.KEY VALUE)"
+
+#: the titles of the other groups of options in ``dpl fit --help``, by an option they hold
+GROUP_TITLES = {"model": "model: the task class (--model CLASS; its options: --model.help CLASS)",
+                "data": "data: the data class (--data CLASS; its options: --data.help CLASS)",
+                "ckpt_path": "checkpoint: resume (fit) or evaluate (validate, test) a run's checkpoint"}
+
+#: what ``dpl fit --help`` says about ``--trainer.plugins`` before Lightning's own text
+TRAINER_PLUGINS_NOTE = ("Lightning's Trainer plugins (precision, cluster environment, checkpoint IO), not dpl's: "
+                        "dpl's private-training plugins go under --model.plugins (dpl plugins lists them).")
+
+
+class DPLArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose errors are one ``dpl: error:`` line (a mistyped option names the closest valid
+    one) instead of the usage text and the nested union errors. ``DPL_DEBUG=1`` shows the original. The parser of
+    a command (``dpl_command``) leads its help with dpl's own options and lists the Trainer's last."""
+
+    def __init__(self, *args: Any, dpl_command: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dpl_command = dpl_command
+
+    def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
+        if not self.exit_on_error or os.environ.get("DPL_DEBUG"):
+            super().error(message, ex)
+        print(f"dpl: error: {cli.summarize_parse_error(message, cli._ARGV, self)}", file=sys.stderr)
+        self.exit(2)
+
+    def format_help(self) -> str:
+        if self.dpl_command is None:
+            return super().format_help()
+        import argparse
+
+        from dpl.cli_help import fit_preface
+        from dpl.core.plugin_manager import describe_plugins
+
+        trainer = [g for g in self._action_groups
+                   if any(a.dest == "trainer" or a.dest.startswith("trainer.") for a in g._group_actions)]
+        for group in self._action_groups:
+            dests = {a.dest for a in group._group_actions}
+            for dest, title in GROUP_TITLES.items():
+                if dest in dests:
+                    group.title = title
+        for group in trainer:
+            group.title = TRAINER_OPTIONS
+        self._action_groups = [g for g in self._action_groups if g not in trainer] + trainer
+        usage, description = self.usage, self.description
+        self.usage, self.description = argparse.SUPPRESS, None  # the preface has a short usage and says what it does
+        try:
+            text = super().format_help()
+        finally:
+            self.usage, self.description = usage, description
+        models, data = cli.task_classes()
+        return fit_preface(self.dpl_command, describe_plugins(), models, data) + text
+
+
+class RunConfig(SaveConfigCallback):
+    """Saves the run's ``config.yaml`` with ``export: null``: ``--export`` is what to do once this run ends, not part
+    of the run (rerunning from the file must not export over that folder)."""
+
+    def __init__(self, parser: LightningArgumentParser, config: Any, *args: Any, **kwargs: Any) -> None:
+        if "export" in config:
+            config = config.clone()
+            config.export = None
+        super().__init__(parser, config, *args, **kwargs)
+
+
+#: the loggers of Lightning's informational lines (GPU/TPU/HPU available, mixed precision, restoring states)
+LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                          "lightning_fabric.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero")
+
+
+class HeldBanners(logging.Filter):
+    """Holds Lightning's informational lines while the run is set up: they are shown once the run starts
+    (:class:`ShowBanners`) and dropped when setup fails, so that a refused run prints its ``dpl: error:`` line
+    alone. Warnings pass at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.holding = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.holding and record.levelno <= logging.INFO:
+            self.records.append(record)
+            return False
+        return True
+
+    def hold(self) -> None:
+        self.holding = True
+        for name in LIGHTNING_INFO_LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def _stop(self) -> list[logging.LogRecord]:
+        self.holding = False
+        for name in LIGHTNING_INFO_LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+        records, self.records = self.records, []
+        return records
+
+    def release(self) -> None:
+        """Show the held lines (in order) and stop holding."""
+        for record in self._stop():
+            logging.getLogger(record.name).handle(record)
+
+    def drop(self) -> None:
+        """Forget the held lines and stop holding."""
+        self._stop()
+
+
+BANNERS = HeldBanners()
+
+
+class ShowBanners(Callback):
+    """Shows the held Lightning lines when the run starts (fit, validate or test)."""
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        BANNERS.release()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        BANNERS.release()
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        BANNERS.release()
+
+
+def run(args: list[str] | None) -> None:
+    """Parse ``args`` and run the command (``fit``, ``validate``, ``test``) with :class:`DPLightningCLI`; Lightning's
+    setup lines are held until the run starts (``DPL_DEBUG=1`` shows them at once)."""
+    if not os.environ.get("DPL_DEBUG"):
+        BANNERS.hold()
+    try:
+        DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                       save_config_callback=RunConfig, save_config_kwargs={"overwrite": True}, args=args,
+                       auto_configure_optimizers=False)
+    except BaseException:
+        BANNERS.drop()
+        raise
+    BANNERS.release()
+
+
+class DPLightningCLI(LightningCLI):
+    """LightningCLI that validates the privacy setup before the trainer writes anything, saves ``last.ckpt``,
+    shows plain progress lines and a one-line model summary when stdout is not a terminal, and removes a run
+    directory it created when the run fails before any checkpoint was written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", DPLArgumentParser)
+        kwargs.setdefault("parser_kwargs", _parser_kwargs())
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's fit, validate and test (``dpl predict`` is dpl's own command)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if config.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
+            from dpl.lightning.progress import default_progress_bar
+
+            callbacks = [*callbacks, default_progress_bar()]
+        if config.get("enable_model_summary") is not False and not any(
+                isinstance(c, ModelSummary) for c in [*given, *callbacks]):
+            from dpl.lightning.progress import default_model_summary
+
+            summary = default_model_summary()  # off a terminal: one plain line, not the box-drawn table
+            if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
+                callbacks = [*callbacks, summary]
+                config = {**config, "enable_model_summary": False}
+        if self.subcommand in ("validate", "test"):  # evaluate a run: no new run folder, no checkpoint callback
+            self.save_config_callback = None
+            config = {**config, "enable_checkpointing": False}
+            warnings.filterwarnings("ignore", message=r".*callbacks used to create the checkpoint need to be")
+            if config.get("logger") in (None, True):
+                config["logger"] = False
+        elif config.get("logger") in (None, True):
+            config = {**config, "logger": default_loggers(config.get("default_root_dir"))}
+        if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
+            callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
+        callbacks = [ShowBanners(), *callbacks]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
+            if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
+                callback.save_last = True
+        return trainer
+
+    def before_fit(self) -> None:
+        # Load and check the data, build the model, check plugins and calibrate sigma before fit starts, so a
+        # bad input fails with one line and leaves no half-written run behind.
+        self._check_ckpt_path()
+        self.datamodule.prepare_data()
+        self.datamodule.setup("fit")
+        self.model.ensure_model(self.datamodule)
+        self.model.prepare_privacy(self.datamodule.num_train_examples, self.trainer)
+        self._check_val_check_interval()
+        self.model.print_fit_summary = False  # printed by after_fit, below the finished progress bar
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--export", type=typing.Optional[str], default=None,
+                            help="fit: after training, export the last checkpoint to this folder (as dpl export)")
+        for action in parser._actions:
+            if action.dest == "trainer.plugins":  # not to be confused with dpl's model.plugins
+                action.help = f"{TRAINER_PLUGINS_NOTE} {action.help or ''}".strip()
+
+    def after_fit(self) -> None:
+        folder = self.config[self.subcommand].get("export")
+        if folder and self.trainer.is_global_zero:
+            self._export(folder)
+        summary = self.model.fit_summary
+        if summary and self.trainer.is_global_zero:
+            print(summary, flush=True)
+
+    def _export(self, folder: str) -> None:
+        from dpl.trained.export import export_run
+        from dpl.trained.runs import load_run
+
+        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or ""
+        if not last or not Path(last).is_file():
+            raise ConfigError("--export needs a checkpoint, and this run wrote none (trainer.enable_checkpointing)")
+        print(f"dpl: exported to {export_run(load_run(last), folder)}", flush=True)
+
+    def before_validate(self) -> None:
+        self._check_ckpt_path()
+        self._say_where_weights_come_from()
+
+    def before_test(self) -> None:
+        self._check_ckpt_path()
+        self._say_where_weights_come_from()
+
+    def _say_where_weights_come_from(self) -> None:
+        if hasattr(self.model, "head_origin"):  # a new classification head: from the checkpoint, or untrained
+            given = self.config_init[self.subcommand].get("ckpt_path") is not None
+            self.model.head_origin = ("weights from the checkpoint" if given else
+                                      "initialised randomly and not trained (no --ckpt_path given)")
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads the checkpoint here (before any hook), for hyperparameters: check it first, and make a
+        # checkpoint torch cannot read a one-line error.
+        if not self.config.get("subcommand"):
+            return
+        value = self.config[self.config.subcommand].get("ckpt_path")
+        self._check_ckpt_path(value)
+        try:
+            super()._parse_ckpt_path()
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"checkpoint {str(value)!r} is not a readable checkpoint ({first})") from exc
+
+    def _check_ckpt_path(self, value: Any = ...) -> None:
+        if value is ...:
+            value = self.config_init[self.subcommand].get("ckpt_path")
+        if value is None or value in ("last", "best", "hpc", "registry") or "://" in str(value):
+            return
+        path = Path(value)
+        if not path.exists():
+            raise ConfigError(f"checkpoint {str(value)!r} not found (a run saves checkpoints/last.ckpt in its "
+                              f"log folder)")
+        if not path.is_file():
+            raise ConfigError(f"checkpoint {str(value)!r} is not a file")
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if not (zipfile.is_zipfile(path) or head[:1] == b"\x80"):  # torch.save: a zip archive (or legacy pickle)
+            raise ConfigError(f"checkpoint {str(value)!r} is not a readable checkpoint (empty, truncated or not "
+                              f"written by dpl)")
+
+    def _check_val_check_interval(self) -> None:
+        trainer, model = self.trainer, self.model
+        interval = getattr(trainer, "val_check_interval", None)
+        steps = getattr(model, "steps_per_epoch", 0)
+        if (isinstance(interval, int) and not isinstance(interval, bool) and steps
+                and trainer.check_val_every_n_epoch is not None and interval > steps):
+            raise ConfigError(f"trainer.val_check_interval ({interval}) is more than one epoch ({steps} steps: "
+                              f"N={model.num_train_examples} // B={model.privacy.batch_size}); set "
+                              f"trainer.check_val_every_n_epoch null to validate every {interval} steps across "
+                              f"epochs, or lower val_check_interval")
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        new_dirs = cli._missing_dirs(cli._run_dir(self.trainer))
+        try:
+            super()._run_subcommand(subcommand)
+        except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
+            cli._remove_partial_run(new_dirs)
+            raise
+
+
+def default_loggers(root: str | None) -> list[Any]:
+    """``metrics.csv`` always (CSVLogger), and TensorBoard event files in the same run folder where tensorboard is
+    installed (``pip install tensorboard``; then ``tensorboard --logdir <default_root_dir>``)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
+
+    csv = CSVLogger(save_dir=root or os.getcwd())
+    if not _TENSORBOARD_AVAILABLE:
+        return [csv]
+    return [csv, TensorBoardLogger(save_dir=csv.save_dir, name=csv.name, version=csv.version,
+                                   default_hp_metric=False)]
