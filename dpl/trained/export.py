@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError, DPLError
-from dpl.lightning.report import REPORT_KEY, write_report
+from dpl.lightning.report import REPORT_JSON, REPORT_KEY, write_report
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
 DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template")
@@ -90,10 +90,25 @@ def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Pat
         meta["generation"] = {"max_new_tokens": module.generation.max_new_tokens,
                               "num_beams": module.generation.num_beams}
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
-    report = (run.checkpoint or {}).get(REPORT_KEY)
+    report = _report_of(run)
     if report is not None:
         write_report(report, folder)
     return folder
+
+
+def _report_of(run: LoadedRun) -> dict[str, Any] | None:
+    """The checkpoint's privacy report; the run folder's instead where it is the same run at the same step (it then
+    also says how the run ended)."""
+    report = (run.checkpoint or {}).get(REPORT_KEY)
+    if report is None or run.source is None or not (report.get("run") or {}).get("id"):
+        return report
+    try:
+        final = json.loads((Path(run.source).parent.parent / REPORT_JSON).read_text())
+    except (OSError, ValueError):
+        return report
+    same = ((final.get("run") or {}).get("id") == report["run"]["id"]
+            and final.get("steps_taken") == report.get("steps_taken"))
+    return final if same else report
 
 
 def export_command(argv: list[str]) -> int:
