@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "report", "dpl.trained.export:export_command"),
     "report": ("plots of a run: loss/accuracy and epsilon over steps (PNG; needs matplotlib)",
                "dpl.trained.plots:report_command"),
+    "ledger": ("the privacy spent on a data set: its runs recorded in the privacy ledger and their composed epsilon",
+               "dpl.trained.spending:ledger_command"),
     "plugins": ("list the installed dpl plugins: what each does, its hooks and its config fragments",
                 "dpl.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "

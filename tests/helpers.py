@@ -216,6 +216,17 @@ class SaveAndStopAt(L.Callback):
             trainer.should_stop = True
 
 
+class InterruptAt(L.Callback):
+    """Raises ``KeyboardInterrupt`` (as Ctrl+C does) once ``step`` private steps are done."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.steps_done >= self.step:
+            raise KeyboardInterrupt
+
+
 def fake_entry_points(monkeypatch, plugins: dict) -> None:
     """Make ``plugins`` ({name: class or factory}) look installed, beside the real entry points."""
     from dpl.core import plugin_manager

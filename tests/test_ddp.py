@@ -352,7 +352,7 @@ def check_cli_run(tmp_path: Path, fragment: str, model: str) -> None:
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             "--trainer.callbacks.dirpath", str(ckpt_dir), "--trainer.callbacks.save_last", "true"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(root)]), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "dpl.cli", *args], env=env, capture_output=True, text=True,
                             timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -361,6 +361,8 @@ def check_cli_run(tmp_path: Path, fragment: str, model: str) -> None:
     last = ckpt_dir / "last.ckpt"
     assert last.is_file() and stat.S_IMODE(secret_path(last).stat().st_mode) == 0o600
     assert torch.load(last, weights_only=False)["dpl"]["steps_done"] == 3
+    [entry] = (tmp_path / "privacy_ledger.jsonl").read_text().splitlines()  # the run is recorded once, by rank 0
+    assert '"steps":3,' in entry and '"status":"finished"' in entry
 
 
 def test_cli_with_the_ddp_fragment(tmp_path):

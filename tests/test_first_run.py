@@ -134,15 +134,21 @@ def test_bad_ckpt_path_is_one_line(tiny, tmp_path, capsys, content, pattern):
     assert not (tmp_path / "runs").exists()
 
 
-def test_failure_after_the_trainer_started_leaves_no_run_folder(tiny, tmp_path):
+def test_failure_after_the_trainer_started_leaves_no_run_folder(tiny, tmp_path, capsys):
+    import json
+
     root = tmp_path / "runs"
     args = _args(tiny, root, "--trainer.val_check_interval", "1", "--trainer.callbacks+=EarlyStopping",
                  "--trainer.callbacks.monitor", "no_such_metric", "--trainer.logger", "CSVLogger",
                  "--trainer.logger.save_dir", str(root))
     with pytest.raises(RuntimeError, match="no_such_metric"):
         main(args)
-    assert not list(root.rglob("config.yaml")) if root.exists() else True
-    assert not root.exists() or not any(root.iterdir()), list(root.rglob("*"))
+    # the run folder is removed; the privacy its steps spent stays recorded in the ledger, and is said
+    assert sorted(p.name for p in root.rglob("*")) == ["privacy_ledger.jsonl"], list(root.rglob("*"))
+    [entry] = [json.loads(line) for line in (root / "privacy_ledger.jsonl").read_text().splitlines()]
+    assert entry["status"] == "failed" and entry["steps"] >= 1 and not Path(entry["run_folder"]).exists()
+    steps = f"{entry['steps']} private step{'s' if entry['steps'] != 1 else ''}"
+    assert f"dpl: failed after {steps}; epsilon = {entry['epsilon']:.3f}" in capsys.readouterr().err
 
 
 def test_run_output_last_ckpt_and_no_noise(tiny, tmp_path, capsys, caplog):

@@ -1,5 +1,6 @@
 """SIGTERM stops a run cleanly: within a step, exit status 143, complete checkpoints and report kept, and a run
-without a checkpoint leaves nothing behind; a long generation stops at the next token."""
+without a checkpoint leaves nothing behind but its line in the privacy ledger; a long generation stops at the next
+token."""
 
 from __future__ import annotations
 
@@ -74,13 +75,19 @@ def test_sigterm_after_a_checkpoint_keeps_it_complete(world, tmp_path):
     assert not list(run.rglob("*.tmp"))
 
 
-def test_sigterm_before_any_checkpoint_leaves_nothing(world, tmp_path):
+def test_sigterm_before_any_checkpoint_leaves_nothing_but_its_ledger_line(world, tmp_path):
     root = tmp_path / "runs"
     process = _start(world, root, "--trainer.enable_checkpointing", "false")
     _wait_for(lambda: any(root.rglob("privacy.json")), process)  # training started
     code, err, _ = _terminate(process)
     assert code == 143 and "stopped by SIGTERM" in err, err
-    assert not root.exists() or not any(root.rglob("*")), list(root.rglob("*"))
+    left = [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+    assert [p.name for p in left] in ([], ["privacy_ledger.jsonl"]), left  # the run folder is gone
+    if left:  # it took a private step before the signal: recorded, and said so
+        [entry] = [json.loads(line) for line in left[0].read_text().splitlines()]
+        assert entry["status"] == "interrupted" and entry["steps"] >= 1
+        assert not Path(entry["run_folder"]).exists()
+        assert f"dpl: interrupted after {entry['steps']} private step" in err, err
 
 
 def test_generation_stops_at_the_next_token_after_sigterm():

@@ -51,6 +51,20 @@ class DPDataModule(L.LightningDataModule):
             needed = [*needed, "validation"]
         return [name for name in needed if name in available]
 
+    def training_data(self) -> dict[str, Any] | None:
+        """Where the training set comes from, for the privacy report and the data ledger: its files with sizes and
+        content hashes (:func:`~dpl.lightning.provenance.describe_files`) or its generator and settings
+        (:func:`~dpl.lightning.provenance.describe_generated`); ``None``: not stated (after ``setup("fit")``)."""
+        return None
+
+    def unit_description(self, unit: str = "example") -> str:
+        """What one privacy unit of this data is, in words: ``unit`` ``example`` (one training example) or ``user``
+        (all the rows of one user)."""
+        if unit == "user":
+            return (f"one user: all the training rows with the same value in "
+                    f"{getattr(self, 'user_column', None)!r} (data.user_column)")
+        return "one item of the training set"
+
     def train_user_keys(self) -> list[str] | None:
         """The user owning each row of ``train_set``, in its index order (after ``setup("fit")``), for user-level
         privacy; ``None`` when the rows carry no user (every row is its own unit)."""

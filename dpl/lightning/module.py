@@ -80,6 +80,11 @@ class DPModule(L.LightningModule):
         """Forward pass over ``batch``; return one loss per example (shape ``(b,)``)."""
         raise NotImplementedError
 
+    def base_model(self) -> dict[str, Any] | None:
+        """The pretrained model training starts from, for the privacy report
+        (:func:`~dpl.lightning.provenance.describe_model`); ``None``: not stated."""
+        return None
+
     # --- the engine's values, read-only -------------------------------------------------------------------
     @property
     def privacy(self) -> PrivacyConfig:

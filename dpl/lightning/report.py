@@ -1,22 +1,29 @@
 """The privacy report of a run: ``privacy.json`` (machine-readable) and ``privacy.md`` (for people, with a paragraph
-to paste into a model card), written into the run's log folder at the start of training, at every checkpoint and at
-the end (:class:`PrivacyReport`), and beside exported weights (:mod:`dpl.trained.export`).
+to paste into a model card), written into the run's log folder at the start of training, at every checkpoint, at the
+end and when the run is interrupted or fails (:class:`PrivacyReport`), and beside exported weights
+(:mod:`dpl.trained.export`). :class:`PrivacyReport` also records each run that took a private step in the data ledger
+(:mod:`dpl.lightning.data_ledger`).
 
-Everything here comes from :meth:`DPModule.privacy_summary <dpl.lightning.module.DPModule.privacy_summary>`: public
-values only (epsilon, delta, sigma, C, the sampling, steps, accountant, mechanism, plugins), never a secret.
+The privacy values come from :meth:`DPModule.privacy_summary <dpl.lightning.module.DPModule.privacy_summary>` (epsilon,
+delta, sigma, C, the sampling, steps, accountant, mechanism, plugins); what was trained from comes from the module and
+the data module (:mod:`dpl.lightning.provenance`: the base model and the training data with their content hashes, what
+one example is); the run has a random public id and its dates. Public values only, never a secret.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from dpl.lightning import data_ledger
 from dpl.lightning.checkpoint import _write_atomic, public_mode
+from dpl.lightning.provenance import new_run, run_sources, utc_now
 
 REPORT_JSON = "privacy.json"
 REPORT_MD = "privacy.md"
@@ -74,21 +81,29 @@ def _protects(report: dict[str, Any]) -> str:
     return f"each training example, among {report['num_examples']} training examples"
 
 
-def build_report(module: Any) -> dict[str, Any]:
-    """The report of ``module`` (a :class:`~dpl.lightning.module.DPModule` whose privacy is prepared)."""
+def build_report(module: Any, run: dict[str, Any] | None = None,
+                 sources: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report of ``module`` (a :class:`~dpl.lightning.module.DPModule` whose privacy is prepared), for ``run``
+    (:func:`new_run`; default: a new one) trained from ``sources`` (:func:`run_sources`; default: computed now)."""
     delta = module.privacy_summary()["delta"]
     deltas = tuple(delta * f for f in DELTA_FACTORS if delta * f < 1) if delta else ()
     summary = module.privacy_summary(deltas)
     unit = summary.get("unit") or "example"
+    run = dict(run if run is not None else new_run())
+    run["updated"] = utc_now()
     report = {
         "guarantee": f"(epsilon, delta)-DP with respect to {adjacency_text(summary['adjacency'], unit)} "
                      f"({unit}-level), for the model's weights and everything computed from them",
+        "run": run,
+        **(sources if sources is not None else run_sources(module)),
         **{k: v for k, v in summary.items() if k != "epsilon_at_delta"},
         "epsilon_delta_table": [{"delta": d, "epsilon": e} for d, e in summary["epsilon_at_delta"].items()],
         "accountant_note": accountant_note(summary),
         "not_protected": ["the pretrained model and tokenizer", "the validation and test sets", "the label set",
                           "the number of training examples", *(["the number of users"] if unit == "user" else []),
-                          "hyperparameters tuned on the private data"],
+                          "hyperparameters tuned on the private data",
+                          "the identity of the training data: its file names, sizes and content hashes (whoever "
+                          "holds a candidate copy of the whole data set can check it against them)"],
     }
     if summary["sampling"] != "poisson" and summary["steps_per_epoch"]:
         report["epochs_planned"] = summary["steps_planned"] / summary["steps_per_epoch"]
@@ -125,10 +140,14 @@ def model_card_paragraph(report: dict[str, Any]) -> str:
     user = report.get("unit") == "user"
     clipped = ("each user's mean gradient" if user and (report.get("users") or {}).get("sampling") == "users"
                else "each example's gradient")
-    return (f"This model was fine-tuned with differential privacy using dpl {report['dpl_version']}. It satisfies "
+    base = (report.get("base_model") or {}).get("location")
+    example = report.get("unit_description")
+    return (f"This model was fine-tuned{f' from {base}' if base else ''} with differential privacy using dpl "
+            f"{report['dpl_version']}. It satisfies "
             f"({_fmt(report['epsilon'], '.2f')}, {_fmt(report['delta'], '.2g')})-differential privacy with respect "
             f"to {adjacency_text(report['adjacency'], report.get('unit') or 'example')}: it protects "
-            f"{_protects(report)}, for its weights and everything computed from them. Training ran "
+            f"{_protects(report)}, for its weights and everything computed from them. "
+            f"{f'One {_unit_word(report)} is {example}. ' if example else ''}Training ran "
             f"{report['steps_taken']} private steps "
             f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, {clipped} "
             f"clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
@@ -137,8 +156,41 @@ def model_card_paragraph(report: dict[str, Any]) -> str:
             f"number of training examples, or hyperparameters tuned on the private data.")
 
 
+def _unit_word(report: dict[str, Any]) -> str:
+    return "user" if report.get("unit") == "user" else "example"
+
+
+def _hash_text(described: dict[str, Any] | None) -> str:
+    """A described model or data set in one cell: its files with size and hash, or its generator."""
+    if not described:
+        return "not stated"
+    if described.get("generator"):
+        return (f"generated by {described['generator']} with {json.dumps(described['settings'])}; id "
+                f"`{described['id']}` (the hash of {described['hashed']})")
+    files = "; ".join(f"{f.get('split') + ': ' if f.get('split') else ''}`{f['path']}` ({f['bytes']:,} bytes, "
+                      f"blake2b-256 `{f['blake2b_256']}`)" for f in described.get("files") or [])
+    return files or f"not hashed ({described.get('hashed')})"
+
+
+def _provenance_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """Who trained what from what: the run, its dates, the base model, the training data, one unit."""
+    run = report.get("run")
+    if not run:
+        return []
+    continues = run.get("continues")
+    base = report.get("base_model") or {}
+    return [("run id", f"`{run['id']}` ({run['status']})"
+             + (f", continuing run `{continues['run_id']}` from step {continues['steps']}" if continues else "")),
+            ("started / ended (UTC)", f"{run['started']} / {run.get('ended') or 'not yet'} (report of "
+                                      f"{run.get('updated')})"),
+            ("base model", f"`{base.get('location')}`: {_hash_text(base)}" if base else "not stated"),
+            ("training data", _hash_text(report.get("training_data"))),
+            (f"one {_unit_word(report)} is", report.get("unit_description") or "not stated")]
+
+
 def report_markdown(report: dict[str, Any]) -> str:
-    rows = [("epsilon spent", f"{_fmt(report['epsilon'])} at delta = {_fmt(report['delta'], '.3g')}"),
+    rows = [*_provenance_rows(report),
+            ("epsilon spent", f"{_fmt(report['epsilon'])} at delta = {_fmt(report['delta'], '.3g')}"),
             ("epsilon planned", _fmt(report["epsilon_planned"])),
             ("steps taken / planned", f"{report['steps_taken']} / {report['steps_planned']}"),
             ("noise multiplier sigma", _fmt(report["noise_multiplier"], ".4g")),
@@ -153,6 +205,8 @@ def report_markdown(report: dict[str, Any]) -> str:
             ("dpl version", str(report["dpl_version"]))]
     lines = ["# Privacy report", "", report["guarantee"] + ".", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
+    if report.get("run"):
+        lines += ["", "Hashes: BLAKE2b-256 of each file's bytes (`b2sum -l 256 FILE` prints the same)."]
     users = report.get("users")
     if users:
         lines += ["", "## Users", "", "| | |", "|---|---|",
@@ -182,21 +236,54 @@ def write_report(report: dict[str, Any], folder: str | Path) -> Path:
 
 class PrivacyReport(Callback):
     """Keeps ``privacy.json`` / ``privacy.md`` in the run's log folder current: written when training starts, at
-    every checkpoint (whose report also goes into the checkpoint, under :data:`REPORT_KEY`, for ``dpl export``) and
-    when it ends. Epsilon after the first and after the last step is also logged (``metrics.csv``) when Lightning's
-    ``log_every_n_steps`` skips those rows."""
+    every checkpoint (whose report also goes into the checkpoint, under :data:`REPORT_KEY`, for ``dpl export``), when
+    it ends and when it is interrupted or fails. Epsilon after the first and after the last step is also logged
+    (``metrics.csv``) when Lightning's ``log_every_n_steps`` skips those rows.
+
+    A run that took at least one private step is recorded in the data ledger of ``trainer.default_root_dir``
+    (:mod:`dpl.lightning.data_ledger`) when it ends, and when it is interrupted (Ctrl+C, SIGTERM) or fails - then
+    before the command removes a run folder without checkpoint, with one line on stderr saying the epsilon spent.
+
+    Args:
+        ledger: record the run in the data ledger.
+    """
+
+    def __init__(self, ledger: bool = True) -> None:
+        self.ledger = ledger
+        self.run: dict[str, Any] | None = None
+        self._sources: dict[str, Any] | None = None
+        self._start_steps: int | None = None  # steps done when training started (a resume: the checkpoint's)
+        self._recorded = False
+        self._report: dict[str, Any] | None = None  # the last report written
+        self._folder: str | None = None  # the run's log folder ("": none), read once: ``trainer.log_dir`` is collective
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self.run, self._sources, self._start_steps, self._recorded = new_run(), None, None, False
+            self._folder = None
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        earlier = checkpoint.get(REPORT_KEY) or {}
+        if self.run is not None and (earlier.get("run") or {}).get("id"):
+            self.run["continues"] = {"run_id": earlier["run"]["id"], "steps": int(earlier.get("steps_taken") or 0)}
 
     def _write(self, trainer: Any, module: Any) -> dict[str, Any] | None:
         if getattr(module, "mechanism", None) is None:
             return None
-        report = build_report(module)
-        folder = trainer.log_dir
+        if self.run is None:
+            self.run = new_run()
+        if self._sources is None:
+            self._sources = run_sources(module)
+        report = build_report(module, self.run, self._sources)
+        folder = self._folder if self._folder is not None else trainer.log_dir
         if trainer.is_global_zero and folder:
             write_report(report, folder)
         return report
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._flushed_at: int | None = None
+        self._start_steps = getattr(pl_module, "steps_done", 0)
+        self._folder = trainer.log_dir or ""  # every rank (a broadcast); later hooks may run on one rank only (errors)
         self._write(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -218,7 +305,7 @@ class PrivacyReport(Callback):
             return
         if getattr(self, "_flushed_at", None) != pl_module.steps_done:  # the last step's epsilon, unless written
             self._log_epsilon(trainer, pl_module)
-        self._write(trainer, pl_module)
+        self._end(trainer, pl_module, "finished")
 
     @staticmethod
     def _log_epsilon(trainer: Any, pl_module: Any) -> None:
@@ -230,3 +317,33 @@ class PrivacyReport(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics({"epsilon": epsilon}, step=steps)
                 logger.save()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Ctrl+C, SIGTERM or an error: the report says so, and the steps taken are recorded in the ledger."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if getattr(pl_module, "mechanism", None) is None or self._start_steps is None or self._recorded:
+            return
+        status = "interrupted" if isinstance(exception, (KeyboardInterrupt, SIGTERMException)) else "failed"
+        try:
+            path = self._end(trainer, pl_module, status)
+        except Exception as exc:  # noqa: BLE001 - the run's own exception is the one to raise
+            print(f"dpl: warning: the {status} run could not be recorded in the privacy ledger ({exc})",
+                  file=sys.stderr, flush=True)
+            return
+        if path is not None and self._report is not None:
+            print(data_ledger.stop_line(self._report, status, path), file=sys.stderr, flush=True)
+
+    def _end(self, trainer: Any, pl_module: Any, status: str) -> Path | None:
+        """Write the final report with ``status``; record the run in the ledger; return the ledger's path (``None``:
+        not recorded: no private step taken, ledger off, or another rank)."""
+        if self.run is None:
+            self.run = new_run()
+        self.run.update(status=status, ended=utc_now())
+        self._report = self._write(trainer, pl_module)
+        steps = getattr(pl_module, "steps_done", 0) - (self._start_steps or 0)
+        if self._report is None or not self.ledger or steps < 1 or self._recorded or not trainer.is_global_zero:
+            return None
+        self._recorded = True
+        return data_ledger.record(self._report, trainer.default_root_dir, run_folder=self._folder or None,
+                                  steps_this_run=steps)

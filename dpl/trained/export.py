@@ -61,9 +61,9 @@ def _write(run: LoadedRun, folder: Path, adapter: bool, name: str) -> None:
             "data": {k: run.data[k] for k in DATA_KEYS if run.data.get(k) is not None},
             "source": run.source.name if run.source is not None else None}
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
-    from dpl.lightning.report import REPORT_KEY, write_report
+    from dpl.lightning.report import write_report
 
-    report = (run.checkpoint or {}).get(REPORT_KEY)
+    report = _report_of(run)
     if report is not None:
         write_report(report, folder)
     (folder / "README.md").write_text(model_card(run, folder, adapter, report, name))
@@ -99,6 +99,23 @@ def model_card(run: LoadedRun, folder: Path, adapter: bool, report: dict[str, An
         f" ({'a PEFT adapter' if adapter else 'merged weights'}).", "", "## Loading", "", "```python", load, "```",
         "", "Or with dpl: `dpl predict path/to/this/folder inputs.jsonl`.", "", "## Privacy", "", privacy,
         "", "Details: privacy.md and privacy.json in this folder.", ""])
+
+
+def _report_of(run: LoadedRun) -> dict[str, Any] | None:
+    """The checkpoint's privacy report; the run folder's instead where it is the same run at the same step (it then
+    also says how the run ended)."""
+    from dpl.lightning.report import REPORT_JSON, REPORT_KEY
+
+    report = (run.checkpoint or {}).get(REPORT_KEY)
+    if report is None or run.source is None or not (report.get("run") or {}).get("id"):
+        return report
+    try:
+        final = json.loads((Path(run.source).parent.parent / REPORT_JSON).read_text())
+    except (OSError, ValueError):
+        return report
+    same = ((final.get("run") or {}).get("id") == report["run"]["id"]
+            and final.get("steps_taken") == report.get("steps_taken"))
+    return final if same else report
 
 
 def export_command(argv: list[str]) -> int:

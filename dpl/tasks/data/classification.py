@@ -237,6 +237,26 @@ class ClassificationDataModule(DPDataModule):
         rows = self.validate_data()["rows"]["train"]
         return rows if self.max_train_examples is None else min(rows, self.max_train_examples)
 
+    def training_data(self) -> dict[str, Any] | None:
+        """Every split's file with its size and content hash; the data set's id is the training file's."""
+        from dpl.lightning.provenance import describe_files
+
+        self.validate_data()
+        assert self._splits is not None
+        return describe_files({name: [split.path] for name, split in self._splits.items()})
+
+    def unit_description(self, unit: str = "example") -> str:
+        name = self._train_name()
+        if unit == "user":
+            return (f"one user: all the rows of {name} with the same value in column {self.user_column!r} "
+                    f"(data.user_column)")
+        return f"one row of {name} ({'a text pair' if self.text_pair_column else 'a text'} with its label)"
+
+    def _train_name(self) -> str:
+        if self._splits is not None:
+            return self._splits["train"].path.name
+        return Path(self.train_file).name if self.train_file else "the training file"
+
     @property
     def label_map(self) -> dict[str, int]:
         """Label string -> class id (reads the training file on first use when ``labels`` is not given)."""

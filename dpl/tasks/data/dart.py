@@ -53,6 +53,15 @@ class DARTDataModule(GenerationDataModule):
             return str(record.group[1])
         return super().user_key(record)
 
+    def unit_description(self, unit: str = "example") -> str:
+        name = self.train_name()
+        if unit == "user" and self.user_column == ENTRY:
+            return f"one entry of {name}: a triple set with all its annotations"
+        if unit == "user":
+            return super().unit_description(unit)
+        return (f"one annotation of an entry of {name} (one reference text of a triple set); several annotations "
+                f"share one triple set: use privacy.unit: user with data.user_column: entry to protect a whole entry")
+
     def read_file(self, split: str, path: Path) -> list[Record]:
         text = read_text(path)
         if not text.strip():

@@ -101,6 +101,15 @@ class E2EDataModule(GenerationDataModule):
             del files["validation"]
         return files
 
+    def unit_description(self, unit: str = "example") -> str:
+        name = self.train_name()
+        if unit == "user" and self.user_column == "mr":
+            return f"one meaning representation: all the rows of {name} with the same mr (all its reference sentences)"
+        if unit == "user":
+            return super().unit_description(unit)
+        return (f"one row of {name} (one reference sentence); several rows share one meaning representation: use "
+                f"privacy.unit: user with data.user_column: mr to protect a whole mr")
+
     def read_file(self, split: str, path: Path) -> list[Record]:
         nonempty = {"mr": "meaning representation", "ref": "reference"}
         if split == "train" and self.user_column is not None:

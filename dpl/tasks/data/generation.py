@@ -233,6 +233,26 @@ class GenerationDataModule(DPDataModule):
         records = self.validate_data()["records"]["train"]
         return records if self.max_train_examples is None else min(records, self.max_train_examples)
 
+    def training_data(self) -> dict[str, Any] | None:
+        """Every split's files with their sizes and content hashes; the data set's id is the training file's."""
+        from dpl.lightning.provenance import describe_files
+
+        self.validate_data()
+        assert self._splits is not None
+        return describe_files({name: split.files for name, split in self._splits.items()})
+
+    def unit_description(self, unit: str = "example") -> str:
+        if unit == "user":
+            return (f"one user: all the records of {self.train_name()} with the same value in field "
+                    f"{self.user_column!r} (data.user_column)")
+        return f"one record of {self.train_name()} (a prompt with its completion)"
+
+    def train_name(self) -> str:
+        """The training file's name (after reading the data), for the descriptions."""
+        if self._splits is not None:
+            return ", ".join(p.name for p in self._splits["train"].files)
+        return Path(self.train_file).name if self.train_file else "the training file"
+
     def prepare_data(self) -> None:
         """Check the files, columns and rows (and fill the templates) so bad input fails before training."""
         self.validate_data()

@@ -39,6 +39,11 @@ class JSONLDataModule(GenerationDataModule):
         self.prompt_field = prompt_field
         self.completion_field = completion_field
 
+    def unit_description(self, unit: str = "example") -> str:
+        if unit == "user":
+            return super().unit_description(unit)
+        return f"one line of {self.train_name()} (a prompt with its completion)"
+
     def read_file(self, split: str, path: Path) -> list[Record]:
         text = read_text(path)
         records: list[Record] = []

@@ -111,6 +111,31 @@ class QuickstartDataModule(ClassificationDataModule):
                 "rows": {k: len(s.dataset) for k, s in self._splits.items()},
                 "labels": list(self.label_map)}
 
+    def training_data(self) -> dict[str, Any] | None:
+        """The shipped (or ``data_dir``) files, or with ``train_size`` the generator, its settings and a hash of the
+        generated training rows."""
+        if self.train_size is None:
+            return super().training_data()
+        from dpl.lightning.provenance import describe_generated
+
+        self.validate_data()
+        assert self._splits is not None
+        rows = self._splits["train"].dataset
+        columns = [c for c in ("sentence", "label", "author") if c in rows.column_names]
+        lines = ("\t".join(map(str, values)) for values in zip(*(rows[c] for c in columns)))
+        settings = {"seed": self.seed, "train_size": self.train_size, "validation_size": self.validation_size,
+                    "authors": self.authors}
+        return describe_generated("dpl.tasks.data.quickstart_gen.generate", settings, lines,
+                                  "<TAB>".join(columns))
+
+    def unit_description(self, unit: str = "example") -> str:
+        if self.train_size is None:
+            return super().unit_description(unit)
+        if unit == "user":
+            return (f"one user: all the generated reviews with the same value in column {self.user_column!r} "
+                    f"(data.user_column)")
+        return "one generated review (a sentence with its label)"
+
 
     def count_train_examples(self) -> int:
         """N without generating the rows when ``train_size`` gives it (the generator returns exactly that many)."""

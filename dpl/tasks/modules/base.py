@@ -98,6 +98,20 @@ class DPTaskModule(DPModule):
                               f"{getattr(self, 'model_location', '')} can read: set --data.init_args.max_length "
                               f"{limit} (or less)")
 
+    def base_model(self) -> dict[str, Any] | None:
+        """The configured pretrained model (``model_location``) with the hash of its weight files."""
+        from dpl.lightning.provenance import describe_model
+        from dpl.tasks.loading import resolve_path
+
+        location = getattr(self, "model_location", None)
+        if location is None:
+            return None
+        try:
+            path = resolve_path(location)
+        except ConfigError:
+            path = location
+        return describe_model(location, path)
+
     def _sharded(self) -> bool:
         """Whether FSDP shards this module's parameters (its checkpoints are then kept whole)."""
         return any(_is_sharded(p) for p in self.ensure_model().parameters())

@@ -1,0 +1,122 @@
+"""What a run is and what it was trained from, for the privacy report and the data ledger: a random public run id
+with its dates (:func:`new_run`), the base model's weights and the training data, each named with a content hash, or,
+for generated data, its generator and settings (:func:`run_sources`).
+
+Hashes are BLAKE2b with a 256-bit digest over a file's bytes (``b2sum -l 256 FILE`` prints the same), written
+``blake2b-256:<hex>``. They are cached by (path, size, modification time): a run hashes each file once, however often
+it writes its report.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import uuid
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+HASH = "blake2b-256"
+#: the files of a model folder that hold weights (what :func:`describe_model` hashes)
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+_CHUNK = 1 << 20
+
+
+def _digest() -> Any:
+    return hashlib.blake2b(digest_size=32)
+
+
+@functools.lru_cache(maxsize=512)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    digest = _digest()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_hash(path: str | Path) -> str:
+    """BLAKE2b-256 (hex) of the file's bytes."""
+    stat = os.stat(path)
+    return _file_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def text_hash(lines: Iterable[str]) -> str:
+    """BLAKE2b-256 (hex) of ``lines``, each UTF-8 and ended by a newline."""
+    digest = _digest()
+    for line in lines:
+        digest.update(line.encode("utf-8") + b"\n")
+    return digest.hexdigest()
+
+
+def combined_id(hashes: list[str]) -> str:
+    """The id of a set of files: the hash of the one file, or of the sorted hashes of several (one per line)."""
+    return f"{HASH}:{hashes[0] if len(hashes) == 1 else text_hash(sorted(hashes))}"
+
+
+def file_entry(path: str | Path, split: str | None = None) -> dict[str, Any]:
+    """``{split, path, bytes, blake2b_256}`` of one file (``path`` as given)."""
+    entry = {"split": split} if split is not None else {}
+    return {**entry, "path": str(path), "bytes": os.stat(path).st_size, "blake2b_256": file_hash(path)}
+
+
+def describe_files(files: Mapping[str, Iterable[str | Path]]) -> dict[str, Any]:
+    """The data read from ``files`` (split -> its files; ``train`` required): every file with its size and hash,
+    and the data set's ``id`` (:func:`combined_id` of the training files)."""
+    entries = [file_entry(path, split) for split, paths in files.items() for path in dict.fromkeys(paths)]
+    train = [e["blake2b_256"] for e in entries if e["split"] == "train"]
+    return {"id": combined_id(train), "files": entries,
+            "hashed": f"the bytes of each file ({HASH}; b2sum -l 256 FILE prints the same); id: the training file's "
+                      f"hash (several training files: the hash of their sorted hashes)"}
+
+
+def describe_generated(generator: str, settings: Mapping[str, Any], rows: Iterable[str],
+                       rows_text: str) -> dict[str, Any]:
+    """Generated training data: its ``generator`` and ``settings``, and an ``id`` that hashes the generated training
+    ``rows`` (one line each, described by ``rows_text``), so that changed generator code gives another id."""
+    return {"id": f"{HASH}:{text_hash(rows)}", "generator": generator, "settings": dict(settings), "files": [],
+            "hashed": f"the generated training rows ({rows_text}; one line each, UTF-8)"}
+
+
+def describe_model(location: str | None, path: str | Path | None = None) -> dict[str, Any]:
+    """The base model as configured (``location``) and, where it is a local file or folder (``path``: ``location``
+    resolved), the hash of its weight files (:data:`WEIGHT_SUFFIXES`; a ``.gguf`` or other single file: that file)."""
+    if location is None:
+        return {"location": None, "id": None, "files": [], "hashed": "nothing: the model states no location"}
+    path = Path(location if path is None else path)
+    if path.is_file():
+        weights = [path]
+    elif path.is_dir():
+        weights = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    else:
+        return {"location": location, "id": None, "files": [],
+                "hashed": "nothing: not a local file or folder (a hub id: its weights were not hashed)"}
+    if not weights:
+        return {"location": location, "path": str(path), "id": None, "files": [],
+                "hashed": f"nothing: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in the folder"}
+    files = [file_entry(p) for p in weights]
+    return {"location": location, "path": str(path), "id": combined_id([f["blake2b_256"] for f in files]),
+            "files": files, "hashed": f"the bytes of each weight file ({HASH}); id: the file's hash (several files: "
+                                      f"the hash of their sorted hashes)"}
+
+
+def utc_now() -> str:
+    """The current time, UTC, ISO 8601 to the second (``2025-01-31T12:00:00Z``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def new_run() -> dict[str, Any]:
+    """The identity of a new run: a random public id (uuid4, derived from nothing secret) and its start date."""
+    return {"id": str(uuid.uuid4()), "started": utc_now(), "ended": None, "status": "running", "continues": None}
+
+
+def run_sources(module: Any) -> dict[str, Any]:
+    """What ``module`` trains from: the base model, the training data and what one privacy unit of it is (the data
+    module says; ``None`` where it does not). Hashing the files is the cost: compute this once per run."""
+    datamodule = module.datamodule
+    unit = module.privacy.unit
+    return {"base_model": module.base_model(),
+            "training_data": datamodule.training_data() if datamodule is not None else None,
+            "unit_description": datamodule.unit_description(unit) if datamodule is not None else None}

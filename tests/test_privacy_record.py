@@ -1,0 +1,336 @@
+"""The privacy record of runs: privacy.json / privacy.md name the run (random id, UTC dates), the base model and the
+training data (content hashes) and what one example is, and hold no secret; every run that took a private step is
+recorded in the data ledger - finished, interrupted by Ctrl+C (one line says the epsilon it spent, and its folder is
+still removed), continued from a checkpoint - and `dpl ledger` composes the runs on one data set."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import re
+import shutil
+import signal
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import save_tiny_bert, write_sentiment_tsv
+
+import dpl
+from dpl.cli import main
+from dpl.core.accounting import epsilon_for
+from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
+
+SIGMA = 1.0
+B = 16
+
+
+def _b2(path: Path) -> str:
+    return hashlib.blake2b(Path(path).read_bytes(), digest_size=32).hexdigest()
+
+
+def _args(world: dict, data: Path, *extra: str) -> list[str]:
+    return ["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", world["model"],
+            "--model.privacy.noise_multiplier", str(SIGMA), "--model.privacy.max_epsilon", "1e6",
+            "--model.privacy.batch_size", str(B), "--model.privacy.physical_batch_size", str(B),
+            "--data", "dpl.tasks.data.ClassificationDataModule", "--data.tokenizer", world["model"],
+            "--data.data_dir", str(data), "--data.max_length", "16", "--trainer.max_steps", "3",
+            "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(world["root"]), *extra]
+
+
+def _run(args: list[str]) -> tuple[int, str, str]:
+    """``dpl ARGS`` in this process: exit code, stdout, stderr (Ctrl+C's handler restored afterwards)."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    previous = signal.getsignal(signal.SIGINT)  # Lightning ignores Ctrl+C once it has caught one
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(args)
+    except SystemExit as exc:
+        code = exc.code or 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _newest_run(root: Path) -> Path:
+    return max(root.glob("lightning_logs/version_*"), key=lambda p: int(p.name.split("_")[1]))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Five runs in one root: on data A, a finished run (1), one interrupted by Ctrl+C after a step (2), a finished
+    one (3), a continuation of run 1 from its last checkpoint to step 5 (4); on data B (A with one row edited), one
+    finished run (5)."""
+    tmp = tmp_path_factory.mktemp("record")
+    world = {"tmp": tmp, "model": save_tiny_bert(tmp / "model"), "root": tmp / "runs"}
+    a, b = tmp / "data_a", tmp / "data_b"
+    write_sentiment_tsv(a / "train.tsv", rows=64)
+    write_sentiment_tsv(a / "validation.tsv", rows=8, seed=1)
+    shutil.copytree(a, b)
+    lines = (b / "train.tsv").read_text().splitlines()
+    lines[5] = "the plot was awful\tnegative"
+    (b / "train.tsv").write_text("\n".join(lines) + "\n")
+    world.update(a=a, b=b)
+    runs = {}
+    code, _, _ = _run(_args(world, a))
+    assert code == 0
+    runs[1] = _newest_run(world["root"])
+    code, _, err = _run(_args(world, a, "--trainer.callbacks+=helpers.InterruptAt"))
+    world["interrupted"] = {"code": code, "err": err, "left": sorted(p.name for p in
+                                                                    world["root"].glob("lightning_logs/*"))}
+    code, _, _ = _run(_args(world, a))
+    assert code == 0
+    runs[3] = _newest_run(world["root"])
+    code, _, err = _run(_args(world, a, "--ckpt_path", str(runs[1] / "checkpoints" / "last.ckpt"),
+                              "--trainer.max_steps", "5"))
+    assert code == 0, err[-2000:]
+    runs[4] = _newest_run(world["root"])
+    code, _, _ = _run(_args(world, b))
+    assert code == 0
+    runs[5] = _newest_run(world["root"])
+    world["runs"] = runs
+    world["entries"], skipped = read_entries(world["root"] / LEDGER_NAME)
+    assert skipped == 0
+    return world
+
+
+def _report(run: Path) -> dict:
+    return json.loads((run / "privacy.json").read_text())
+
+
+def _utc(text: str) -> datetime:
+    assert text.endswith("Z"), text
+    return datetime.fromisoformat(text[:-1] + "+00:00")
+
+
+def test_report_names_the_run_the_base_model_and_the_data(world):
+    report, md = _report(world["runs"][1]), (world["runs"][1] / "privacy.md").read_text()
+    run = report["run"]
+    assert uuid.UUID(run["id"]).version == 4 and run["status"] == "finished" and run["continues"] is None
+    assert _utc(run["started"]) <= _utc(run["ended"]) and report["dpl_version"] == dpl.__version__
+    weights = Path(world["model"]) / "model.safetensors"
+    base = report["base_model"]
+    assert base["location"] == world["model"] and [f["path"] for f in base["files"]] == [str(weights)]
+    assert base["files"][0]["blake2b_256"] == _b2(weights) and base["id"] == f"blake2b-256:{_b2(weights)}"
+    assert base["files"][0]["bytes"] == weights.stat().st_size and "weight file" in base["hashed"]
+    data = report["training_data"]
+    train, validation = world["a"] / "train.tsv", world["a"] / "validation.tsv"
+    assert data["id"] == f"blake2b-256:{_b2(train)}"
+    assert {(f["split"], f["path"], f["bytes"], f["blake2b_256"]) for f in data["files"]} == {
+        ("train", str(train), train.stat().st_size, _b2(train)),
+        ("validation", str(validation), validation.stat().st_size, _b2(validation))}
+    assert report["unit_description"] == "one row of train.tsv (a text with its label)"
+    for text in (run["id"], _b2(train), _b2(weights), "| one example is | one row of train.tsv", run["started"]):
+        assert text in md, text
+    assert "One example is one row of train.tsv" in report["model_card"]
+    assert any("content hashes" in item for item in report["not_protected"])
+
+
+def test_the_data_hash_changes_with_the_data(world):
+    a, b = _report(world["runs"][1])["training_data"], _report(world["runs"][5])["training_data"]
+    assert b["id"] == f"blake2b-256:{_b2(world['b'] / 'train.tsv')}" and b["id"] != a["id"]
+    validation = [{k: f[k] for k in ("bytes", "blake2b_256")} for f in a["files"] + b["files"]
+                  if f["split"] == "validation"]
+    assert validation[0] == validation[1]  # only the training file differs
+
+
+def test_report_and_ledger_hold_no_secret(world):
+    run = world["runs"][1]
+    secret = torch.load(run / "checkpoints" / "last.ckpt.secret", weights_only=True)["entries"][-1]
+    public = ((run / "privacy.json").read_bytes() + (run / "privacy.md").read_bytes()
+              + (world["root"] / LEDGER_NAME).read_bytes())
+    for name in ("noise_rng", "sampler_rng"):
+        state = secret[name].numpy().tobytes()[:32]
+        assert state not in public and state.hex().encode() not in public, name
+        assert ", ".join(map(str, state[:8])).encode() not in public, name
+    assert not any(key in _report(run) for key in ("noise_rng", "sampler_rng", "seed"))
+
+
+def test_an_interrupted_run_is_recorded_says_its_epsilon_and_is_removed(world):
+    stopped = world["interrupted"]
+    assert stopped["code"] == 1 and stopped["left"] == ["version_0"], stopped  # the interrupted run's folder is gone
+    entry = world["entries"][1]
+    assert entry["status"] == "interrupted" and entry["steps"] == entry["steps_this_run"] == 1
+    q, delta = B / 64, 0.1 / 64
+    assert entry["epsilon"] == pytest.approx(epsilon_for(SIGMA, q, 1, delta), rel=0.03)
+    line = [ln for ln in stopped["err"].splitlines() if ln.startswith("dpl: interrupted")]
+    assert len(line) == 1, stopped["err"][-2000:]
+    match = re.fullmatch(r"dpl: interrupted after 1 private step; epsilon = ([0-9.]+) \(delta = ([0-9.e-]+)\) spent "
+                         r"on train\.tsv \((blake2b-256:[0-9a-f]{64})\) \(recorded in (.+)\)", line[0])
+    assert match, line[0]
+    assert float(match.group(1)) == pytest.approx(entry["epsilon"], abs=6e-4)
+    assert match.group(3) == entry["data_id"] and Path(match.group(4)) == world["root"] / LEDGER_NAME
+
+
+def test_a_continued_run_names_the_run_it_continues(world):
+    first, continued = _report(world["runs"][1]), _report(world["runs"][4])
+    assert continued["run"]["continues"] == {"run_id": first["run"]["id"], "steps": 3}
+    assert continued["steps_taken"] == 5 and continued["run"]["id"] != first["run"]["id"]
+    entry = world["entries"][3]
+    assert entry["continues"] == continued["run"]["continues"] and entry["steps_this_run"] == 2
+
+
+def test_an_export_carries_the_finished_runs_report(world, tmp_path):
+    run = world["runs"][3]
+    in_checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert in_checkpoint["dpl_privacy_report"]["run"]["status"] == "running"  # written while training
+    code, _, err = _run(["export", str(run), str(tmp_path / "export")])
+    assert code == 0, err
+    exported, final = _report(tmp_path / "export"), _report(run)
+    assert exported["run"] == final["run"] and exported["run"]["status"] == "finished" and exported["run"]["ended"]
+    assert exported["training_data"] == final["training_data"] and exported["epsilon"] == final["epsilon"]
+
+
+def test_the_ledger_records_every_run_with_a_step(world):
+    entries = world["entries"]
+    assert [e["status"] for e in entries] == ["finished", "interrupted", "finished", "finished", "finished"]
+    assert [e["steps"] for e in entries] == [3, 1, 3, 5, 3]
+    assert len({e["run_id"] for e in entries}) == 5
+    for index, number in ((0, 1), (2, 3), (3, 4), (4, 5)):
+        report = _report(world["runs"][number])
+        assert entries[index]["run_id"] == report["run"]["id"] and entries[index]["epsilon"] == report["epsilon"]
+        assert entries[index]["run_folder"] == str(world["runs"][number])
+
+
+def _ledger(*args: str) -> tuple[int, str, str]:
+    return _run(["ledger", *args])
+
+
+def test_dpl_ledger_composes_the_runs_on_one_data_set(world, monkeypatch):
+    code, out, err = _ledger(str(world["root"]), "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["ledgers"] == [str(world["root"] / LEDGER_NAME)]
+    by_data = {group["data_id"]: group for group in shown["data_sets"]}
+    entries = world["entries"]
+    a, b = by_data[entries[0]["data_id"]], by_data[entries[4]["data_id"]]
+    assert len(by_data) == 2 and len(a["runs"]) == 4 and len(b["runs"]) == 1
+    assert a["runs"][0]["continued_by"] == entries[3]["run_id"]  # run 4 accounts for run 1's steps
+    composed, q, delta = a["composed"], B / 64, 0.1 / 64
+    counted = entries[1:4]
+    assert composed["runs"] == 3
+    assert composed["epsilon_sum"] == pytest.approx(sum(e["epsilon"] for e in counted))
+    assert composed["delta"] == pytest.approx(3 * delta)
+    # one sigma and rate throughout: the PRV composition of the three runs is that of their 1 + 3 + 5 steps
+    assert composed["epsilon_prv"] == pytest.approx(epsilon_for(SIGMA, q, 9, 3 * delta), rel=1e-6)
+    assert composed["epsilon"] == composed["epsilon_prv"] < composed["epsilon_sum"]
+    assert b["composed"]["runs"] == 1 and b["composed"]["epsilon"] == pytest.approx(entries[4]["epsilon"])
+
+    code, text, _ = _ledger(str(world["root"]))
+    assert code == 0 and "sequential composition" in text and "PRV accountant" in text
+    assert (f"composed over 3 runs: epsilon = {composed['epsilon']:.3f}, delta = {3 * delta:.3g} (PRV; if a run's "
+            f"settings were chosen after seeing an earlier run's results: the sum, {composed['epsilon_sum']:.3f})"
+            in text)
+    assert f"continued by {entries[3]['run_id']}" in text and "(removed)" in text
+
+    # a data file (or folder) is looked up by its content hash: in the ledgers given, or those below the working folder
+    code, out, _ = _ledger(str(world["a"] / "train.tsv"), "--ledger", str(world["root"]), "--json")
+    assert code == 0 and [g["data_id"] for g in json.loads(out)["data_sets"]] == [a["data_id"]]
+    assert json.loads(out)["data_sets"][0]["composed"] == composed
+    monkeypatch.chdir(world["tmp"])
+    code, out, _ = _ledger(str(world["b"]), "--json")
+    assert code == 0 and [g["data_id"] for g in json.loads(out)["data_sets"]] == [b["data_id"]]
+
+
+def test_dpl_ledger_bad_input_is_one_line(world, tmp_path, monkeypatch):
+    code, _, err = _ledger(str(tmp_path / "missing"))
+    assert code == 2 and err.startswith("dpl: error: ") and len(err.strip().splitlines()) == 1
+    monkeypatch.chdir(tmp_path)  # no ledger here or below
+    code, _, err = _ledger(str(world["a"]))
+    assert code == 2 and "no privacy ledger" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = _ledger(str(world["a"]), "--ledger", str(tmp_path / "none"))
+    assert code == 2
+
+
+# ------------------------------------------------------------------------------ composition rules, on entries
+
+
+def _entry(run_id: str, steps: int, epsilon: float, **extra) -> dict:
+    return {"run_id": run_id, "started": f"2025-01-0{len(run_id)}T00:00:00Z", "status": "finished",
+            "data_id": "blake2b-256:aa", "data": "train.tsv", "data_files": ["aa"], "epsilon": epsilon, "delta": 1e-5,
+            "steps": steps, "unit": "example", "adjacency": "add_remove", "mechanism": "gaussian",
+            "sampling": "poisson", "accountant": "prv", "segments": [[1.0, 0.01, steps]], "continues": None,
+            "run_folder": None, **extra}
+
+
+def test_a_continuation_from_an_earlier_step_leaves_the_original_counted():
+    from dpl.trained.spending import data_sets
+
+    first = _entry("a", 10, 1.0)
+    later = _entry("bb", 12, 1.1, continues={"run_id": "a", "steps": 10})
+    branch = _entry("ccc", 8, 0.9, continues={"run_id": "a", "steps": 4})  # a took 6 steps after that checkpoint
+    [group] = data_sets([first, later, branch])
+    assert [r["continued_by"] for r in group["runs"]] == ["bb", None, None]
+    assert group["composed"]["runs"] == 2
+    [group] = data_sets([first, branch])
+    assert group["composed"]["runs"] == 2 and group["composed"]["epsilon_sum"] == pytest.approx(1.9)
+
+
+def test_other_mechanisms_units_and_unknown_data_are_summed_or_kept_apart():
+    from dpl.trained.spending import data_sets
+
+    ftrl = _entry("bb", 5, 2.0, mechanism="ftrl", sampling="shuffle", accountant="exact Gaussian mechanism",
+                  adjacency="zero_out")
+    groups = data_sets([_entry("a", 5, 1.0), ftrl, _entry("ccc", 5, 1.0, adjacency="zero_out"),
+                        _entry("dddd", 5, 1.0, data_id=None), _entry("eeeee", 5, 1.0, data_id=None)])
+    by_key = {(g["data_id"], g["adjacency"]): g for g in groups}
+    zero_out = by_key[("blake2b-256:aa", "zero_out")]["composed"]
+    assert zero_out["runs"] == 2 and zero_out["epsilon"] == zero_out["epsilon_sum"] == pytest.approx(3.0)
+    assert zero_out["epsilon_prv"] is None and "ftrl" in zero_out["prv_not_used"]
+    assert by_key[("blake2b-256:aa", "add_remove")]["composed"]["runs"] == 1
+    assert by_key[(None, "add_remove")]["composed"] is None  # unidentified data: not composed
+
+
+def test_a_torn_ledger_line_is_skipped(tmp_path):
+    from dpl.lightning.data_ledger import append_entry
+
+    path = tmp_path / LEDGER_NAME
+    append_entry(path, _entry("a", 3, 1.0))
+    with open(path, "a") as f:
+        f.write('{"run_id": "b", "epsil')
+    entries, skipped = read_entries(path)
+    assert [e["run_id"] for e in entries] == ["a"] and skipped == 1
+
+
+# ------------------------------------------------------------------------------ what each data module says
+
+
+def test_generated_quickstart_data_is_named_by_its_generator_and_rows():
+    from dpl.tasks.data import QuickstartDataModule
+
+    def described(seed: int) -> dict:
+        return QuickstartDataModule(train_size=40, validation_size=4, seed=seed).training_data()
+
+    first, again, other = described(0), described(0), described(1)
+    assert first["generator"] == "dpl.tasks.data.quickstart_gen.generate" and first["files"] == []
+    assert first["settings"] == {"seed": 0, "train_size": 40, "validation_size": 4, "authors": None}
+    assert first["id"] == again["id"] != other["id"] and first["id"].startswith("blake2b-256:")
+    module = QuickstartDataModule(train_size=40, validation_size=4)
+    assert module.unit_description() == "one generated review (a sentence with its label)"
+
+
+def test_generation_data_says_what_one_example_and_one_user_are(tmp_path):
+    from dpl.tasks.data import DARTDataModule, E2EDataModule
+
+    (tmp_path / "e2e").mkdir()
+    (tmp_path / "e2e" / "trainset.csv").write_text('mr,ref\n"name[a]",A is here.\n"name[a]",There is A.\n')
+    e2e = E2EDataModule(data_dir=str(tmp_path / "e2e"))
+    e2e.validate_data()
+    assert e2e.unit_description().startswith("one row of trainset.csv (one reference sentence); several rows share "
+                                              "one meaning representation")
+    assert "use privacy.unit: user with data.user_column: mr" in e2e.unit_description()
+    by_mr = E2EDataModule(data_dir=str(tmp_path / "e2e"), user_column="mr")
+    by_mr.validate_data()
+    assert by_mr.unit_description("user").startswith("one meaning representation: all the rows of trainset.csv")
+    assert e2e.training_data()["id"] == f"blake2b-256:{_b2(tmp_path / 'e2e' / 'trainset.csv')}"
+    (tmp_path / "dart").mkdir()
+    (tmp_path / "dart" / "dart-train.json").write_text(json.dumps([{"tripleset": [["a", "b", "c"]], "annotations": [
+        {"source": "x", "text": "a b c."}, {"source": "y", "text": "a has b c."}]}]))
+    dart = DARTDataModule(data_dir=str(tmp_path / "dart"), user_column="entry")
+    dart.validate_data()
+    assert "use privacy.unit: user with data.user_column: entry" in dart.unit_description()
+    assert dart.unit_description("user") == "one entry of dart-train.json: a triple set with all its annotations"
