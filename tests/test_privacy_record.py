@@ -33,6 +33,13 @@ def _b2(path: Path) -> str:
     return hashlib.blake2b(Path(path).read_bytes(), digest_size=32).hexdigest()
 
 
+def _keyed(path: Path) -> str:
+    """The data hash: BLAKE2b-256 keyed with this machine's data key (a plain hash would confirm the data set)."""
+    from dpl.lightning.provenance import data_key
+
+    return hashlib.blake2b(Path(path).read_bytes(), digest_size=32, key=data_key()).hexdigest()
+
+
 def _args(world: dict, data: Path, *extra: str) -> list[str]:
     return ["fit", "--model", "dpl.tasks.modules.DPClassificationModule", "--model.model", world["model"],
             "--model.privacy.noise_multiplier", str(SIGMA), "--model.privacy.max_epsilon", "1e6",
@@ -115,25 +122,27 @@ def test_report_names_the_run_the_base_model_and_the_data(world):
     weights = Path(world["model"]) / "model.safetensors"
     base = report["base_model"]
     assert base["location"] == world["model"] and [f["path"] for f in base["files"]] == [str(weights)]
-    assert base["files"][0]["blake2b_256"] == _b2(weights) and base["id"] == f"blake2b-256:{_b2(weights)}"
+    assert base["files"][0]["hash"] == _b2(weights) and base["id"] == f"blake2b-256:{_b2(weights)}"
     assert base["files"][0]["bytes"] == weights.stat().st_size and "weight file" in base["hashed"]
     data = report["training_data"]
     train, validation = world["a"] / "train.tsv", world["a"] / "validation.tsv"
-    assert data["id"] == f"blake2b-256:{_b2(train)}"
-    assert {(f["split"], f["path"], f["bytes"], f["blake2b_256"]) for f in data["files"]} == {
-        ("train", str(train), train.stat().st_size, _b2(train)),
-        ("validation", str(validation), validation.stat().st_size, _b2(validation))}
+    assert data["id"] == f"blake2b-256-keyed:{_keyed(train)}" and _keyed(train) != _b2(train)
+    assert {(f["split"], f["path"], f["bytes"], f["hash"]) for f in data["files"]} == {
+        ("train", str(train), train.stat().st_size, _keyed(train)),
+        ("validation", str(validation), validation.stat().st_size, _keyed(validation))}
+    exported = json.dumps(report)
+    assert _b2(train) not in exported and _b2(validation) not in exported  # the plain hash would confirm the data
     assert report["unit_description"] == "one row of train.tsv (a text with its label)"
-    for text in (run["id"], _b2(train), _b2(weights), "| one example is | one row of train.tsv", run["started"]):
+    for text in (run["id"], _keyed(train), _b2(weights), "| one example is | one row of train.tsv", run["started"]):
         assert text in md, text
     assert "One example is one row of train.tsv" in report["model_card"]
-    assert any("content hashes" in item for item in report["not_protected"])
+    assert any("file names and sizes" in item for item in report["not_protected"])
 
 
 def test_the_data_hash_changes_with_the_data(world):
     a, b = _report(world["runs"][1])["training_data"], _report(world["runs"][5])["training_data"]
-    assert b["id"] == f"blake2b-256:{_b2(world['b'] / 'train.tsv')}" and b["id"] != a["id"]
-    validation = [{k: f[k] for k in ("bytes", "blake2b_256")} for f in a["files"] + b["files"]
+    assert b["id"] == f"blake2b-256-keyed:{_keyed(world['b'] / 'train.tsv')}" and b["id"] != a["id"]
+    validation = [{k: f[k] for k in ("bytes", "hash")} for f in a["files"] + b["files"]
                   if f["split"] == "validation"]
     assert validation[0] == validation[1]  # only the training file differs
 
@@ -160,7 +169,7 @@ def test_an_interrupted_run_is_recorded_says_its_epsilon_and_is_removed(world):
     line = [ln for ln in stopped["err"].splitlines() if ln.startswith("dpl: interrupted")]
     assert len(line) == 1, stopped["err"][-2000:]
     match = re.fullmatch(r"dpl: interrupted after 1 private step; epsilon = ([0-9.]+) \(delta = ([0-9.e-]+)\) spent "
-                         r"on train\.tsv \((blake2b-256:[0-9a-f]{64})\) \(recorded in (.+)\)", line[0])
+                         r"on train\.tsv \((blake2b-256-keyed:[0-9a-f]{64})\) \(recorded in (.+)\)", line[0])
     assert match, line[0]
     assert float(match.group(1)) == pytest.approx(entry["epsilon"], abs=6e-4)
     assert match.group(3) == entry["data_id"] and Path(match.group(4)) == world["root"] / LEDGER_NAME
@@ -308,7 +317,7 @@ def test_generated_quickstart_data_is_named_by_its_generator_and_rows():
     first, again, other = described(0), described(0), described(1)
     assert first["generator"] == "dpl.tasks.data.quickstart_gen.generate" and first["files"] == []
     assert first["settings"] == {"seed": 0, "train_size": 40, "validation_size": 4, "authors": None}
-    assert first["id"] == again["id"] != other["id"] and first["id"].startswith("blake2b-256:")
+    assert first["id"] == again["id"] != other["id"] and first["id"].startswith("blake2b-256-keyed:")
     module = QuickstartDataModule(train_size=40, validation_size=4)
     assert module.unit_description() == "one generated review (a sentence with its label)"
 
@@ -326,7 +335,7 @@ def test_generation_data_says_what_one_example_and_one_user_are(tmp_path):
     by_mr = E2EDataModule(data_dir=str(tmp_path / "e2e"), user_column="mr")
     by_mr.validate_data()
     assert by_mr.unit_description("user").startswith("one meaning representation: all the rows of trainset.csv")
-    assert e2e.training_data()["id"] == f"blake2b-256:{_b2(tmp_path / 'e2e' / 'trainset.csv')}"
+    assert e2e.training_data()["id"] == f"blake2b-256-keyed:{_keyed(tmp_path / 'e2e' / 'trainset.csv')}"
     (tmp_path / "dart").mkdir()
     (tmp_path / "dart" / "dart-train.json").write_text(json.dumps([{"tripleset": [["a", "b", "c"]], "annotations": [
         {"source": "x", "text": "a b c."}, {"source": "y", "text": "a has b c."}]}]))

@@ -45,7 +45,7 @@ def entry_of(report: dict[str, Any], run_folder: str | None, steps_this_run: int
     return {
         "run_id": run["id"], "started": run["started"], "ended": run["ended"], "status": run["status"],
         "data_id": data.get("id"), "data": data_label(data),
-        "data_files": [f["blake2b_256"] for f in data.get("files") or [] if f.get("split") == "train"],
+        "data_files": [f["hash"] for f in data.get("files") or [] if f.get("split") == "train"],
         "epsilon": report["epsilon"], "delta": report["delta"], "steps": report["steps_taken"],
         "steps_this_run": steps_this_run, "steps_planned": report["steps_planned"],
         "unit": report.get("unit") or "example", "adjacency": report["adjacency"], "mechanism": report["mechanism"],

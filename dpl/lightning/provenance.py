@@ -2,9 +2,13 @@
 with its dates (:func:`new_run`), the base model's weights and the training data, each named with a content hash, or,
 for generated data, its generator and settings (:func:`run_sources`).
 
-Hashes are BLAKE2b with a 256-bit digest over a file's bytes (``b2sum -l 256 FILE`` prints the same), written
-``blake2b-256:<hex>``. They are cached by (path, size, modification time): a run hashes each file once, however often
-it writes its report.
+Hashes are BLAKE2b with a 256-bit digest over a file's bytes. The base model's are plain (``b2sum -l 256 FILE``
+prints the same), written ``blake2b-256:<hex>``. The training data's are keyed (``blake2b-256-keyed:<hex>``) with a
+secret key of this machine (:func:`data_key`): a plain hash of the training file would let whoever holds a candidate
+copy of it check it against a published report - and learn whether one row was in it, which is exactly what DP
+protects. With the key, the hashes identify the data set in this machine's ledgers and say nothing to anyone
+else. They are cached by (path, size, modification time, key): a run hashes each file once, however often it writes its
+report.
 """
 
 from __future__ import annotations
@@ -19,65 +23,85 @@ from pathlib import Path
 from typing import Any
 
 HASH = "blake2b-256"
+DATA_HASH = "blake2b-256-keyed"
+#: where the key of the data hashes lives (``DPL_DATA_KEY``, 64 hex digits, overrides it)
+DATA_KEY_FILE = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "dpl" / "data.key"
 #: the files of a model folder that hold weights (what :func:`describe_model` hashes)
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 _CHUNK = 1 << 20
 
 
-def _digest() -> Any:
-    return hashlib.blake2b(digest_size=32)
+def data_key() -> bytes:
+    """The secret key of the data hashes: ``DPL_DATA_KEY`` (hex), else :data:`DATA_KEY_FILE`, made on first use
+    (32 random bytes, owner-only). Keep it to compare ledgers across machines; never publish it."""
+    if os.environ.get("DPL_DATA_KEY"):
+        return bytes.fromhex(os.environ["DPL_DATA_KEY"])[:64]
+    try:
+        return bytes.fromhex(DATA_KEY_FILE.read_text().strip())
+    except FileNotFoundError:
+        DATA_KEY_FILE.parent.mkdir(parents=True, exist_ok=True)
+        key = os.urandom(32)
+        fd = os.open(DATA_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+        return key
+
+
+def _digest(key: bytes | None = None) -> Any:
+    return hashlib.blake2b(digest_size=32, key=key or b"")
 
 
 @functools.lru_cache(maxsize=512)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    digest = _digest()
+def _file_digest(path: str, size: int, mtime_ns: int, key: bytes | None) -> str:
+    digest = _digest(key)
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def file_hash(path: str | Path) -> str:
-    """BLAKE2b-256 (hex) of the file's bytes."""
+def file_hash(path: str | Path, keyed: bool = False) -> str:
+    """BLAKE2b-256 (hex) of the file's bytes; ``keyed``: with :func:`data_key` (training data)."""
     stat = os.stat(path)
-    return _file_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    return _file_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, data_key() if keyed else None)
 
 
-def text_hash(lines: Iterable[str]) -> str:
-    """BLAKE2b-256 (hex) of ``lines``, each UTF-8 and ended by a newline."""
-    digest = _digest()
+def text_hash(lines: Iterable[str], keyed: bool = False) -> str:
+    """BLAKE2b-256 (hex) of ``lines``, each UTF-8 and ended by a newline; ``keyed``: with :func:`data_key`."""
+    digest = _digest(data_key() if keyed else None)
     for line in lines:
         digest.update(line.encode("utf-8") + b"\n")
     return digest.hexdigest()
 
 
-def combined_id(hashes: list[str]) -> str:
+def combined_id(hashes: list[str], keyed: bool = False) -> str:
     """The id of a set of files: the hash of the one file, or of the sorted hashes of several (one per line)."""
-    return f"{HASH}:{hashes[0] if len(hashes) == 1 else text_hash(sorted(hashes))}"
+    return f"{DATA_HASH if keyed else HASH}:{hashes[0] if len(hashes) == 1 else text_hash(sorted(hashes), keyed)}"
 
 
-def file_entry(path: str | Path, split: str | None = None) -> dict[str, Any]:
-    """``{split, path, bytes, blake2b_256}`` of one file (``path`` as given)."""
+def file_entry(path: str | Path, split: str | None = None, keyed: bool = False) -> dict[str, Any]:
+    """``{split, path, bytes, hash}`` of one file (``path`` as given; ``keyed``: :func:`file_hash`)."""
     entry = {"split": split} if split is not None else {}
-    return {**entry, "path": str(path), "bytes": os.stat(path).st_size, "blake2b_256": file_hash(path)}
+    return {**entry, "path": str(path), "bytes": os.stat(path).st_size, "hash": file_hash(path, keyed)}
 
 
 def describe_files(files: Mapping[str, Iterable[str | Path]]) -> dict[str, Any]:
-    """The data read from ``files`` (split -> its files; ``train`` required): every file with its size and hash,
-    and the data set's ``id`` (:func:`combined_id` of the training files)."""
-    entries = [file_entry(path, split) for split, paths in files.items() for path in dict.fromkeys(paths)]
-    train = [e["blake2b_256"] for e in entries if e["split"] == "train"]
-    return {"id": combined_id(train), "files": entries,
-            "hashed": f"the bytes of each file ({HASH}; b2sum -l 256 FILE prints the same); id: the training file's "
-                      f"hash (several training files: the hash of their sorted hashes)"}
+    """The data read from ``files`` (split -> its files; ``train`` required): every file with its size and keyed
+    hash, and the data set's ``id`` (:func:`combined_id` of the training files)."""
+    entries = [file_entry(path, split, keyed=True) for split, paths in files.items() for path in dict.fromkeys(paths)]
+    train = [e["hash"] for e in entries if e["split"] == "train"]
+    return {"id": combined_id(train, keyed=True), "files": entries,
+            "hashed": f"the bytes of each file ({DATA_HASH}: keyed with this machine's secret data key, so that the "
+                      f"hash confirms nothing to whoever holds a candidate copy of the data); id: the training "
+                      f"file's hash (several training files: the hash of their sorted hashes)"}
 
 
 def describe_generated(generator: str, settings: Mapping[str, Any], rows: Iterable[str],
                        rows_text: str) -> dict[str, Any]:
     """Generated training data: its ``generator`` and ``settings``, and an ``id`` that hashes the generated training
     ``rows`` (one line each, described by ``rows_text``), so that changed generator code gives another id."""
-    return {"id": f"{HASH}:{text_hash(rows)}", "generator": generator, "settings": dict(settings), "files": [],
-            "hashed": f"the generated training rows ({rows_text}; one line each, UTF-8)"}
+    return {"id": f"{DATA_HASH}:{text_hash(rows, keyed=True)}", "generator": generator, "settings": dict(settings), "files": [],
+            "hashed": f"the generated training rows ({rows_text}; one line each, UTF-8; {DATA_HASH})"}
 
 
 def describe_model(location: str | None, path: str | Path | None = None) -> dict[str, Any]:
@@ -97,8 +121,8 @@ def describe_model(location: str | None, path: str | Path | None = None) -> dict
         return {"location": location, "path": str(path), "id": None, "files": [],
                 "hashed": f"nothing: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in the folder"}
     files = [file_entry(p) for p in weights]
-    return {"location": location, "path": str(path), "id": combined_id([f["blake2b_256"] for f in files]),
-            "files": files, "hashed": f"the bytes of each weight file ({HASH}); id: the file's hash (several files: "
+    return {"location": location, "path": str(path), "id": combined_id([f["hash"] for f in files]),
+            "files": files, "hashed": f"the bytes of each weight file ({HASH}; b2sum -l 256 FILE prints the same); id: the file's hash (several files: "
                                       f"the hash of their sorted hashes)"}
 
 

@@ -69,7 +69,7 @@ def data_hashes(path: Path) -> set[str]:
     from dpl.lightning.provenance import file_hash
 
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    return {file_hash(p) for p in files}
+    return {file_hash(p, keyed=True) for p in files}
 
 
 def select(target: str, ledgers: list[str] | None = None) -> tuple[list[Path], list[dict[str, Any]], int, str]:
