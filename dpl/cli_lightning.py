@@ -227,7 +227,7 @@ class DPLightningCLI(LightningCLI):
         if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
             callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
         callbacks = [ShowBanners(), *callbacks]
-        trainer = super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(native_precision(config), callbacks)
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
                 callback.save_last = True
@@ -343,3 +343,25 @@ def default_loggers(root: str | None) -> list[Any]:
         return [csv]
     return [csv, TensorBoardLogger(save_dir=csv.save_dir, name=csv.name, version=csv.version,
                                    default_hp_metric=False)]
+
+
+def native_precision(config: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's settings, with ``bf16-mixed`` replaced by ``32-true`` on a CPU without native bfloat16
+    arithmetic: emulated there, it is several times slower than float32 (and no more private), so a config written
+    for CPUs with AVX512-BF16 or AMX (the quickstart's) does not crawl on others. One line says so;
+    ``DPL_KEEP_PRECISION=1`` keeps the configured precision."""
+    precision, accelerator = str(config.get("precision")), str(config.get("accelerator") or "auto")
+    if not precision.startswith("bf16") or os.environ.get("DPL_KEEP_PRECISION") or accelerator not in ("cpu", "auto"):
+        return config
+    import torch
+
+    from dpl.lightning.module import cpu_has_native_bf16
+
+    if accelerator == "auto" and (torch.cuda.is_available() or torch.backends.mps.is_available()):
+        return config
+    if cpu_has_native_bf16():
+        return config
+    logging.getLogger("dpl").info("dpl: this CPU has no native bfloat16 arithmetic: training in float32 "
+                                  "(trainer.precision 32-true; %s would be emulated, several times slower; "
+                                  "DPL_KEEP_PRECISION=1 keeps it)", precision)
+    return {**config, "precision": "32-true"}

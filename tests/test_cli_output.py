@@ -200,3 +200,23 @@ def test_plugins_listing_has_descriptions_and_config_fragments(capsys, monkeypat
     out = " ".join(capsys.readouterr().out.split())
     assert f"denoise {info['denoise'].description} hooks: privatize, post_process, validate_setup" in out
     assert "config: plugins/denoise/denoise.yaml" in out and "config: - (a default" in out
+
+
+@pytest.mark.parametrize("native, keep, expected", [(False, False, "32-true"), (False, True, "bf16-mixed"),
+                                                     (True, False, "bf16-mixed")])
+def test_bf16_on_a_cpu_without_native_bfloat16_trains_in_float32(monkeypatch, caplog, native, keep, expected):
+    import logging
+
+    import dpl.lightning.module as module
+    from dpl.cli_lightning import native_precision
+
+    monkeypatch.setattr(module, "cpu_has_native_bf16", lambda: native)
+    if keep:
+        monkeypatch.setenv("DPL_KEEP_PRECISION", "1")
+    else:
+        monkeypatch.delenv("DPL_KEEP_PRECISION", raising=False)
+    with caplog.at_level(logging.INFO, logger="dpl"):
+        config = native_precision({"precision": "bf16-mixed", "accelerator": "cpu"})
+    assert config["precision"] == expected
+    assert ("training in float32" in caplog.text) == (expected == "32-true")
+    assert native_precision({"precision": "32-true", "accelerator": "cpu"})["precision"] == "32-true"
