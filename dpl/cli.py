@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("list the installed dpl plugins and the hooks they implement", "dpl.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
               "(docs/audit.md)", "dpl.audit.command:audit_command"),
+    "tune": ("private hyperparameter tuning: the best of a secret, random number of private trainings, with the "
+             "epsilon of the whole search (docs/privacy.md)", "dpl.tune.command:tune_command"),
 }
 
 _ARGV: list[str] = []
