@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "(docs/audit.md)", "dpl.audit.command:audit_command"),
     "plan": ("sigma, the noise against the clipped signal and the batch sizes at the same epsilon and compute, from "
              "a fit config, without training (docs/planning.md)", "dpl.planning.command:plan_command"),
+    "tune": ("private hyperparameter tuning: the best of a secret, random number of private trainings, with the "
+             "epsilon of the whole search (docs/privacy.md)", "dpl.tune.command:tune_command"),
 }
 
 _ARGV: list[str] = []

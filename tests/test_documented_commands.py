@@ -4,9 +4,10 @@ for two steps on a tiny model and tiny data.
 
 Commands run as written, in a scratch folder that mirrors the repository layout (`configs/`, `plugins/` linked, tiny
 data at `../shared/data/...`); only these arguments are appended: a tiny model and tokenizer, `--trainer.max_steps 2`
-and small evaluation limits (generation: 4 new tokens). Placeholder folders (`path/to/folder`, `path/to/dart`, ...) are
-replaced by tiny data of the format the command's data module reads. A fragment config (no model/data class) runs
-composed as its header comment says, else with configs/quickstart.yaml. GPU-only configs are skipped on CPU.
+and small evaluation limits (generation: 4 new tokens); `dpl tune` runs at most one trial. Placeholder folders
+(`path/to/folder`, `path/to/dart`, ...) are replaced by tiny data of the format the command's data module reads. A
+fragment config (no model/data class) runs composed as its header comment says, else with configs/quickstart.yaml.
+GPU-only configs are skipped on CPU.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
             and not (merged.get("data", {}).get("init_args") or {}).get("data_dir"):
         args += ["--data.init_args.data_dir", str(world[kind.lower()])]
     model = world["models"]["llama" if generation else "bert"]
-    if args[0] == "fit" and "--print_config" not in args:  # max_time: a loop that ignores max_steps still ends
+    if args[0] in ("fit", "tune") and "--print_config" not in args:  # max_time: a loop that ignores max_steps ends
         args += ["--trainer.max_steps", STEPS, "--trainer.max_time", "00:00:02:00"]
     if "--print_config" not in args:
         args += ["--model.init_args.model", model, "--data.init_args.tokenizer", model,
@@ -317,6 +318,11 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
     if skip:
         pytest.skip(skip)
     monkeypatch.chdir(world["work"])
+    if args[0] == "tune":  # K is drawn as documented, then capped at one trial to keep the test short
+        from dpl.core.accounting.tuning import TrialDistribution
+
+        draw = TrialDistribution.sample
+        monkeypatch.setattr(TrialDistribution, "sample", lambda self, *a, **k: min(draw(self, *a, **k), 1))
     code = 0
     if _multi_process(args, world):  # DDP re-launches the command line: run it as a user would, in a process
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -341,6 +347,8 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
         assert "sigma = " in out and "recommended" in out, out[-2000:]
     if args[0] == "ledger":
         assert "dpl ledger: " in out and ("composed over" in out or "no run recorded" in out), out
+    if args[0] == "tune":
+        assert "dpl: tuned model: epsilon=" in out or "nothing is released" in out, out[-2000:]
 
 
 def test_every_config_is_covered():

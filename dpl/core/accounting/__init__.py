@@ -46,7 +46,8 @@ uses, and :func:`calibrate_noise_multiplier`), :mod:`~dpl.core.accounting.accoun
 (:class:`PoissonGaussianAccountant`, a history of steps), :mod:`~dpl.core.accounting.schedule`
 (:class:`EpsilonSchedule`, epsilon for the current step computed ahead, off the training loop),
 :mod:`~dpl.core.accounting.users` (user-level DP of example-level sampling, :func:`els_epsilon`,
-:func:`els_calibrate`; :func:`group_privacy`),
+:func:`els_calibrate`; :func:`group_privacy`), :mod:`~dpl.core.accounting.tuning` (the best of a random number of
+private runs: Papernot & Steinke's Theorems 2 and 6, for ``dpl tune``),
 :mod:`~dpl.core.accounting.common` (error settings and argument checks).
 """
 

@@ -1,0 +1,48 @@
+"""The callback every trial of ``dpl tune`` runs with (``--trainer.callbacks+=dpl.tune.probe.TrialProbe``): before
+training it refuses a setup the tuning bound does not cover; after a validation run it records the metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from dpl.errors import ConfigError
+
+#: the metrics of the last ``validate`` run in this process (``dpl.tune.trials.score`` reads them)
+LAST_METRICS: dict[str, float] = {}
+
+
+def tunable(summary: dict[str, Any], seeded: bool) -> str | None:
+    """Why a run with this privacy summary cannot be a trial, or ``None``: the bound needs the RDP curve of the
+    Poisson-subsampled Gaussian (DP-SGD, DPZero, user-level sampling) and independent trials."""
+    users = summary.get("users") or {}
+    if summary.get("mechanism") != "gaussian" or summary.get("sampling") != "poisson" or \
+            summary.get("accountant") not in ("prv", "rdp"):
+        return (f"mechanism {summary.get('mechanism')} ({summary.get('sampling')} sampling, "
+                f"{summary.get('accountant')} accounting) has no RDP curve in dpl, which the tuning bound needs "
+                f"(supported: the Poisson-subsampled Gaussian of DP-SGD and DPZero)")
+    if summary.get("unit") == "user" and users.get("sampling") != "users":
+        return ("privacy.unit: user with user_sampling: rows (example-level sampling) is accounted as a mixture of "
+                "Gaussians, which has no RDP curve in dpl: use user_sampling: users")
+    if seeded:
+        return "privacy.seed makes every trial draw the same noise and batches; the bound needs independent trials"
+    if summary.get("resumed_from"):
+        return "a trial must be a fresh run (not resumed from a checkpoint)"
+    return None
+
+
+class TrialProbe(Callback):
+    """Refuses, before training, a trial the tuning bound does not cover; records a validation run's metrics."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or getattr(pl_module, "mechanism", None) is None:
+            return
+        reason = tunable(pl_module.privacy_summary(), pl_module.privacy.seed is not None)
+        if reason:
+            raise ConfigError(f"dpl tune: {reason}")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.state.fn == "validate" and trainer.is_global_zero:
+            LAST_METRICS.clear()
+            LAST_METRICS.update({k: float(v) for k, v in trainer.callback_metrics.items()})
