@@ -35,10 +35,7 @@ class MeanPoolForSequenceClassification(PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 **kwargs: Any) -> SequenceClassifierOutput:
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids
-        hidden = self.encoder(**inputs).last_hidden_state
+        hidden = self.encoder(**_inputs(input_ids, attention_mask, token_type_ids)).last_hidden_state
         if attention_mask is None:
             pooled = hidden.mean(dim=1)
         else:
@@ -77,9 +74,7 @@ class PromptForSequenceClassification(PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 **kwargs: Any) -> SequenceClassifierOutput:
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids
+        inputs = _inputs(input_ids, attention_mask, token_type_ids)
         is_mask = input_ids == self.config.dpl_prompt["mask_token_id"]
         if not bool((is_mask.sum(1) == 1).all()):
             raise ValueError("every input must contain the mask token exactly once (render it in the template)")
@@ -93,3 +88,12 @@ class PromptForSequenceClassification(PreTrainedModel):
             logits = self.label_decoder(hidden[rows, position])
         loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def _inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            token_type_ids: torch.Tensor | None) -> dict[str, Any]:
+    """The encoder's keyword arguments (``token_type_ids`` only where given: not every encoder takes them)."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if token_type_ids is not None:
+        inputs["token_type_ids"] = token_type_ids
+    return inputs
