@@ -1,4 +1,4 @@
-"""Issue "trust": secrets stay out of checkpoints, non-finite examples, entropy, safe and exact resume, the
+"""Trust in the guarantee: secrets stay out of checkpoints, non-finite examples, entropy, safe and exact resume, the
 budget guard, layers that mix examples, planned steps, soft guards, precision, delta."""
 
 from __future__ import annotations
