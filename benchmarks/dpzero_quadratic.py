@@ -12,9 +12,9 @@ loss is r / 2; we report the final excess loss divided by the initial one (1 = n
 Both methods run through the real plugin (``dpzero`` with ``estimator: dpzero`` or ``dpgd0``), the default
 ``gaussian`` privatize and dpl's update path, driven by dpl's training loop (``dpl.PrivateTraining``: its Poisson
 sampler and its noise source, seeded per run by ``privacy.seed``), with Poisson batches of expected size B = 50
-(q = 0.05), T = 200 steps, sigma calibrated by dpl's PRV accountant to epsilon = 2 at delta = 1e-4 (the same sigma for both: both are the subsampled Gaussian with sensitivity C),
-plain SGD, mu = 1e-3 (central differences are exact on a quadratic, so mu only matters through rounding).
-DPZero clips each example's scalar d_i to [-C, C] and adds one scalar of noise; DPGD-0th clips each example's
+(q = 0.05), T = 200 steps, sigma calibrated by dpl's PRV accountant to epsilon = 2 at delta = 1e-4 (the same sigma
+for both: both are the subsampled Gaussian with sensitivity C), plain SGD, mu = 1e-3 (central differences are exact
+on a quadratic, so mu only matters through rounding). DPZero clips each example's scalar d_i to [-C, C] and adds one scalar of noise; DPGD-0th clips each example's
 vector d_i z to norm C and adds N(0, sigma^2 C^2 I_d). Each (method, d, r) cell is tuned on seed 0 over
 lr x C grids (the best final excess loss), then the best setting is rerun on seeds 1, 2, 3: the table and plot
 show the mean (and min/max) over those three.

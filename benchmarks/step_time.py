@@ -56,16 +56,20 @@ def nonprivate_step(model, batch) -> Callable[[], None]:
     return step
 
 
-def fixed_batch_training(model, per_example_loss, batch_size: int, plugins: dict | None = None,
-                         lr: float = 1e-4, **privacy) -> PrivateTraining:
-    """dpl's training loop for timing steps on a fixed batch of ``batch_size`` examples: sigma 1, C 1, physical batch =
-    batch, plain SGD (``privacy``: other privacy settings). The plan (N = 50 batches, 1,000 steps) only sizes the
-    accounting; no budget limits the steps."""
-    settings = {"target_epsilon": None, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "batch_size": batch_size,
-                "physical_batch_size": batch_size, **privacy}
+def fixed_batch_training(model, per_example_loss, batch_size: int, plugins: dict | None = None, lr: float = 1e-4,
+                         rows_per_user: int | None = None, steps: int = 1000) -> PrivateTraining:
+    """dpl's training loop for timing steps on a fixed batch of ``batch_size`` examples (with ``rows_per_user``:
+    users of k rows each, user-level sampling): sigma 1, C 1, physical batch = batch, plain SGD. The plan (50
+    batches, ``steps`` steps) sizes the accounting and the plugins' fits; no budget limits the steps."""
+    k = rows_per_user or 1
+    rows = batch_size * k
+    privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=batch_size,
+                            physical_batch_size=rows, unit="user" if rows_per_user else "example",
+                            max_rows_per_user=rows_per_user)
+    users = [row // k for row in range(50 * rows)] if rows_per_user else None
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return PrivateTraining(model, per_example_loss, PrivacyConfig(**settings), num_examples=50 * batch_size,
-                           steps=1000, optimizer=torch.optim.SGD(trainable, lr=lr), plugins=plugins)
+    return PrivateTraining(model, per_example_loss, privacy, num_examples=50 * rows, steps=steps, users=users,
+                           optimizer=torch.optim.SGD(trainable, lr=lr), plugins=plugins)
 
 
 def classification_loss(model) -> Callable[[dict], torch.Tensor]:

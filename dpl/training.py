@@ -56,8 +56,8 @@ class PrivateTraining:
         log_metric: receives the metrics the plugins log during a step (``name, value``).
     """
 
-    def __init__(self, model: nn.Module, per_example_loss: Callable[[dict[str, Any]], Tensor], privacy: PrivacyConfig, *,
-                 steps: int, optimizer: OptimizerLike, data: Dataset | Sequence | None = None,
+    def __init__(self, model: nn.Module, per_example_loss: Callable[[dict[str, Any]], Tensor],
+                 privacy: PrivacyConfig, *, steps: int, optimizer: OptimizerLike, data: Dataset | Sequence | None = None,
                  num_examples: int | None = None, collate: Callable[[list], Any] | None = None,
                  plugins: Mapping[str, Any] | None = None, trainable: Mapping[str, Tensor] | None = None,
                  scheduler: SchedulerFactory | None = None, users: Sequence[Hashable] | None = None,

@@ -166,3 +166,18 @@ def test_needs_the_data_or_its_size():
     model = Classifier()
     with pytest.raises(ConfigError, match="num_examples"):
         loop(model, None)
+
+
+def test_benchmarks_drive_dpl_through_the_loop():
+    """No benchmark builds the step's context or calls the step's hooks by hand: they train through
+    dpl.PrivateTraining (or the dpl command), which draws the batches and the noise as the privacy analysis says."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    pattern = re.compile(r"\b(StepContext|private_step)\b")
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert any(p.name == "step_time.py" for p in files)
+    offending = [str(p.relative_to(root)) for p in files
+                 if pattern.search(p.read_bytes().decode("utf-8", errors="ignore"))]
+    assert not offending, f"benchmarks building dpl's step by hand: {offending}"
