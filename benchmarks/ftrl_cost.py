@@ -7,9 +7,10 @@ Variants (same model, same batch): the default Gaussian mechanism, ftrl independ
 bands=4: 3 stored vectors), ftrl BLT (nbuf <= 4: the fit keeps the fewest buffers within 1% of the best), amplified banded (cyclic Poisson, bands=4 and 16), and, for
 reference, banded and BLT with the unfused streams (one elementwise pass per buffer and operation). The cost of the
 noise is the ``privatize`` hook alone on a zero clipped sum of the model's shapes, minus the default's, as a
-fraction of one full private step of the default (forward, per-example clipping, noise, SGD update). Timings are
-interleaved round-robin (machine noise hits all alike); medians. ``--full`` also times the full step of every
-variant (slow: ~9 s a step here). Memory: the floats the noise stream holds between steps (exact, counted from
+fraction of one full private step of the default (forward, per-example clipping, noise, SGD update); every step
+runs through dpl's training loop (``dpl.PrivateTraining``), the noise alone timed inside a step on an empty batch.
+Timings are interleaved round-robin (machine noise hits all alike); medians. ``--full`` also times the full step of
+every variant (slow: ~9 s a step here). Memory: the floats the noise stream holds between steps (exact, counted from
 its tensors) against the goal, and the process's peak RSS growth while the variant is set up and warmed up
 (coarse: the allocator keeps freed memory).
 """
@@ -23,14 +24,11 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-from dpl.core.noise import noise_source
-from dpl.core.plugin_manager import create_plugin_manager
-from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.ftrl.streams import BandedStream, BLTStream
 
-from step_time import load, make_batch  # noqa: E402  (benchmarks/ on sys.path when run as a script)
+# benchmarks/ is on sys.path when run as a script
+from step_time import classification_loss, fixed_batch_training, load, make_batch  # noqa: E402
 
 
 class UnfusedBLT(BLTStream):
@@ -69,50 +67,36 @@ UNFUSED = {"blt": UnfusedBLT, "banded": UnfusedBanded}
 
 
 def variant(model, batch, plugins: dict | None, steps: int, unfused: bool = False):
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.SGD(list(trainable.values()), lr=1e-5)
-    pm = create_plugin_manager(plugins)
     size = batch["labels"].shape[0]
-    setup = RunSetup(model=model, trainable=trainable, plugin_names=list(plugins or {}), num_examples=size * 50,
-                     expected_batch_size=size, steps=steps, sampling_rate=1 / 50, accountant="prv",
-                     optimizer_name="SGD")
-    pm.hook.validate_setup(setup=setup)
-    mech = pm.hook.configure_mechanism(setup=setup)
+    training = fixed_batch_training(model, classification_loss(model), size, plugins, lr=1e-5, steps=steps)
+    pm = training.engine.plugin_manager
     plugin = dict(pm.list_name_plugin()).get("ftrl")
     if unfused:
         new_stream = plugin._new_stream
         plugin._new_stream = lambda: UNFUSED[plugin.strategy.family](*_stream_args(new_stream()))
-    state = {"step": 0}
-    gen = noise_source(None)  # the default noise source
-
-    def loss(b):
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-        return F.cross_entropy(out.logits, b["labels"], reduction="none")
+    empty = {key: value[:0] for key, value in batch.items()}
 
     def step():
-        ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
-                          noise_multiplier=1.0, expected_batch_size=size, step=state["step"], noise_generator=gen,
-                          log=lambda *a: None)
-        direction = private_step(pm.hook, ctx, batch, physical_batch_size=size, mechanism=mech.name)
-        opt.zero_grad(set_to_none=True)
-        for name, p in trainable.items():
-            p.grad = direction[name]
-        opt.step()
-        state["step"] += 1
+        training.step(batch)
 
     def privatize_only():
-        """The privatize hook alone on a zero clipped sum of the model's shapes (isolates the noise cost)."""
-        from dpl.core.gradients import GradientSum
+        """The privatize hook alone, timed inside a step on an empty batch (a zero clipped sum of the model's
+        shapes, no forward pass): isolates the noise cost."""
+        started, spent = {}, []
 
-        ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
-                          noise_multiplier=1.0, expected_batch_size=size, step=state["step"], noise_generator=gen,
-                          log=lambda *a: None)
-        total = GradientSum({n: torch.zeros_like(p) for n, p in trainable.items()}, size)
-        start = time.perf_counter()
-        pm.hook.privatize(ctx=ctx, gradient_sum=total)
-        elapsed = time.perf_counter() - start
-        state["step"] += 1
-        return elapsed
+        def before(name, impls, kwargs):
+            started[name] = time.perf_counter()
+
+        def after(outcome, name, impls, kwargs):
+            if name == "privatize":
+                spent.append(time.perf_counter() - started[name])
+
+        undo = pm.add_hookcall_monitoring(before, after)
+        try:
+            training.step(empty)
+        finally:
+            undo()
+        return spent[0]
 
     def held_floats() -> int:
         stream = getattr(plugin, "stream", None)

