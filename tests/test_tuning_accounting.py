@@ -335,8 +335,8 @@ def planner(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("dist", [tuning.poisson(3.0), tuning.geometric(4.0), tuning.fixed(3)])
-@pytest.mark.parametrize("total", [2.0, 8.0])
+@pytest.mark.parametrize("dist,total", [(tuning.poisson(3.0), 2.0), (tuning.geometric(4.0), 8.0),
+                                        (tuning.fixed(3), 4.0)])
 def test_the_total_epsilon_solve_meets_the_total_within_one_percent(planner, dist, total):
     from dpl.tune import plans, search
 

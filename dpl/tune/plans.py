@@ -143,13 +143,19 @@ def calibrated(plans: list[Plan], target: float) -> list[Plan]:
 
 def solve_total(fit_args: list[str], space: SearchSpace, dist: accounting.TrialDistribution,
                 total: float) -> tuple[float, list[Plan], float]:
-    """The largest per-trial target epsilon whose tuned epsilon is at most ``total`` (at the trials' delta), by
-    bisection on its logarithm; each step calibrates sigma for every accounting-distinct configuration, and the
-    answer is planned again by the planner. Returns ``(per-trial target, plans, tuned epsilon)``."""
+    """The largest per-trial target epsilon whose tuned epsilon is at most ``total`` (at the trials' delta), by a
+    safeguarded secant search on logarithms; each step calibrates sigma for every accounting-distinct configuration,
+    and the answer is planned again by the planner. Returns ``(per-trial target, plans, tuned epsilon)``."""
     if not (math.isfinite(total) and total > 0):
         raise ConfigError(f"dpl tune: --total-epsilon must be a positive number, got {total!r}")
     base = plan_space(fit_args, space)
     delta = base[0]["delta"]
+    if dist.kind != "fixed":  # trials with no privacy loss at all: the least the search can cost
+        floor = accounting.tuned_epsilon(dist, accounting.ORDERS, np.zeros(len(accounting.ORDERS)), delta)
+        if floor > total:
+            raise ConfigError(f"dpl tune: --total-epsilon {total:g} cannot be met: with K ~ {dist.describe()} "
+                              f"trials the search costs at least epsilon {floor:.4g} at delta = {delta:.3g}, even "
+                              f"with trials that spend nothing (raise it, or lower --trials-mean)")
 
     def total_at(target: float) -> float:
         try:
@@ -157,12 +163,12 @@ def solve_total(fit_args: list[str], space: SearchSpace, dist: accounting.TrialD
         except ValueError:  # no sigma reaches this target
             return math.inf
 
-    target = _largest_below(total_at, total)
+    start = total / dist.trials if dist.kind == "fixed" else total / 2
+    target = _largest_below(total_at, total, start)
     if target is None:
         smallest = total * SMALLEST_FRACTION
         raise ConfigError(f"dpl tune: --total-epsilon {total:g} cannot be met: even a per-trial epsilon of "
-                          f"{smallest:.3g} gives {total_at(smallest):.4g} at delta = {delta:.3g} (raise it, or lower "
-                          f"--trials-mean)")
+                          f"{smallest:.3g} exceeds it at delta = {delta:.3g} (raise it, or lower --trials-mean)")
     for _ in range(5):  # the planner's sigma is the calibration's: this loop guards against any difference
         plans = plan_space(fit_args, space, target)
         tuned = tuned_epsilon(plans, dist, delta)
@@ -172,36 +178,40 @@ def solve_total(fit_args: list[str], space: SearchSpace, dist: accounting.TrialD
     raise ConfigError(f"dpl tune: --total-epsilon {total:g}: the planned trials exceed it ({tuned:.4g})")
 
 
-def _largest_below(total_at: Callable[[float], float], total: float) -> float | None:
-    """The largest target found with ``total_at(target) <= total`` (within :data:`TOTAL_TOL` of ``total`` when the
-    calibration allows), or ``None`` if even ``total * SMALLEST_FRACTION`` is too large."""
-    best: tuple[float, float] | None = None  # (target, total) of the largest feasible total found
-
-    def feasible(target: float) -> bool:
-        nonlocal best
-        value = total_at(target)
-        if value <= total and (best is None or value > best[1]):
-            best = (target, value)
-        return value <= total
-
-    lo, hi = total, total
-    if feasible(total):
-        while hi < total * 2**10 and feasible(hi * 2):
-            hi *= 2
-        lo, hi = hi, hi * 2
-    else:
-        while True:
-            hi, lo = lo, lo / 2
-            if lo < total * SMALLEST_FRACTION:
-                return None
-            if feasible(lo):
-                break
+def _largest_below(total_at: Callable[[float], float], total: float, start: float) -> float | None:
+    """A target with ``total_at(target)`` in [(1 - TOTAL_TOL) total, total] (``total_at`` increases), else the one
+    with the largest value at most ``total`` found in 40 evaluations; ``None`` if even ``total * SMALLEST_FRACTION``
+    exceeds ``total``. Secant steps on (log target, log total), kept inside the bracket found so far."""
+    aim, smallest = math.log(total * (1 - TOTAL_TOL / 2)), math.log(total * SMALLEST_FRACTION)
+    best: tuple[float, float] | None = None  # (target, value) with the largest value <= total
+    lo = hi = None  # largest log target feasible, smallest infeasible
+    points: list[tuple[float, float]] = []
+    u = max(math.log(start), smallest)
     for _ in range(40):
-        if best is not None and best[1] >= total * (1 - TOTAL_TOL):
-            break
-        mid = math.sqrt(lo * hi)
-        if feasible(mid):
-            lo = mid
+        value = total_at(math.exp(u))
+        if value <= total:
+            if best is None or value > best[1]:
+                best = (math.exp(u), value)
+            if value >= total * (1 - TOTAL_TOL):
+                break
+            lo = u if lo is None else max(lo, u)
         else:
-            hi = mid
+            if u <= smallest:
+                return None
+            hi = u if hi is None else min(hi, u)
+        if 0 < value < math.inf:
+            points.append((u, math.log(value)))
+        if len(points) >= 2 and points[-1][1] != points[-2][1]:
+            (u1, y1), (u2, y2) = points[-2], points[-1]
+            nxt = u2 + (aim - y2) * (u2 - u1) / (y2 - y1)
+        elif points and points[-1][0] == u:
+            nxt = u + aim - points[-1][1]  # epsilon roughly proportional to the target
+        else:
+            nxt = u - 0.7
+        if lo is not None and hi is not None:
+            if hi - lo < 1e-9:
+                break
+            if not lo < nxt < hi:
+                nxt = (lo + hi) / 2
+        u = max(nxt, smallest)
     return best[0] if best is not None else None
