@@ -174,6 +174,8 @@ def _start(args: argparse.Namespace, fit_args: list[str]) -> TuningState | None:
     space = parse_search(args.search)
     _check_fit_args(fit_args)
     dist = _distribution(args)
+    if args.total_epsilon is not None and not (math.isfinite(args.total_epsilon) and args.total_epsilon > 0):
+        raise ConfigError(f"dpl tune: --total-epsilon must be a positive number, got {args.total_epsilon!r}")
     root, extra = _preflight(fit_args, space, args.total_epsilon is not None)
     fit_args, planned, target = _plan(args, [*fit_args, *extra], space, dist)
     folder = root / f"tune_{secrets.token_hex(4)}"
