@@ -371,3 +371,4 @@ def test_help_names_the_options(capsys):
         main(["tune", "--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and "--search" in out and "--trials-mean" in out and "--resume" in out
+    assert "--total-epsilon" in out and "batch_size" in out
