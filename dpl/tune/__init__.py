@@ -9,5 +9,6 @@ Modules, one job each: :mod:`~dpl.tune.search` (the search space), :mod:`~dpl.tu
 space's configurations, made before any trial, and the bound from their largest RDP curve), :mod:`~dpl.tune.state`
 (the secret sidecar that makes a tuning resumable), :mod:`~dpl.tune.probe` (the callback a trial runs with),
 :mod:`~dpl.tune.trials` (one trial: fit and score, through ``dpl.cli.main``), :mod:`~dpl.tune.release` (the privacy
-of the tuned model and its report), :mod:`~dpl.tune.command` (the command). The accounting is :mod:`dpl.core.accounting.tuning`.
+of the tuned model and its report), :mod:`~dpl.tune.command` (the command). The accounting is
+:mod:`dpl.core.accounting.tuning`.
 """
