@@ -68,8 +68,12 @@ def _force_k(monkeypatch, k: int) -> list:
     ([], "needs a search space"),
     (["--search", "lr="], "empty value"),
     (["--search", "lr=0.1,0.1"], "listed twice"),
-    (["--search", "model.privacy.batch_size=8,16"], "privacy accounting"),
-    (["--search", "trainer.max_steps=2,4"], "privacy accounting"),
+    (["--search", "model.privacy.target_epsilon=3,6"], "privacy accounting"),
+    (["--search", "model.privacy.accountant=prv,rdp"], "privacy accounting"),
+    (["--search", "lr=0.1", "--trials-mean", "2", "--total-epsilon", "-1"], "positive number"),
+    (["--search", "lr=0.1", "--trials-mean", "2", "--total-epsilon", "4", "--model.privacy.noise_multiplier", "1"],
+     "remove it"),
+    (["--search", "batch_size=8,16", "--trials-mean", "30", "--total-epsilon", "0.02"], "cannot be met"),
     (["--search", "model.optimizer.init_args.lrr=0.1,0.2", "--trials-mean", "2"], "unknown option"),
     (["--search", "lr=0.1,abc", "--trials-mean", "2"], "--search model.optimizer.init_args.lr=abc"),
     (["--search", "lr=0.1", "--trials-mean", "0"], "must be positive"),
@@ -140,11 +144,28 @@ def test_trials_with_different_accounting_are_refused():
     state = TuningState(folder=".", fit_args=[], search={}, method="papernot-steinke", distribution={}, metric=None,
                         mode="max", trials=2, configurations=[{}, {}])
     report = {"mechanism": "gaussian", "sampling": "poisson", "accountant": "prv", "noise_multiplier": 1.0,
-              "sampling_rate": 0.1, "steps_planned": 10, "delta": 1e-5, "unit": "example", "adjacency": "add_remove"}
+              "sampling_rate": 0.1, "steps_planned": 10, "steps_taken": 10, "delta": 1e-5, "unit": "example",
+              "adjacency": "add_remove"}
+    plan = {"noise_multiplier": 1.0, "sampling_rate": 0.1, "steps": 10, "delta": 1e-5}
     state.finished.append({"index": 0, "report": report})
-    command._check_accounting(state, dict(report))
+    command._check_accounting(state, dict(report), plan)
     with pytest.raises(Exception, match="noise_multiplier"):
-        command._check_accounting(state, {**report, "noise_multiplier": 0.9})
+        command._check_accounting(state, {**report, "noise_multiplier": 0.9}, plan)
+    with pytest.raises(Exception, match="unit"):
+        command._check_accounting(state, {**report, "unit": "user"}, plan)
+    with pytest.raises(Exception, match="11 steps"):
+        command._check_accounting(state, {**report, "steps_taken": 11}, plan)
+
+
+def test_the_accounting_keys_are_planned_over_the_whole_space():
+    space = search.parse_search(["batch_size=8,16", "lr=0.1,0.2", "steps=2,3"])
+    assert space.size == 8
+    assert space.accounting_configurations() == [
+        {"model.privacy.batch_size": b, "trainer.max_steps": s} for b in ("8", "16") for s in ("2", "3")]
+    assert search.accounting_part({"model.privacy.batch_size": "8", "model.optimizer.init_args.lr": "0.1"}) == {
+        "model.privacy.batch_size": "8"}
+    assert search.parse_search(["lr=0.1"]).accounting_configurations() == [{}]
+    assert search.is_planned("model.init_args.privacy.batch_size") and search.is_planned("trainer.max_epochs")
 
 
 # ------------------------------------------------------------------------------------------------ a tuning
@@ -194,6 +215,75 @@ def test_a_tuning_runs_k_trials_and_keeps_only_the_best(world, capsys, monkeypat
     # finished: a resume only says so
     assert _tune_resume(folder) == 0
     assert "is finished" in capsys.readouterr().out
+
+
+def test_a_batch_size_search_is_bounded_by_every_configuration_and_meets_the_total(world, capsys, monkeypatch,
+                                                                                     tmp_path):
+    """Both trials draw batch size 8 (forced): the bound must still cover batch size 32, whose RDP curve crosses
+    batch size 8's, so the kept (and only drawn) configuration's curve alone would give a smaller epsilon."""
+    import numpy as np
+
+    from dpl.planning.command import plan_config
+
+    _force_k(monkeypatch, 2)
+    monkeypatch.setattr(search.SearchSpace, "draw", lambda self, *a: {"model.privacy.batch_size": "8"})
+    total = 8.0
+    code = _tune(world, "--search", "batch_size=8,32", "--trials-mean", "2", "--total-epsilon", str(total),
+                 "--trainer.default_root_dir", str(tmp_path / "runs"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "each trial targets epsilon=" in out and "the bound covers the 2 configurations" in out
+    (folder,) = _folders(tmp_path / "runs")
+    state = TuningState.load(folder)
+    target = state.target_epsilon
+    assert state.total_epsilon == total and [p["config"] for p in state.plans] == [
+        {"model.privacy.batch_size": "8"}, {"model.privacy.batch_size": "32"}]
+    (run,) = [p.parent for p in folder.glob("trial_*/**/privacy.json")]
+    report = json.loads((run / "privacy.json").read_text())
+    tuning = report["tuning"]
+    assert tuning["total_epsilon"] == total and tuning["epsilon_per_trial_target"] == target
+    assert tuning["configurations_planned"] == 2 and "--total-epsilon" in (run / "privacy.md").read_text()
+    assert report["epsilon"] == tuning["epsilon"] and total * 0.99 <= report["epsilon"] <= total
+    # recomputed without dpl.tune: the planner's sigma, q and steps of both batch sizes at the per-trial target
+    curves = {}
+    for batch in ("8", "32"):
+        plan = plan_config(["--config", str(world / "tiny.yaml"), "--model.privacy.batch_size", batch,
+                            "--model.privacy.target_epsilon", repr(target)])
+        curves[batch] = accounting.subsampled_gaussian_rdp([(plan.current.noise_multiplier, plan.sampling_rate,
+                                                             plan.current.steps)])
+        if batch == "8":  # the trials ran as planned
+            assert report["noise_multiplier"] == plan.current.noise_multiplier
+            assert (report["sampling_rate"], report["steps_planned"]) == (plan.sampling_rate, plan.current.steps)
+    assert (curves["8"] > curves["32"]).any() and (curves["32"] > curves["8"]).any()
+    dist, delta = accounting.poisson(2.0), report["delta"]
+    expected = accounting.tuned_epsilon(dist, accounting.ORDERS, np.maximum(curves["8"], curves["32"]), delta)
+    assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+    # the planted mistakes: the kept trial's curve, or only the drawn configurations' (batch size 8 alone)
+    kept_only = accounting.tuned_epsilon(dist, accounting.ORDERS, release_curve(report), delta)
+    assert report["epsilon"] > kept_only * 1.005
+    assert report["epsilon_delta_table"] and all(
+        row["epsilon"] == pytest.approx(accounting.tuned_epsilon(
+            dist, accounting.ORDERS, np.maximum(curves["8"], curves["32"]), row["delta"]), rel=1e-9)
+        for row in report["epsilon_delta_table"])
+
+
+def release_curve(report: dict) -> object:
+    return accounting.subsampled_gaussian_rdp([(report["noise_multiplier"], report["sampling_rate"],
+                                                report["steps_planned"])])
+
+
+def test_a_trial_unlike_its_plan_is_refused_before_training(world, capsys, monkeypatch, tmp_path):
+    from dpl.tune import plans
+
+    _force_k(monkeypatch, 1)
+    real = plans.plan_configuration
+    monkeypatch.setattr(plans, "plan_configuration", lambda *a: {**real(*a), "steps": 3})
+    code = _tune(world, "--search", "lr=0.01,0.1", "--trials-mean", "2", "--trainer.default_root_dir",
+                 str(tmp_path / "runs"))
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("dpl:")]
+    assert code == 2 and "dpl: trained" not in captured.out
+    assert len(errors) == 1 and "not the one planned for it (2 steps where the plan has 3)" in errors[0], errors
 
 
 def _tune_resume(folder: Path) -> int:
@@ -281,3 +371,4 @@ def test_help_names_the_options(capsys):
         main(["tune", "--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and "--search" in out and "--trials-mean" in out and "--resume" in out
+    assert "--total-epsilon" in out and "batch_size" in out

@@ -259,3 +259,101 @@ def test_a_fixed_number_of_trials_is_their_composition():
 def test_liu_talwar_refuses_approximate_dp_trials():
     with pytest.raises(ValueError, match="pure DP"):
         tuning.liu_talwar_epsilon(1.0, 1e-5)
+
+
+# ------------------------------------------------------------------- a search over the batch size and the steps
+# Two configurations calibrated to the same per-trial epsilon whose RDP curves cross: few steps at a large sampling
+# rate (larger at high orders) and many steps at a small one (larger at low orders). The tuned bound must take, order
+# by order, the larger of the two: either curve alone (the kept trial's, or the drawn configurations' when only one of
+# them was drawn) gives a smaller epsilon.
+DELTA = 1e-5
+SPACE = [(0.5, 4), (0.01, 3000)]  # (sampling rate, steps)
+
+
+def _plans(target: float = 3.0, space=SPACE) -> list[dict]:
+    from dpl.core.mechanism import PoissonGaussian
+
+    return [{"config": {"model.privacy.batch_size": str(i)}, "sampling_rate": q, "steps": steps, "delta": DELTA,
+             "accountant": "prv", "mechanism": "gaussian", "sampling": "poisson", "unit": "example",
+             "adjacency": "add_remove", "num_examples": 1000, "epsilon": target,
+             "noise_multiplier": PoissonGaussian(q, "prv").calibrate(target, DELTA, steps)} for i, (q, steps) in
+            enumerate(space)]
+
+
+@pytest.mark.parametrize("dist", [tuning.poisson(3.0), tuning.geometric(3.0), tuning.fixed(3)])
+def test_the_bound_of_a_space_is_the_largest_curve_of_all_its_configurations(dist):
+    from dpl.tune import plans
+
+    space = _plans()
+    curves = [tuning.subsampled_gaussian_rdp([(p["noise_multiplier"], p["sampling_rate"], p["steps"])])
+              for p in space]
+    assert (curves[0] > curves[1]).any() and (curves[1] > curves[0]).any()  # they cross
+    largest = np.maximum(curves[0], curves[1])
+    want = (tuning.fixed_trials_epsilon(tuning.ORDERS, largest, 3, DELTA) if dist.kind == "fixed" else
+            tuning.tuned_epsilon(dist, tuning.ORDERS, largest, DELTA))
+    got = plans.tuned_epsilon(space, dist, DELTA)
+    assert got == pytest.approx(want, rel=1e-12)
+    alone = [plans.tuned_epsilon([p], dist, DELTA) for p in space]  # the kept trial's curve, or only the drawn ones
+    assert all(got >= a for a in alone)
+    assert got > max(alone) * 1.005  # where the curves cross, either alone would understate the search's epsilon
+
+
+def test_one_accounting_composes_by_its_own_accountant():
+    from dpl.core.accounting import epsilon_for
+    from dpl.tune import plans
+
+    (plan,) = _plans(space=SPACE[:1])
+    assert plans.composed_epsilon([plan, {**plan, "config": {}}], 3, DELTA) == pytest.approx(
+        epsilon_for(plan["noise_multiplier"], plan["sampling_rate"], 3 * plan["steps"], DELTA))
+
+
+def test_a_trial_unlike_its_plan_is_named():
+    from dpl.tune import plans
+
+    plan = _plans()[0]
+    report = {"noise_multiplier": plan["noise_multiplier"], "sampling_rate": plan["sampling_rate"],
+              "steps_planned": plan["steps"], "steps_taken": plan["steps"], "delta": DELTA}
+    assert plans.mismatch(plan, report) is None
+    assert "noise_multiplier" in plans.mismatch(plan, {**report, "noise_multiplier": plan["noise_multiplier"] * 0.99})
+    assert "sampling_rate" in plans.mismatch(plan, {**report, "sampling_rate": 0.25})
+    assert "steps" in plans.mismatch(plan, {**report, "steps_taken": plan["steps"] + 1})
+
+
+@pytest.fixture
+def planner(monkeypatch):
+    """The planner's answer for :data:`SPACE` without a model: sigma calibrated by the mechanism, as dpl fit does."""
+    from dpl.tune import plans
+
+    calls = []
+
+    def plan_configuration(fit_args, config, target=None):
+        calls.append(target)
+        i = int(config["model.privacy.batch_size"])
+        return _plans(3.0 if target is None else target)[i]
+
+    monkeypatch.setattr(plans, "plan_configuration", plan_configuration)
+    return calls
+
+
+@pytest.mark.parametrize("dist,total", [(tuning.poisson(3.0), 2.0), (tuning.geometric(4.0), 8.0),
+                                        (tuning.fixed(3), 4.0)])
+def test_the_total_epsilon_solve_meets_the_total_within_one_percent(planner, dist, total):
+    from dpl.tune import plans, search
+
+    space = search.parse_search(["batch_size=0,1", "lr=0.1,0.2"])
+    target, planned, tuned = plans.solve_total([], space, dist, total)
+    assert [p["config"] for p in planned] == [{"model.privacy.batch_size": "0"}, {"model.privacy.batch_size": "1"}]
+    assert planner[-2:] == [target, target]  # the answer is planned again, for every configuration
+    recomputed = plans.tuned_epsilon(_plans(target), dist, DELTA)
+    assert tuned == pytest.approx(recomputed, rel=1e-12)
+    assert total * 0.99 <= tuned <= total
+    assert target < total if dist.kind != "poisson" else target > 0
+
+
+def test_a_total_epsilon_nothing_can_meet_is_one_line(planner):
+    from dpl.errors import ConfigError
+    from dpl.tune import plans, search
+
+    with pytest.raises(ConfigError, match="cannot be met") as info:
+        plans.solve_total([], search.parse_search(["batch_size=0,1"]), tuning.poisson(50.0), 0.01)
+    assert "\n" not in str(info.value)

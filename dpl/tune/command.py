@@ -1,7 +1,9 @@
 """dpl tune: private hyperparameter tuning. Draws a secret number K of trials (Poisson or truncated negative
 binomial; Papernot & Steinke, ICLR 2022), runs K private dpl fit trials with configurations drawn uniformly from the
 search space, scores each on the validation split, keeps only the best run and writes the epsilon of the whole search
-into its privacy report. Every other option is a dpl fit option shared by all trials.
+into its privacy report. Every other option is a dpl fit option shared by all trials. The bound is planned before any
+trial, from every configuration whose accounting differs (batch size, steps, epochs; dpl.tune.plans); with
+--total-epsilon E, each trial's target epsilon is the largest that keeps the whole search within E.
 
 Example: dpl tune --config configs/quickstart.yaml --search lr=0.005,0.01,0.02 --trials-mean 3
 """
@@ -21,7 +23,7 @@ import yaml
 
 from dpl.core.accounting import tuning as accounting
 from dpl.errors import ConfigError, DPLError
-from dpl.tune import release, trials
+from dpl.tune import plans, probe, release, trials
 from dpl.tune.probe import tunable
 from dpl.tune.search import SearchSpace, config_args, parse_search, short
 from dpl.tune.state import TuningState
@@ -44,13 +46,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dpl tune", allow_abbrev=False, description=__doc__.split("\n\n")[0],
                      epilog="Docs: docs/privacy.md#tuning-under-dp. Every other option goes to each trial's dpl fit.")
     parser.add_argument("--search", action="append", default=[], metavar="KEY=V1,V2",
-                        help="a dpl fit option and its values (repeatable); aliases: lr, weight_decay, max_grad_norm")
+                        help="a dpl fit option and its values (repeatable); aliases: lr, weight_decay, max_grad_norm, "
+                             "batch_size, steps, epochs")
     parser.add_argument("--method", default="papernot-steinke", help=f"one of {', '.join(METHODS)}")
     parser.add_argument("--distribution", default=None,
                         help=f"of K: one of {', '.join(DISTRIBUTIONS)} (default poisson)")
     parser.add_argument("--trials-mean", type=float, default=None, metavar="MU",
                         help="E[K], the expected number of trials (composition: the number of trials)")
     parser.add_argument("--eta", type=float, default=None, help="shape of the negative binomial (> -1)")
+    parser.add_argument("--total-epsilon", type=float, default=None, metavar="E",
+                        help="the epsilon of the whole search: each trial targets the largest epsilon that keeps it "
+                             "within E (instead of the config's privacy.target_epsilon)")
     parser.add_argument("--metric", default=None, help="validation metric (default val_acc, else val_bleu)")
     parser.add_argument("--mode", default=None, choices=("max", "min"), help="max (default; min for a loss)")
     parser.add_argument("--resume", default=None, metavar="FOLDER", help="continue the tuning in FOLDER")
@@ -123,9 +129,10 @@ def _check_fit_args(fit_args: list[str]) -> None:
             raise ConfigError(f"dpl tune: {name} is not a trial option: {NOT_PER_TRIAL[name]}")
 
 
-def _preflight(fit_args: list[str], space: SearchSpace) -> tuple[Path, list[str]]:
+def _preflight(fit_args: list[str], space: SearchSpace, total: bool) -> tuple[Path, list[str]]:
     """Parse every value of the search space with the shared options (nothing runs): a bad key or value is one line
-    now, not after hours of trials. Returns the folder to tune in and the arguments every trial adds."""
+    now, not after hours of trials. Returns the folder to tune in and the arguments every trial adds. ``total``:
+    ``--total-epsilon`` is given (it calibrates sigma: a config that sets sigma cannot take it)."""
     first = {key: values[0] for key, values in space.options.items()}
     resolved = _yaml(trials.check_args(["fit", *fit_args, *config_args(first)]))
     for key, values in space.options.items():
@@ -134,6 +141,10 @@ def _preflight(fit_args: list[str], space: SearchSpace) -> tuple[Path, list[str]
                 trials.check_args(["fit", *fit_args, *config_args({**first, key: value})])
             except ConfigError as exc:
                 raise ConfigError(f"dpl tune: --search {key}={value}: {exc}") from None
+    privacy = ((resolved.get("model") or {}).get("init_args") or {}).get("privacy") or {}
+    if total and privacy.get("noise_multiplier") is not None:
+        raise ConfigError("dpl tune: --total-epsilon calibrates each trial's sigma to a target epsilon; the config "
+                          "sets privacy.noise_multiplier: remove it")
     trainer = resolved.get("trainer") or {}
     extra = _one_device(trainer)
     return Path(trainer.get("default_root_dir") or "."), extra
@@ -163,13 +174,17 @@ def _start(args: argparse.Namespace, fit_args: list[str]) -> TuningState | None:
     space = parse_search(args.search)
     _check_fit_args(fit_args)
     dist = _distribution(args)
-    root, extra = _preflight(fit_args, space)
+    if args.total_epsilon is not None and not (math.isfinite(args.total_epsilon) and args.total_epsilon > 0):
+        raise ConfigError(f"dpl tune: --total-epsilon must be a positive number, got {args.total_epsilon!r}")
+    root, extra = _preflight(fit_args, space, args.total_epsilon is not None)
+    fit_args, planned, target = _plan(args, [*fit_args, *extra], space, dist)
     folder = root / f"tune_{secrets.token_hex(4)}"
     k = dist.sample()  # secret: OS entropy, never printed into anything shared
-    state = TuningState(folder=str(folder), fit_args=[*fit_args, *extra], search=space.describe(), method=args.method,
+    state = TuningState(folder=str(folder), fit_args=fit_args, search=space.describe(), method=args.method,
                         distribution=dict(dist.__dict__), metric=args.metric,
                         mode=args.mode or ("min" if args.metric and "loss" in args.metric else "max"), trials=k,
-                        configurations=[space.draw() for _ in range(k)])
+                        configurations=[space.draw() for _ in range(k)], plans=planned,
+                        total_epsilon=args.total_epsilon, target_epsilon=target)
     folder.mkdir(parents=True, exist_ok=False)
     state.save()
     law = release.law_text({"distribution": dist.describe()})
@@ -186,8 +201,28 @@ def _start(args: argparse.Namespace, fit_args: list[str]) -> TuningState | None:
     return state
 
 
+def _plan(args: argparse.Namespace, fit_args: list[str], space: SearchSpace,
+          dist: accounting.TrialDistribution) -> tuple[list[str], list[dict[str, Any]], float | None]:
+    """Before anything is drawn: the plans of every accounting-distinct configuration and, with ``--total-epsilon``,
+    the per-trial target that keeps the search within it. Returns the trials' arguments, the plans and that target."""
+    if args.total_epsilon is None:
+        planned = plans.plan_space(fit_args, space)
+        target = None
+    else:
+        target, planned, total = plans.solve_total(fit_args, space, dist, args.total_epsilon)
+        fit_args = [*fit_args, plans.TARGET_OPTION, repr(target)]
+        print(f"dpl: --total-epsilon {args.total_epsilon:g}: each trial targets epsilon={target:.4f}; the tuned "
+              f"model's epsilon is {total:.4f} at delta={planned[0]['delta']:.3g}", flush=True)
+    if len(planned) > 1:
+        sigmas = ", ".join(f"{plan['noise_multiplier']:.4g}" for plan in planned)
+        print(f"dpl: the bound covers the {len(planned)} configurations whose accounting differs (planned sigma "
+              f"{sigmas}): one trial's RDP is the largest of their curves", flush=True)
+    return fit_args, planned, target
+
+
 def _resume(args: argparse.Namespace, fit_args: list[str]) -> TuningState | None:
-    given = [a for a in ("search", "metric", "mode", "trials_mean", "eta") if getattr(args, a) not in (None, [])]
+    given = [a for a in ("search", "metric", "mode", "trials_mean", "eta", "total_epsilon")
+             if getattr(args, a) not in (None, [])]
     if fit_args or given or args.method != "papernot-steinke" or args.distribution is not None:
         raise ConfigError("dpl tune: --resume FOLDER takes no other option (the tuning's options are in its folder)")
     state = TuningState.load(args.resume)
@@ -199,6 +234,10 @@ def _resume(args: argparse.Namespace, fit_args: list[str]) -> TuningState | None
         return None
     print(f"dpl: resuming the tuning in {state.folder}: {len(state.finished)} of {state.trials} trials finished",
           flush=True)
+    if not state.plans:  # a tuning started without plans searched only neutral options: one plan covers it
+        state.plans = plans.plan_space(state.fit_args, parse_search([f"{k}={','.join(v)}"
+                                                                     for k, v in state.search.items()]))
+        state.save()
     return state
 
 
@@ -241,13 +280,17 @@ def _trial(state: TuningState, index: int, config: dict[str, str]) -> int:
     state.save()
     tag = f"dpl: trial {index + 1}/{state.trials}"
     print(f"{tag}: {short(config)}", flush=True)
+    plan = plans.plan_for(state.plans, config)
+    probe.EXPECTED = plan  # the trial is refused before training if its accounting is not the planned one
     try:
         run = trials.fit(state.fit_args, config, root / name, [])
         metric, value = trials.score(run, state.metric)
     except trials.TrialFailed as exc:
         return exc.code
+    finally:
+        probe.EXPECTED = None
     report = json.loads((run / "privacy.json").read_text())
-    _check_accounting(state, report)
+    _check_accounting(state, report, plan)
     state.metric = metric
     best = state.result(state.best) if state.best is not None else None
     better = best is None or _better(value, best["score"], state.mode)
@@ -272,7 +315,9 @@ def _better(value: float, best: float, mode: str) -> bool:
     return value > best if mode == "max" else value < best
 
 
-def _check_accounting(state: TuningState, report: dict[str, Any]) -> None:
+def _check_accounting(state: TuningState, report: dict[str, Any], plan: dict[str, Any]) -> None:
+    """Refuse a finished trial the bound does not cover: not tunable, unlike the others beyond sigma, sampling rate
+    and steps, or unlike its plan in those."""
     reason = tunable(report, bool(report.get("seeded")))
     if reason is None and report.get("resumed_segments"):
         reason = "a trial must be one fresh run"
@@ -282,7 +327,11 @@ def _check_accounting(state: TuningState, report: dict[str, Any]) -> None:
         differ = release.accounting_differences(state.finished[0]["report"], report)
         if differ:
             raise ConfigError(f"dpl tune: trials differ in their privacy accounting ({', '.join(differ)}); the bound "
-                              f"needs one RDP curve for every configuration: search options that leave it unchanged")
+                              f"covers configurations that differ only in sigma, sampling rate and steps")
+    differ = plans.mismatch(plan, report)
+    if differ:
+        raise ConfigError(f"dpl tune: the trial's accounting is not the one planned for it ({differ}): the bound "
+                          f"does not cover it")
 
 
 def _remove_stale_trials(state: TuningState) -> None:
@@ -300,9 +349,13 @@ def _remove_stale_trials(state: TuningState) -> None:
 def _release(state: TuningState) -> None:
     best = state.result(state.best)
     dist = release.distribution(state.distribution)
-    privacy = release.tuned_privacy(best["report"], dist)
+    privacy = release.tuned_privacy(state.plans, dist, best["report"])
     tuning = {"method": state.method, "theorem": release.THEOREMS[dist.kind], "distribution": dist.describe(),
               "search_space": state.search, "metric": state.metric, "mode": state.mode, "score": best["score"]}
+    if len(state.plans) > 1:
+        tuning["configurations_planned"] = len(state.plans)
+    if state.total_epsilon is not None:
+        tuning.update(total_epsilon=state.total_epsilon, epsilon_per_trial_target=state.target_epsilon)
     report = release.tuned_report(best["report"], tuning, privacy)
     release.write_release(_kept(state), report)
     state.released = True
@@ -325,9 +378,9 @@ def _say_released(state: TuningState) -> None:
            f"{t['method']}, {t['theorem']}: the best of K trials, K ~ {release.law_text(t)}")
     print(f"dpl: tuned model: epsilon={t['epsilon']:.3f} at delta={t['delta']:.3g} ({how}); one trial alone: "
           f"epsilon={t['epsilon_one_trial']:.3f}")
-    if t["theorem"] != "composition":
+    if t["theorem"] != "composition" and state.plans:
         n = max(1, math.ceil(t["distribution"]["expected_trials"] - 1e-9))
-        composed = release.composed_epsilon(best["report"], n, float(t["delta"]))
+        composed = plans.composed_epsilon(state.plans, n, float(t["delta"]))
         print(f"dpl: for comparison, exactly {n} trial{'s' * (n != 1)} composed would spend epsilon={composed:.3f} "
               f"(--method composition --trials-mean {n})")
     print("dpl: share only the kept run or its export (dpl export); keep the rest of the tuning folder secret",

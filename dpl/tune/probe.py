@@ -1,5 +1,6 @@
 """The callback every trial of ``dpl tune`` runs with (``--trainer.callbacks+=dpl.tune.probe.TrialProbe``): before
-training it refuses a setup the tuning bound does not cover; after a validation run it records the metrics."""
+training it refuses a setup the tuning bound does not cover (including one whose sigma, sampling rate or steps are not
+those planned for it); after a validation run it records the metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dpl.errors import ConfigError
 
 #: the metrics of the last ``validate`` run in this process (``dpl.tune.trials.score`` reads them)
 LAST_METRICS: dict[str, float] = {}
+#: the plan of the trial about to run (set by ``dpl tune`` before each trial; ``None``: no check)
+EXPECTED: dict[str, Any] | None = None
 
 
 def tunable(summary: dict[str, Any], seeded: bool) -> str | None:
@@ -38,9 +41,17 @@ class TrialProbe(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or getattr(pl_module, "mechanism", None) is None:
             return
-        reason = tunable(pl_module.privacy_summary(), pl_module.privacy.seed is not None)
+        summary = pl_module.privacy_summary()
+        reason = tunable(summary, pl_module.privacy.seed is not None)
         if reason:
             raise ConfigError(f"dpl tune: {reason}")
+        if EXPECTED is not None:
+            from dpl.tune.plans import mismatch
+
+            differ = mismatch(EXPECTED, summary)
+            if differ:
+                raise ConfigError(f"dpl tune: the trial's accounting is not the one planned for it ({differ}): the "
+                                  f"bound does not cover it")
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.state.fn == "validate" and trainer.is_global_zero:

@@ -1,6 +1,7 @@
 """The privacy of the tuned model and its report: the epsilon of the whole search (Papernot & Steinke, Theorem 2 or 6)
-from one trial's RDP curve, written into the kept run's ``privacy.json`` / ``privacy.md`` and into the report its
-checkpoints carry (which ``dpl export`` writes beside the exported weights).
+from one trial's RDP curve (the largest of the space's configurations', :mod:`dpl.tune.plans`), written into the kept
+run's ``privacy.json`` / ``privacy.md`` and into the report its checkpoints carry (which ``dpl export`` writes beside
+the exported weights).
 
 The report keeps its shape: ``epsilon`` and the epsilon-delta table become the tuned release's; a ``tuning`` section
 says how (method, distribution, expected number of trials, search space, metric, one trial's epsilon). The number of
@@ -20,10 +21,10 @@ from dpl.core.accounting import tuning as accounting
 from dpl.core.accounting.rdp import _rdp_to_epsilon
 from dpl.lightning.checkpoint import _write_atomic, load_checkpoint_file
 from dpl.lightning.report import REPORT_KEY, REPORT_MD, _fmt, report_markdown, write_report
+from dpl.tune import plans as plans_module
 
-#: what must be equal in every trial's report for one RDP curve to cover them all
-ACCOUNTING_KEYS = ("mechanism", "sampling", "accountant", "adjacency", "unit", "noise_multiplier", "sampling_rate",
-                   "steps_planned", "delta", "num_examples")
+#: what must be equal in every trial's report (sigma, the sampling rate and the steps are checked against the plans)
+SHARED_KEYS = ("mechanism", "sampling", "accountant", "adjacency", "unit", "delta", "num_examples")
 THEOREMS = {"poisson": "Theorem 6", "negative_binomial": "Theorem 2", "fixed": "composition"}
 PAPER = 'Papernot & Steinke, "Hyperparameter tuning with Rényi differential privacy" (ICLR 2022)'
 
@@ -33,41 +34,20 @@ def distribution(fields: dict[str, Any]) -> accounting.TrialDistribution:
 
 
 def accounting_differences(first: dict[str, Any], other: dict[str, Any]) -> list[str]:
-    """The accounting fields in which two trials' reports differ."""
-    return [key for key in ACCOUNTING_KEYS if first.get(key) != other.get(key)]
+    """The fields of :data:`SHARED_KEYS` in which two trials' reports differ."""
+    return [key for key in SHARED_KEYS if first.get(key) != other.get(key)]
 
 
-def trial_curve(report: dict[str, Any]) -> Any:
-    """One trial's RDP curve at :data:`~dpl.core.accounting.tuning.ORDERS`: its planned steps (or more, if it took
-    more) of the Poisson-subsampled Gaussian with its sigma and rate."""
-    steps = max(int(report["steps_planned"]), int(report["steps_taken"]))
-    return accounting.subsampled_gaussian_rdp([(float(report["noise_multiplier"]), float(report["sampling_rate"]),
-                                                steps)])
-
-
-def tuned_privacy(report: dict[str, Any], dist: accounting.TrialDistribution) -> dict[str, Any]:
-    """The tuned release's epsilon at the trial's delta and at the deltas of its table, and one trial's RDP epsilon.
-    A fixed number of trials is their composition by the trial's own accountant (PRV: tighter than RDP)."""
-    curve = trial_curve(report)
+def tuned_privacy(plans: list[dict[str, Any]], dist: accounting.TrialDistribution,
+                  report: dict[str, Any]) -> dict[str, Any]:
+    """The tuned release's epsilon at the trials' delta and at the deltas of the kept trial's table, and one trial's
+    RDP epsilon, all from the largest RDP curve of the space's ``plans`` (:mod:`dpl.tune.plans`). A fixed number of
+    trials is their composition (by the trials' own accountant when the plans share one accounting)."""
     delta = float(report["delta"])
     deltas = [float(row["delta"]) for row in report.get("epsilon_delta_table", [])]
-
-    def epsilon(d: float) -> float:
-        if dist.kind == "fixed":
-            return composed_epsilon(report, dist.trials, d)
-        return accounting.tuned_epsilon(dist, accounting.ORDERS, curve, d)
-
-    return {"epsilon": epsilon(delta), "table": [{"delta": d, "epsilon": epsilon(d)} for d in deltas],
-            "epsilon_one_trial_rdp": _rdp_to_epsilon(accounting.ORDERS, curve, delta)}
-
-
-def composed_epsilon(report: dict[str, Any], trials: int, delta: float) -> float:
-    """Epsilon of ``trials`` runs like the trial of ``report``, composed (the steps of all of them, one accountant)."""
-    from dpl.core.accounting import epsilon_for
-
-    steps = max(int(report["steps_planned"]), int(report["steps_taken"]))
-    return epsilon_for(float(report["noise_multiplier"]), float(report["sampling_rate"]), trials * steps, delta,
-                       method=report["accountant"])
+    return {"epsilon": plans_module.tuned_epsilon(plans, dist, delta),
+            "table": [{"delta": d, "epsilon": plans_module.tuned_epsilon(plans, dist, d)} for d in deltas],
+            "epsilon_one_trial_rdp": _rdp_to_epsilon(accounting.ORDERS, plans_module.max_curve(plans), delta)}
 
 
 def tuned_report(trial_report: dict[str, Any], tuning: dict[str, Any], privacy: dict[str, Any]) -> dict[str, Any]:
@@ -123,6 +103,12 @@ def tuning_markdown(report: dict[str, Any]) -> str:
                                            f"({'composition' if t['theorem'] == 'composition' else 'RDP'})"),
             ("epsilon of one trial", f"{_fmt(t['epsilon_one_trial'])} ({report['accountant']}); "
                                      f"{_fmt(t['epsilon_one_trial_rdp'])} by RDP")]
+    if "configurations_planned" in t:
+        rows.append(("one trial's RDP", f"the largest curve of the {t['configurations_planned']} configurations of "
+                                        f"the space whose accounting differs, planned before any trial"))
+    if "total_epsilon" in t:
+        rows.append(("--total-epsilon", f"{_fmt(t['total_epsilon'], 'g')}: each trial targeted epsilon "
+                                        f"{_fmt(t['epsilon_per_trial_target'], '.4g')}"))
     secret = "" if t["distribution"]["distribution"] == "fixed" else "the number of trials, "
     lines = ["## Tuning", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "",
              f"Not released: {secret}the other trials and their scores (they stay in the tuning folder's secret "

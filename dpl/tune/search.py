@@ -1,9 +1,11 @@
 """The search space of ``dpl tune``: ``--search KEY=V1,V2,...`` options, each a ``dpl fit`` option and its values; a
 configuration takes one value of every key, each drawn uniformly (so configurations are uniform over the product).
 
-Only options that leave a trial's privacy accounting unchanged may be searched (:data:`NEUTRAL_PREFIXES`,
-:data:`NEUTRAL_KEYS`): the tuning bound needs one RDP curve that holds for every configuration, and options such as
-the batch size, the number of steps or the target epsilon change sigma, the sampling rate or the steps.
+Two kinds of options may be searched: those that leave a trial's privacy accounting unchanged
+(:data:`NEUTRAL_PREFIXES`, :data:`NEUTRAL_KEYS`), and the batch size and training length (:data:`PLANNED_KEYS`), which
+change sigma, the sampling rate or the steps: the tuning bound then holds the RDP curve of every configuration, planned
+before any trial (:mod:`dpl.tune.plans`). Options that change the mechanism, the privacy unit, the accountant or the
+target epsilon stay out.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ ALIASES: dict[str, str] = {
     "lr": "model.optimizer.init_args.lr",
     "weight_decay": "model.optimizer.init_args.weight_decay",
     "max_grad_norm": "model.privacy.max_grad_norm",
+    "batch_size": "model.privacy.batch_size",
+    "steps": "trainer.max_steps",
+    "epochs": "trainer.max_epochs",
 }
 #: option families that do not change the accounting: the optimizer and its schedule, the fine-tuning method, decoding,
 #: and plugins that post-process the private gradient or only change what is privatized
@@ -28,6 +33,9 @@ NEUTRAL_PREFIXES: tuple[str, ...] = ("model.optimizer.", "model.lr_scheduler.", 
 #: single options that do not change the accounting (C scales the clipping and the noise together)
 NEUTRAL_KEYS: tuple[str, ...] = ("model.privacy.max_grad_norm", "model.privacy.physical_batch_size", "model.pooling",
                                  "seed_everything")
+#: options that change a trial's accounting (sigma, sampling rate, steps) but not its mechanism: each
+#: accounting-distinct configuration is planned, and the bound takes the largest of their RDP curves
+PLANNED_KEYS: tuple[str, ...] = ("model.privacy.batch_size", "trainer.max_steps", "trainer.max_epochs")
 
 
 def canonical(key: str) -> str:
@@ -41,6 +49,11 @@ def is_neutral(key: str) -> bool:
     name = canonical(key)
     prefixes = tuple(canonical(p.rstrip(".")) + "." for p in NEUTRAL_PREFIXES)
     return name in {canonical(k) for k in NEUTRAL_KEYS} or name.startswith(prefixes)
+
+
+def is_planned(key: str) -> bool:
+    """Whether ``key`` changes a trial's accounting in a way the planned bound covers (:data:`PLANNED_KEYS`)."""
+    return canonical(key) in {canonical(k) for k in PLANNED_KEYS}
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,20 @@ class SearchSpace:
 
     def describe(self) -> dict[str, list[str]]:
         return {key: list(values) for key, values in self.options.items()}
+
+    def accounting_configurations(self) -> list[dict[str, str]]:
+        """Every combination of the values of the :data:`PLANNED_KEYS` searched (``[{}]`` when none is): the
+        configurations whose accounting can differ, in a fixed order."""
+        out: list[dict[str, str]] = [{}]
+        for key, values in self.options.items():
+            if is_planned(key):
+                out = [{**config, key: value} for config in out for value in values]
+        return out
+
+
+def accounting_part(config: dict[str, str]) -> dict[str, str]:
+    """The values of ``config``'s :data:`PLANNED_KEYS` (what its accounting depends on)."""
+    return {key: value for key, value in config.items() if is_planned(key)}
 
 
 def config_args(config: dict[str, str]) -> list[str]:
@@ -94,9 +121,9 @@ def parse_search(specs: list[str]) -> SearchSpace:
             raise ConfigError(f"--search {spec!r}: a value is listed twice (the draw is uniform over the values)")
         if any(canonical(key) == canonical(k) for k in options):
             raise ConfigError(f"--search: {key} is given twice; list all its values in one --search")
-        if not is_neutral(key):
-            raise ConfigError(f"--search {key}: may change a trial's privacy accounting (sigma, sampling rate or "
-                              f"steps), and the tuning bound needs the same for every configuration: search the "
+        if not is_neutral(key) and not is_planned(key):
+            raise ConfigError(f"--search {key}: may change a trial's privacy accounting beyond what the tuning bound "
+                              f"plans (the batch size and the number of steps or epochs): search those, or the "
                               f"optimizer, scheduler, fine-tuning, clipping norm or post-processing options "
                               f"({', '.join(sorted(ALIASES))}, model.optimizer.*, model.finetuning.*, ...)")
         options[key] = values

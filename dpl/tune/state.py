@@ -2,7 +2,8 @@
 drawing K again.
 
 It holds the number of trials K and every drawn configuration (whoever knows K learns what the guarantee hides), the
-finished trials with their scores and reports, the trial running now, and the current best. It is written atomically
+finished trials with their scores and reports, the trial running now, the current best, and the plans the bound is
+computed from. It is written atomically
 after every change, never exported and never shared; ``dpl tune --resume FOLDER`` reads it back.
 """
 
@@ -27,7 +28,9 @@ class TuningState:
     values; ``distribution``: the :class:`~dpl.core.accounting.tuning.TrialDistribution` fields; ``trials``: K;
     ``configurations``: the K drawn configurations; ``finished``: ``{"index", "folder", "score", "report"}`` per
     finished trial (``report``: its privacy.json); ``running``: ``{"index", "folder"}`` of the trial under way;
-    ``best``: the index of the best finished trial; ``released``: whether the tuned model's report is written."""
+    ``best``: the index of the best finished trial; ``released``: whether the tuned model's report is written;
+    ``plans``: the plan of every accounting-distinct configuration (:mod:`dpl.tune.plans`), made before any trial;
+    ``total_epsilon``: ``--total-epsilon``, and ``target_epsilon`` the per-trial target solved for it."""
 
     folder: str
     fit_args: list[str]
@@ -42,6 +45,9 @@ class TuningState:
     running: dict[str, Any] | None = None
     best: int | None = None
     released: bool = False
+    plans: list[dict[str, Any]] = field(default_factory=list)
+    total_epsilon: float | None = None
+    target_epsilon: float | None = None
     version: int = VERSION
 
     @property
