@@ -31,6 +31,7 @@ import math
 import random
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -118,11 +119,14 @@ def main() -> None:
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 4.0], help="total epsilons")
     parser.add_argument("--trials-mean", type=float, default=None, help="mu of K ~ Poisson (default: the grid size)")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.set_defaults(seeds=list(range(10)))  # K is random: more seeds than the other studies
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="privacy.seed is set")  # a seeded run is an experiment
     start = time.perf_counter()
     grid, batch = GRID, 256
     if args.quick:
-        data, batch, grid, args.epsilons, args.seeds = sst2(512, 256, quick=True), 64, [0.1, 1.0], [4.0], [0]
+        data, batch, grid, args.epsilons = sst2(512, 256, quick=True), 64, [0.1, 1.0], [4.0]
+        args.seeds = args.seeds[:1]
     else:
         data = sst2(8192, 2048)
     n = len(data.train)
@@ -165,6 +169,8 @@ def main() -> None:
                   + ", ".join(f"{m} {cell['methods'][m]['test_acc'] * 100:.1f}" for m in METHODS)
                   + f" (K = {cell['methods']['tuned']['trials']})", flush=True)
     results["summary"] = summary(results)
+    results["paired"] = paired(results)
+    results["single_run_by_lr"] = single_run_by_lr(results)
     results["seconds"] = time.perf_counter() - start
     save(name, results, args.out)
     print(table(results))
@@ -182,7 +188,7 @@ def run_cell(data: Any, target: float, seed: int, grid: list[float], batch: int,
     def method(runs: list[dict[str, Any]], seconds: float, **extra: Any) -> dict[str, Any]:
         best = best_of(runs)
         acc = best["final"]["test"]["acc"] if best is not None else chance(data)
-        return {"test_acc": acc, "lr": best and best["lr"], "seconds": seconds,
+        return {"test_acc": acc, "lr": best["lr"] if best is not None else None, "seconds": seconds,
                 "diverged": sum(r["diverged"] for r in runs), **extra}
 
     out: dict[str, Any] = {"epsilon": target, "seed": seed, "methods": {}}
@@ -230,16 +236,51 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def paired(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per total epsilon and method: its test accuracy minus the honest grid's, seed by seed (wins / seeds)."""
+    out = []
+    for target in results["settings"]["epsilons"]:
+        cells = [c for c in results["cells"] if c["epsilon"] == target]
+        for m in METHODS[1:]:
+            diffs = [c["methods"][m]["test_acc"] - c["methods"][METHODS[0]]["test_acc"] for c in cells]
+            out.append({"epsilon": target, "method": m, "diffs": diffs, "wins": sum(d > 0 for d in diffs),
+                        "losses": sum(d < 0 for d in diffs), "mean": statistics.fmean(diffs) if diffs else math.nan})
+    return out
+
+
+def single_run_by_lr(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per total epsilon and lr of the grid: the test accuracy of one run at the whole epsilon (the reference's
+    runs: what the planner's single run would give with that lr as its default, when it keeps the batch size)."""
+    out = []
+    for target in results["settings"]["epsilons"]:
+        cells = [c for c in results["cells"] if c["epsilon"] == target]
+        for lr in results["settings"]["lr_grid"]:
+            accs = [c["methods"][METHODS[3]]["per_lr_test"][f"{lr:g}"] for c in cells]
+            out.append({"epsilon": target, "lr": lr, "acc": spread([a for a in accs if a is not None])})
+    return out
+
+
 def table(results: dict[str, Any]) -> str:
     s = results["settings"]
-    lines = [f"| total ε | method | test acc % (mean ± sd, {len(s['seeds'])} seeds) | trials (per seed) | σ | "
-             "one run's ε | lr released (per seed) | s per seed |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| total ε | method | test acc % (mean ± sd, {len(s['seeds'])} seeds) | trials: mean (min-max) | σ | "
+             "one run's ε | lr released (seeds) | s per seed |", "|---|---|---|---|---|---|---|---|"]
     for r in results["summary"]:
         total = f"{r['epsilon']:g}" if r["method"] != METHODS[3] else \
             f"{r['epsilon']:g} claimed, {r['total_epsilon']:.3g} true"
-        lrs = ", ".join("-" if v is None else f"{v:g}" for v in r["lrs"])
-        lines.append(f"| {total} | {r['method']} | {fmt(r['acc'])} | {', '.join(map(str, r['trials']))} | "
+        lrs = ", ".join(f"{'nothing' if v is None else f'{v:g}'} x{r['lrs'].count(v)}"
+                        for v in sorted(set(r["lrs"]), key=lambda v: -1 if v is None else v))
+        k = r["trials"]
+        trials = f"{k[0]}" if len(set(k)) == 1 else f"{statistics.fmean(k):.1f} ({min(k)}-{max(k)})"
+        lines.append(f"| {total} | {r['method']} | {fmt(r['acc'])} | {trials} | "
                      f"{r['sigma']:.3f} | {r['per_run_epsilon']:.3f} | {lrs} | {r['seconds']:.0f} |")
+    lines += ["", "| total ε | method | minus the honest grid, points (mean) | wins / losses |", "|---|---|---|---|"]
+    lines += [f"| {p['epsilon']:g} | {p['method']} | {100 * p['mean']:+.1f} | {p['wins']} / {p['losses']} |"
+              for p in results["paired"]]
+    eps = s["epsilons"]
+    lines += ["", "| lr | " + " | ".join(f"one run at ε = {e:g}" for e in eps) + " |", "|---|" + "---|" * len(eps)]
+    for lr in s["lr_grid"]:
+        lines.append(f"| {lr:g} | " + " | ".join(fmt(r["acc"]) for e in eps for r in results["single_run_by_lr"]
+                                                 if r["epsilon"] == e and r["lr"] == lr) + " |")
     return "\n".join(lines)
 
 
