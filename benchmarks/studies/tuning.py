@@ -146,15 +146,16 @@ def main() -> None:
         sigmas = {"grid": grid_sigma(target, delta, rate, steps, len(grid)),
                   "tuned": tuned_sigma(target, delta, rate, steps, distribution)}
         plan = planner(data, target, delta, batch, steps)
+        single = calibrate_noise_multiplier(target, delta, rate, steps)
         privacy = {
-            "grid (honest)": {"sigma": sigmas["grid"], "per_run_epsilon": one_run_epsilon(sigmas["grid"], delta, rate, steps),
-                              "total_epsilon": one_run_epsilon(sigmas["grid"], delta, rate, len(grid) * steps)},
+            METHODS[0]: {"sigma": sigmas["grid"],
+                         "per_run_epsilon": one_run_epsilon(sigmas["grid"], delta, rate, steps),
+                         "total_epsilon": one_run_epsilon(sigmas["grid"], delta, rate, len(grid) * steps)},
             "tuned": {"sigma": sigmas["tuned"], "per_run_epsilon": one_run_epsilon(sigmas["tuned"], delta, rate, steps),
                       "total_epsilon": tuned_total(sigmas["tuned"], delta, rate, steps, distribution)},
+            METHODS[3]: {"sigma": single, "per_run_epsilon": one_run_epsilon(single, delta, rate, steps),
+                         "total_epsilon": one_run_epsilon(single, delta, rate, len(grid) * steps)},
         }
-        single = calibrate_noise_multiplier(target, delta, rate, steps)
-        privacy[METHODS[3]] = {"sigma": single, "per_run_epsilon": one_run_epsilon(single, delta, rate, steps),
-                               "total_epsilon": one_run_epsilon(single, delta, rate, len(grid) * steps)}
         print(f"[{time.perf_counter() - start:5.0f} s] eps={target:g}: grid sigma {sigmas['grid']:.3f} (one run "
               f"eps {privacy['grid (honest)']['per_run_epsilon']:.3f}), tuned sigma {sigmas['tuned']:.3f} (one trial "
               f"eps {privacy['tuned']['per_run_epsilon']:.3f}); planner: B={plan['batch_size']} T={plan['steps']}: "
