@@ -306,6 +306,28 @@ def test_ranks_identical_without_seed_and_with_secure_noise(tmp_path):
     assert any(not torch.equal(a[n], b[n]) for n in a)
 
 
+class NudgeRankOne(L.Callback):
+    """Moves rank 1's first weight by ``size`` before the first step: replicas that no longer agree."""
+
+    def __init__(self, size: float) -> None:
+        self.size = size
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and batch_idx == 0:
+            with torch.no_grad():
+                next(pl_module.model.parameters()).add_(self.size)
+
+
+def test_replica_check_catches_diverged_ranks(tmp_path):
+    """The check after the first step: a real divergence stops the run on every rank; a float-rounding drift
+    (below 1e-5 relative) is removed by copying rank 0's parameters, so the ranks end bit-identical."""
+    with pytest.raises(Exception, match="rank 1 diverged from rank 0 at step 1"):
+        run(tmp_path / "diverged", 2, steps=2, callbacks=[NudgeRankOne(0.5)])
+    drifted = run(tmp_path / "drift", 2, steps=2, callbacks=[NudgeRankOne(1e-9)])
+    assert_same_params(drifted[0]["params"], drifted[1]["params"], atol=0)
+    assert torch.equal(drifted[0]["fingerprint"], drifted[1]["fingerprint"])
+
+
 def test_validation_is_sharded_and_synchronized(tmp_path):
     one = run(tmp_path / "one", 1, steps=2, validate=True)[0]
     two = run(tmp_path / "two", 2, steps=2, validate=True)
