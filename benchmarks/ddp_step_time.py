@@ -9,7 +9,7 @@ Three runs in one invocation, one after the other:
 
 * ``1 process, 1 thread``: the reference;
 * ``1 process, 2 threads``: the same two cores used by intra-op parallelism instead of processes;
-* ``DDP, 2 processes x 1 thread``: Lightning's DDP (``ddp_fork``, gloo), dpl shards each global batch;
+* ``DDP, 2 processes x 1 thread``: dpl's ``DPDDPStrategy`` (Lightning's DDP, forked, gloo), dpl shards each global batch;
 * ``FSDP, 2 processes x 1 thread``: dpl's ``DPFSDPStrategy`` (FSDP2 ``fully_shard``, forked, gloo).
 
 "Held" is counted from the tensors rank 0 holds after training (this rank's shard of each parameter, its gradient
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from dpl.lightning.data import DPDataModule
+from dpl.lightning.ddp import DPDDPStrategy
 from dpl.lightning.fsdp import DPFSDPStrategy
 from dpl.lightning.module import DPModule
 from dpl.core.privacy import PrivacyConfig
@@ -128,9 +129,10 @@ def run(label: str, devices: int, threads: int, args, fsdp: bool = False) -> dic
                         privacy=PrivacyConfig(noise_multiplier=1.0, batch_size=args.batch,
                                               physical_batch_size=args.batch, seed=1),
                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
-    strategy = "auto" if devices == 1 else DPFSDPStrategy(start_method="fork") if fsdp else "ddp_fork"
+    strategy = ("auto" if devices == 1 else DPFSDPStrategy(start_method="fork") if fsdp
+                else DPDDPStrategy(start_method="fork"))
     trainer = L.Trainer(max_epochs=1, limit_train_batches=args.steps, accelerator="cpu", devices=devices,
-                        strategy=strategy, logger=False, enable_checkpointing=False,
+                        strategy=strategy, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[StepTimer(out)])
     start = time.perf_counter()

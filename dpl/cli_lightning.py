@@ -44,6 +44,9 @@ def _parser_kwargs() -> dict[str, Any]:
     return kwargs
 
 
+#: Lightning's DDP strategy class, which the ``dpl`` command runs as dpl's ``DPDDPStrategy`` (same options)
+LIGHTNING_DDP_CLASSES = ("lightning.pytorch.strategies.DDPStrategy", "lightning.pytorch.strategies.ddp.DDPStrategy")
+
 #: the title of the Trainer's options in ``dpl fit --help``, which lists them after dpl's own
 TRAINER_OPTIONS = "Lightning Trainer options (--trainer.KEY VALUE)"
 
@@ -191,9 +194,25 @@ class DPLightningCLI(LightningCLI):
     directory it created when the run fails before any checkpoint was written."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import dpl.lightning.fsdp  # noqa: F401  (registers --trainer.strategy dpl_fsdp)
+        from dpl.lightning.ddp import use_for_lightning_names
+
+        use_for_lightning_names()  # --trainer.strategy ddp (and auto on several devices): dpl's DPDDPStrategy
         kwargs.setdefault("parser_class", DPLArgumentParser)
         kwargs.setdefault("parser_kwargs", _parser_kwargs())
         super().__init__(*args, **kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        """dpl's strategies for Lightning's DDP (a ``DDPStrategy`` class path too), and no ``DistributedSampler``:
+        dpl's mechanism draws and shards the training batches, and its data modules shard the evaluation sets."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is None:
+            return
+        trainer.use_distributed_sampler = False
+        strategy = trainer.get("strategy")
+        if getattr(strategy, "class_path", None) in LIGHTNING_DDP_CLASSES:
+            strategy.class_path = "dpl.lightning.ddp.DPDDPStrategy"
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

@@ -1,7 +1,7 @@
 """DDP with the privacy guarantee of one process.
 
-Two CPU processes (gloo, Lightning's ``ddp_fork``: the forked ranks share this process's imports, so a run
-costs about a second) against one process on the same data, seed and global batch: the same parameters (to
+Two CPU processes (gloo, dpl's ``DPDDPStrategy`` with ``start_method="fork"``: the forked ranks share this process's
+imports, so a run costs about a second) against one process on the same data, seed and global batch: the same parameters (to
 float tolerance) for the default mechanism and each installed plugin, the same global batches, the same epsilon,
 the single-process noise std, no DDP gradient hook firing, identical ranks without a seed, secure noise,
 checkpoint/resume under DDP. FSDP: tests/test_fsdp.py.
@@ -25,7 +25,8 @@ from torch.utils.data import Dataset
 
 from dpl.lightning.checkpoint import secret_path
 from dpl.lightning.data import DPDataModule
-from dpl.lightning.distributed import ShardedBatchSampler, ShardSampler
+from dpl.lightning.ddp import DPDDPStrategy
+from dpl.lightning.samplers import ShardedBatchSampler, ShardSampler
 from dpl.errors import ConfigError
 from dpl.lightning.module import DPModule
 from dpl.core.plugin_manager import installed_plugins
@@ -130,7 +131,7 @@ class Recorder(L.Callback):
         self.batches.append(batch["idx"].tolist() if "idx" in batch else batch["labels"].tolist())
 
     def on_train_end(self, trainer, pl_module):
-        from dpl.lightning.distributed import state_fingerprint
+        from dpl.lightning.collectives import state_fingerprint
 
         self.out.mkdir(parents=True, exist_ok=True)
         wrapped = trainer.strategy.model
@@ -161,7 +162,8 @@ def run(out: Path, devices: int, steps: int = 4, plugins=None, optimizer=None, c
                           table=table, optimizer=optimizer or functools.partial(torch.optim.SGD, lr=0.5))
     # one epoch of `steps` logical batches (n / batch_size = 10 per epoch)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, accelerator="cpu", devices=devices,
-                        strategy="ddp_fork" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
+                        strategy=DPDDPStrategy(start_method="fork") if devices > 1 else "auto",
+                        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=None if validate else 0, default_root_dir=str(out), precision=precision,
                         callbacks=[Recorder(out / "ranks"), *callbacks])
@@ -304,6 +306,28 @@ def test_ranks_identical_without_seed_and_with_secure_noise(tmp_path):
     assert any(not torch.equal(a[n], b[n]) for n in a)
 
 
+class NudgeRankOne(L.Callback):
+    """Moves rank 1's first weight by ``size`` before the first step: replicas that no longer agree."""
+
+    def __init__(self, size: float) -> None:
+        self.size = size
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and batch_idx == 0:
+            with torch.no_grad():
+                next(pl_module.model.parameters()).add_(self.size)
+
+
+def test_replica_check_catches_diverged_ranks(tmp_path):
+    """The check after the first step: a real divergence stops the run on every rank; a float-rounding drift
+    (below 1e-5 relative) is removed by copying rank 0's parameters, so the ranks end bit-identical."""
+    with pytest.raises(Exception, match="rank 1 diverged from rank 0 at step 1"):
+        run(tmp_path / "diverged", 2, steps=2, callbacks=[NudgeRankOne(0.5)])
+    drifted = run(tmp_path / "drift", 2, steps=2, callbacks=[NudgeRankOne(1e-9)])
+    assert_same_params(drifted[0]["params"], drifted[1]["params"], atol=0)
+    assert torch.equal(drifted[0]["fingerprint"], drifted[1]["fingerprint"])
+
+
 def test_validation_is_sharded_and_synchronized(tmp_path):
     one = run(tmp_path / "one", 1, steps=2, validate=True)[0]
     two = run(tmp_path / "two", 2, steps=2, validate=True)
@@ -373,16 +397,71 @@ def test_cli_with_the_ddp_fragment(tmp_path):
 def test_unsupported_strategy_is_refused():
     from types import SimpleNamespace
 
-    from dpl.lightning.distributed import check_strategy
+    from dpl.lightning.strategy import SINGLE_PROCESS, dp_strategy
 
     class FSDPStrategy:  # stands in for Lightning's (which needs CUDA to construct)
         pass
 
     with pytest.raises(ConfigError, match="sharded parameters"):
-        check_strategy(SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
+        dp_strategy(SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
     with pytest.raises(ConfigError, match="DPFSDPStrategy"):  # FSDP1 wraps the parameters even in one process
-        check_strategy(SimpleNamespace(world_size=1, strategy=FSDPStrategy()))
-    check_strategy(SimpleNamespace(world_size=1, strategy=object()))  # any single-process strategy is fine
+        dp_strategy(SimpleNamespace(world_size=1, strategy=FSDPStrategy()))
+    assert dp_strategy(SimpleNamespace(world_size=1, strategy=object())) is SINGLE_PROCESS  # any one-process one
+    assert dp_strategy(None) is SINGLE_PROCESS
+
+
+@pytest.fixture
+def _registry_restored():
+    """Lightning's strategy registry as it was (the dpl command gives Lightning's DDP names dpl's strategy)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    saved = dict(StrategyRegistry)
+    yield
+    StrategyRegistry.clear()
+    StrategyRegistry.update(saved)
+
+
+def test_strategy_selection(_registry_restored):
+    """dpl's DDP strategy by its own names and, once the dpl command mapped them, by Lightning's (``auto`` on
+    several devices included); Lightning's plain DDP is refused in one line that names the strategy to use."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dpl.lightning.ddp import use_for_lightning_names
+    from dpl.lightning.strategy import dp_strategy
+
+    def trainer(strategy):
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+    plain = trainer(DDPStrategy(start_method="fork"))
+    with pytest.raises(ConfigError, match=r"DPDDPStrategy.*use_distributed_sampler=False") as refused:
+        dp_strategy(plain)
+    assert "\n" not in str(refused.value)
+    for name in ("dpl_ddp", "dpl_ddp_spawn", "dpl_ddp_fork"):
+        chosen = trainer(name)
+        assert isinstance(chosen.strategy, DPDDPStrategy) and dp_strategy(chosen) is chosen.strategy
+    use_for_lightning_names()
+    for name in ("ddp", "ddp_spawn", "ddp_fork", "auto"):
+        chosen = trainer(name)
+        assert isinstance(chosen.strategy, DPDDPStrategy), name
+        assert dp_strategy(chosen) is chosen.strategy
+
+
+def test_cli_runs_lightning_ddp_as_dpl_strategy(tmp_path, _registry_restored):
+    """The ``dpl`` command: ``--trainer.strategy ddp`` and a ``DDPStrategy`` class path become dpl's strategy (same
+    options), and Lightning's distributed sampler is off whatever the config says."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dpl.cli_lightning import DPLightningCLI
+    from dpl.lightning.data import DPDataModule
+
+    common = ["--model", "test_ddp.VectorModule", "--data", "test_ddp.IndexedData", "--trainer.max_epochs", "1",
+              "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.logger", "false",
+              "--trainer.use_distributed_sampler", "true", "--trainer.default_root_dir", str(tmp_path)]
+    for strategy in (["ddp"], ["lightning.pytorch.strategies.DDPStrategy", "--trainer.strategy.timeout", "0:05:00"]):
+        cli = DPLightningCLI(DPModule, DPDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                             save_config_callback=None, run=False, args=[*common, "--trainer.strategy", *strategy])
+        assert type(cli.trainer.strategy) is DPDDPStrategy and isinstance(cli.trainer.strategy, DDPStrategy)
+        assert cli.config.trainer.use_distributed_sampler is False
 
 
 class UserIndexedData(IndexedData):
@@ -401,7 +480,8 @@ def test_user_level_sampling_two_processes_equal_one(tmp_path):
     def fit(out, devices):
         module = VectorModule(privacy=PrivacyConfig(**settings), optimizer=functools.partial(torch.optim.SGD, lr=0.5))
         trainer = L.Trainer(max_epochs=1, limit_train_batches=4, accelerator="cpu", devices=devices,
-                            strategy="ddp_fork" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
+                            strategy=DPDDPStrategy(start_method="fork") if devices > 1 else "auto",
+                            use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             limit_val_batches=0, default_root_dir=str(out), precision="64-true",
                             callbacks=[Recorder(out / "ranks")])

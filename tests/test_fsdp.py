@@ -22,7 +22,7 @@ from test_ddp import OPTIONAL_PLUGINS, IndexedData, Recorder, assert_same_params
 from torch import nn
 
 from dpl.lightning.checkpoint import secret_path
-from dpl.lightning.distributed import PADDING_KEY, BalancedShardBatchSampler, ShardedBatchSampler
+from dpl.lightning.samplers import PADDING_KEY, BalancedShardBatchSampler, ShardedBatchSampler
 from dpl.errors import ConfigError
 from dpl.core.sharding import as_gradient_of
 from dpl.lightning.fsdp import DPFSDPStrategy
@@ -94,8 +94,8 @@ def fit(module: DPModule, data: L.LightningDataModule, out: Path, devices: int, 
         callbacks=(), validate: bool = False, accelerator: str = "cpu") -> list[dict]:
     strategy = DPFSDPStrategy(start_method="fork" if accelerator == "cpu" else "spawn") if devices > 1 else "auto"
     trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, accelerator=accelerator, devices=devices,
-                        strategy=strategy, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0,
+                        strategy=strategy, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=None if validate else 0, default_root_dir=str(out),
                         callbacks=[Recorder(out / "ranks"), *callbacks])
     threads = torch.get_num_threads()
@@ -134,7 +134,7 @@ def test_fsdp_shards_are_padded_with_zero_weight_fillers():
 
 
 def test_filler_flags_refuse_a_reordering_collate():
-    from dpl.lightning.distributed import PaddedCollate
+    from dpl.lightning.samplers import PaddedCollate
 
     def reordering(examples):  # e.g. a collate that sorts longest first itself
         examples = sorted(examples, key=lambda e: len(e["input_ids"]), reverse=True)
@@ -355,13 +355,13 @@ def test_refusals_under_fsdp():
         with pytest.raises(ConfigError, match="sharded"):
             check_contracts(create_plugin_manager({"dpzero": {}}), sharded=True)
 
-    from dpl.lightning.distributed import check_strategy
+    from dpl.lightning.strategy import dp_strategy
 
     class FSDPStrategy:  # Lightning's FSDP1 strategy (which needs CUDA to construct) and plain ModelParallel
         pass
 
     with pytest.raises(ConfigError, match="DPFSDPStrategy"):
-        check_strategy(SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
+        dp_strategy(SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
 
 
 def test_as_gradient_of_plain_parameter():

@@ -19,7 +19,7 @@ from dpl.core.sampling import PoissonBatchSampler
 from dpl.core.step import UNITS_KEY, split_batch
 from dpl.core.units import Users, UserRowsSampler, unit_sizes
 from dpl.errors import ConfigError
-from dpl.lightning.distributed import ShardedBatchSampler
+from dpl.lightning.samplers import ShardedBatchSampler
 from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
 
 pytestmark = pytest.mark.filterwarnings("ignore::dpl.errors.PrivacyWarning")

@@ -90,7 +90,7 @@ class DPDataModule(L.LightningDataModule):
                               "the training batches")
         batch_sampler = self.train_batch_sampler(len(self.train_set))
         if getattr(batch_sampler, "pads", False):  # FSDP: shards padded with zero-weight fillers
-            from dpl.lightning.distributed import PaddedCollate, PaddedDataset
+            from dpl.lightning.samplers import PaddedCollate, PaddedDataset
 
             return DataLoader(PaddedDataset(self.train_set), batch_sampler=batch_sampler,
                               collate_fn=PaddedCollate(self.collate), num_workers=self.num_workers)
@@ -103,22 +103,14 @@ class DPDataModule(L.LightningDataModule):
     def _eval_loader(self, dataset: Dataset | None) -> DataLoader:
         if dataset is None:
             raise ValueError(f"{type(self).__name__} has no such split configured")
-        sampler = None
-        trainer = self.trainer
-        from dpl.lightning.distributed import shards_parameters
+        from dpl.lightning.strategy import dp_strategy
 
-        if trainer is not None and shards_parameters(trainer) and len(dataset) >= trainer.world_size:
-            from dpl.lightning.distributed import BalancedShardBatchSampler  # FSDP: the same number of batches on every rank
-
-            batches = BalancedShardBatchSampler(len(dataset), trainer.global_rank, trainer.world_size,
-                                                self.eval_batch_size)
+        # several ranks: each evaluates its shard (FSDP: the same number of batches on every rank)
+        batches = dp_strategy(self.trainer).eval_batch_sampler(len(dataset), self.eval_batch_size)
+        if batches is not None:
             return DataLoader(dataset, batch_sampler=batches, collate_fn=self.collate, num_workers=self.num_workers)
-        if trainer is not None and getattr(trainer, "world_size", 1) > 1 and len(dataset) >= trainer.world_size:
-            from dpl.lightning.distributed import ShardSampler  # DDP: each rank evaluates its shard (no padding duplicates)
-
-            sampler = ShardSampler(len(dataset), trainer.global_rank, trainer.world_size)
-        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, sampler=sampler,
-                          collate_fn=self.collate, num_workers=self.num_workers)
+        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, collate_fn=self.collate,
+                          num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader(self.val_set)

@@ -9,7 +9,11 @@ a ``DTensor`` sharded on its first dimension over the ranks) set up for dpl:
 * **Clipping**: dpl's engine (:mod:`dpl.core.per_example`) needs no parameter: it records each layer's input and output
   gradient through the sharded model (FSDP gathers a block's parameters for its forward and backward) and forms
   each example's norm and the clipped sum from them. Every rank computes the full-size clipped sum of its own
-  examples, and the sums are all-reduced before ``privatize`` - exactly as under DDP (:mod:`dpl.lightning.distributed`).
+  examples, and the sums are all-reduced before ``privatize`` - exactly as under DDP (:mod:`dpl.lightning.ddp`;
+  both strategies are :class:`~dpl.lightning.strategy.DataParallel`, over the mesh's data-parallel group here).
+* **Sampling**: every rank's shard of a logical batch is padded to the largest shard with zero-weight *fillers*
+  (:class:`~dpl.lightning.samplers.ShardedBatchSampler` with ``pad_to``), and evaluation cuts every rank's examples
+  into the same number of batches: FSDP's forward and backward are collectives.
 * **Noise, plugins**: every rank holds the same noise generator and the same all-reduced sum, so ``privatize``,
   ``post_process`` and ``precondition`` run on full-size tensors, identically on every rank, with no plugin
   knowing about shards (denoise sees whole matrices, ftrl whole buffers). Plugins that read parameter *values*
@@ -34,6 +38,7 @@ from torch import nn
 
 from dpl.errors import ConfigError
 from dpl.lightning import checkpoint as ckpt_io
+from dpl.lightning.strategy import DataParallel
 
 try:
     from torch.distributed.constants import default_pg_timeout
@@ -41,7 +46,7 @@ except ImportError:  # pragma: no cover
     default_pg_timeout = timedelta(minutes=30)
 
 
-class DPFSDPStrategy(ModelParallelStrategy):
+class DPFSDPStrategy(DataParallel, ModelParallelStrategy):
     """FSDP (``fully_shard``) over all ranks for dpl's private training (``configs/strategies/fsdp.yaml``).
 
     Args:
@@ -54,6 +59,7 @@ class DPFSDPStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "dpl_fsdp"
+    shards_parameters = True
 
     def __init__(self, start_method: Literal["popen", "fork", "spawn"] = "popen", reshard_after_forward: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
@@ -75,6 +81,11 @@ class DPFSDPStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+    @property
+    def dp_process_group(self) -> Any:
+        """The data-parallel group of the device mesh (every rank)."""
+        return self.device_mesh["data_parallel"].get_group()
 
     def shard_module(self, model: nn.Module) -> None:
         """``fully_shard`` every block of every ``nn.ModuleList`` (the transformer layers), then ``model``."""

@@ -4,7 +4,8 @@ Subclasses say how to build the model (:meth:`build_model`), how to compute per-
 (:meth:`per_example_loss`) and how to evaluate (``validation_step``). Everything private - sampling, clipping,
 noise, accounting, the plugin hooks, the public/secret state - lives in :class:`~dpl.core.engine.PrivateEngine`
 and the plugins; this module connects it to Lightning's loop (manual optimization: one optimizer step per logical
-batch), its strategies (DDP/FSDP) and its checkpoints.
+batch), its strategy (one small interface, :class:`~dpl.lightning.strategy.DPStrategy`: one process, or dpl's DDP
+and FSDP strategies) and its checkpoints.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dpl.core.units import Users
 from dpl.core.update import apply_direction
 from dpl.errors import ConfigError, PrivacyWarning
 from dpl.lightning import checkpoint as ckpt_io
-from dpl.lightning import distributed
+from dpl.lightning.strategy import DPStrategy, dp_strategy
 
 log = logging.getLogger("dpl")
 
@@ -146,16 +147,20 @@ class DPModule(L.LightningModule):
     def datamodule(self) -> L.LightningDataModule | None:
         if self.datamodule_ref is not None:
             return self.datamodule_ref
-        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(attached_trainer(self), "datamodule", None)
 
     @property
     def trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.ensure_model().named_parameters() if p.requires_grad}
 
+    @property
+    def dp(self) -> DPStrategy:
+        """What the trainer's strategy does for private training (:func:`~dpl.lightning.strategy.dp_strategy`)."""
+        return dp_strategy(attached_trainer(self))
+
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule
         self.ensure_model(datamodule)
-        distributed.keep_dpl_batch_sampler(self.trainer)  # DDP: dpl shards its own batches
         if stage == "fit":
             install_sidecar_io(self.trainer)
             if not self.engine.configured:  # the CLI configures it before fit (before_fit); library use here
@@ -210,7 +215,7 @@ class DPModule(L.LightningModule):
         """Set the engine up for this trainer's plan: validate the setup with every plugin, pick the mechanism and
         calibrate sigma. Called once, before fit (by the CLI, else by :meth:`setup`)."""
         trainer = trainer if trainer is not None else self.trainer
-        distributed.check_strategy(trainer)
+        dp = dp_strategy(trainer)  # refuses strategies dpl does not run
         self._check_precision(trainer)
         cfg = self.privacy
         users = self._users(num_examples)
@@ -219,12 +224,12 @@ class DPModule(L.LightningModule):
             raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
                               f"({population} {'users' if users is not None and cfg.user_sampling == 'users' else 'examples'})")
         steps = self.planned_total_steps(trainer, steps_per_epoch(population, cfg.batch_size))
-        if users is not None and cfg.user_sampling == "users" and distributed.shards_parameters(trainer):
+        if users is not None and cfg.user_sampling == "users" and dp.shards_parameters:
             raise ConfigError("privacy.unit: user with user_sampling: users is not supported under FSDP yet (its "
                               "filler rows would split users); use strategy ddp or one process")
         self.engine.setup(self.ensure_model(), trainable=self.trainable, num_examples=num_examples, steps=steps,
                           optimizer_factory=self.optimizer_factory, world_size=trainer.world_size,
-                          sharded=distributed.shards_parameters(trainer), users=users)
+                          sharded=dp.shards_parameters, users=users)
         datamodule = self.datamodule
         if datamodule is not None:
             datamodule.train_units = self.engine.unit_of_row()
@@ -253,9 +258,7 @@ class DPModule(L.LightningModule):
         rank's share of each global batch (under FSDP padded to equal passes)."""
         if num_examples != self.engine.plan.num_rows:
             raise ConfigError(f"the training set has {num_examples} examples, the privacy plan {self.engine.plan.num_rows}")
-        return distributed.shard_batch_sampler(self.engine.batch_sampler(), num_examples,
-                                               pad=distributed.shards_parameters(self.trainer),
-                                               unit_of=self.engine.unit_of_row())
+        return self.dp.shard_train_sampler(self.engine.batch_sampler(), num_examples, unit_of=self.engine.unit_of_row())
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(list(self.trainable.values()))
@@ -264,8 +267,9 @@ class DPModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
 
     def on_fit_start(self) -> None:
-        self.engine.start(next(self.model.parameters()).device, secure_source=distributed.secure_noise_source)
-        distributed.sync_run_state(self.engine)  # DDP: every rank takes rank 0's generators and plugin secrets
+        dp = self.dp
+        self.engine.start(next(self.model.parameters()).device, secure_source=dp.secure_noise_source)
+        dp.sync_run_state(self.engine)  # several ranks: every rank takes rank 0's generators and plugin secrets
 
     # --- the private step -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -276,16 +280,17 @@ class DPModule(L.LightningModule):
             return
         wrapped = self.optimizers()  # LightningOptimizer: stepping it advances trainer.global_step
         trainable = self.trainable
+        dp = self.dp
         direction = engine.step(batch, model=self.model, trainable=full_parameters(trainable),
                                 per_example_loss=self.per_example_loss, optimizer=getattr(wrapped, "optimizer", wrapped),
-                                reduce_sum=distributed.gradient_reducer(), log_metric=self._log_metric)
+                                reduce_sum=dp.gradient_reducer(), log_metric=self._log_metric)
         del batch
         apply_direction(wrapped, trainable, direction)
         del direction
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        distributed.after_step(engine, trainable)  # DDP: check the replicas still agree (first, every 100th, last)
+        dp.after_private_step(engine, trainable)  # several ranks: the replicas still agree (first, every 100th, last)
         every, done = self.privacy.log_epsilon_every_n_steps, engine.steps_done
         if done % every == 0 or done == self.planned_steps or done == 1:
             self.log("epsilon", engine.epsilon(), prog_bar=True, on_step=True, on_epoch=False)
@@ -297,7 +302,8 @@ class DPModule(L.LightningModule):
         self.log("step", float(self.engine.steps_done), on_step=True, on_epoch=False)
 
     def on_validation_epoch_start(self) -> None:
-        if self._trainer is not None and self.trainer.state.fn == "fit":  # validation metrics: at the steps taken
+        trainer = attached_trainer(self)
+        if trainer is not None and trainer.state.fn == "fit":  # validation metrics: at the steps taken
             self.log("step", float(self.engine.steps_done), on_step=False, on_epoch=True)
 
     def _stop_for_budget(self, budget: float) -> None:
@@ -335,7 +341,7 @@ class DPModule(L.LightningModule):
         secret_id = ckpt_io.new_secret_id()
         checkpoint["dpl"] = {**self.engine.state_dict(), "secret_id": secret_id}
         full = "optimizer_states" in checkpoint
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         if full and trainer is not None and isinstance(trainer.strategy.checkpoint_io, ckpt_io.SidecarCheckpointIO):
             checkpoint[ckpt_io.SECRET_KEY] = {**self.engine.secret_state_dict(), "secret_id": secret_id}
 
@@ -343,12 +349,20 @@ class DPModule(L.LightningModule):
         state = checkpoint.get("dpl")
         if state is None or not self.engine.configured:  # validate / test / predict: the weights are all it needs
             return
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         self.engine.resumed_from = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else "checkpoint"
         self.engine.load_state_dict(state)
         self.engine.load_secret_state_dict(checkpoint.pop(ckpt_io.SECRET_KEY, None))
         if self.engine.noise_source is not None:  # on_fit_start already ran (strategies restoring after setup)
-            distributed.sync_run_state(self.engine)
+            self.dp.sync_run_state(self.engine)
+
+
+def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
+    """The trainer ``module`` is attached to, ``None`` if none (Lightning's ``module.trainer`` raises then)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
 
 
 def install_sidecar_io(trainer: L.Trainer) -> None:

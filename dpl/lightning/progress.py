@@ -8,6 +8,7 @@ training is bounded by ``max_steps``). When stdout is not a terminal (a log file
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from typing import Any
@@ -18,10 +19,11 @@ from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-try:  # Lightning's default bar when rich is installed
-    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE, RichProgressBar
+RICH_AVAILABLE = importlib.util.find_spec("rich") is not None  # Lightning's default bar when rich is installed
+try:
+    from lightning.pytorch.callbacks.progress import RichProgressBar
 except ImportError:  # pragma: no cover
-    _RICH_AVAILABLE, RichProgressBar = False, None
+    RichProgressBar = None
 
 _HIDDEN = ("v_num",)
 
@@ -55,11 +57,26 @@ if RichProgressBar is not None:
         def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
             return _visible(super().get_metrics(trainer, pl_module))
 
-        def _get_train_description(self, current_epoch: int) -> str:
-            text = _epoch_description(self.trainer, current_epoch)
+        described: Any = None  # the training bar whose description this bar last set
+
+        def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            super().on_train_epoch_start(trainer, pl_module)
+            self._describe_train_bar(trainer)
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+            super().on_train_batch_end(trainer, *args, **kwargs)
+            if self.train_progress_bar_id != self.described:  # a bar made after a mid-epoch resume
+                self._describe_train_bar(trainer)
+
+        def _describe_train_bar(self, trainer: L.Trainer) -> None:
+            if self.progress is None or self.train_progress_bar_id is None:
+                return
+            text = _epoch_description(trainer, trainer.current_epoch)
             if len(self.validation_description) > len(text):
                 text = f"{text:{len(self.validation_description)}}"  # same width as the validation bar
-            return text
+            style = self.theme.description
+            self.progress.update(self.train_progress_bar_id, description=f"[{style}]{text}" if style else text)
+            self.described = self.train_progress_bar_id
 else:  # pragma: no cover
     DPLRichProgressBar = None
 
@@ -231,6 +248,6 @@ def default_progress_bar(stream: Any = None) -> ProgressBar:
     stream = stream if stream is not None else sys.stdout
     if not (hasattr(stream, "isatty") and stream.isatty()):
         return PlainProgress()
-    if _RICH_AVAILABLE and DPLRichProgressBar is not None:
+    if RICH_AVAILABLE and DPLRichProgressBar is not None:
         return DPLRichProgressBar()
     return DPLTQDMProgressBar()

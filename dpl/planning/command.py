@@ -174,7 +174,7 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
 def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: int) -> Any:
     """A new engine for ``batch_size`` and ``steps``, calibrated to ``epsilon``, set up as ``dpl fit`` sets one up."""
     from dpl.core.engine import PrivateEngine
-    from dpl.lightning import distributed
+    from dpl.lightning.strategy import dp_strategy
 
     base = module.engine
     privacy = dataclasses.replace(module.privacy, batch_size=batch_size, target_epsilon=epsilon, noise_multiplier=None)
@@ -183,7 +183,7 @@ def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: i
         warnings.simplefilter("ignore")
         engine.setup(module.model, trainable=module.trainable, num_examples=base.plan.num_rows, steps=steps,
                      optimizer_factory=module.optimizer_factory, world_size=trainer.world_size,
-                     sharded=distributed.shards_parameters(trainer), users=base.users)
+                     sharded=dp_strategy(trainer).shards_parameters, users=base.users)
     return engine
 
 

@@ -22,11 +22,9 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
-from dpl.lightning import distributed
-from dpl.lightning.distributed import gather_objects
 from dpl.errors import ConfigError
 from dpl.tasks.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
-from dpl.lightning.module import PluginOptions
+from dpl.lightning.module import PluginOptions, attached_trainer
 from dpl.tasks.modules.classification import FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import load_pretrained, load_tokenizer
@@ -182,7 +180,7 @@ class DPGenerationModule(DPTaskModule):
                                      max_new_tokens=options.max_new_tokens, num_beams=options.num_beams,
                                      do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                      eos_token_id=tokenizer.eos_token_id, stopping_criteria=self._stop_on_sigterm(),
-                                     synced_gpus=distributed.shards_parameters(self.trainer) if self._trainer else False)
+                                     synced_gpus=self.dp.shards_parameters)
         new_tokens = output[:, input_ids.shape[1]:]
         return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
@@ -191,7 +189,7 @@ class DPGenerationModule(DPTaskModule):
         batch), so that a long validation does not hold the run for minutes."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
-        trainer = self._trainer
+        trainer = attached_trainer(self)
 
         class SigtermStop(StoppingCriteria):
             def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
@@ -217,7 +215,7 @@ class DPGenerationModule(DPTaskModule):
 
     def _finish(self, split: str) -> None:
         outputs, self._outputs = self._outputs, []
-        outputs = gather_objects(outputs)  # DDP: every rank scores all predictions (metrics do not decompose)
+        outputs = self.dp.gather_objects(outputs)  # DDP: every rank scores all predictions (metrics do not decompose)
         if not outputs or self.trainer.sanity_checking:
             return
         scores = compute_metrics([o["prediction"] for o in outputs], [o["references"] for o in outputs],
