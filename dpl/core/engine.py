@@ -35,6 +35,7 @@ from dpl.core.gradients import GradientSum
 from dpl.core.ledger import Plan, PrivacyLedger, make_plan
 from dpl.core.mechanism import Mechanism, apply_adjacency
 from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source
+from dpl.core.per_example import model_is_per_example
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
 from dpl.core.privacy import PrivacyConfig
@@ -45,17 +46,6 @@ from dpl.core.units import RowsSampler, Users, UserRowsSampler
 from dpl.errors import ConfigError, PrivacyWarning
 
 log = logging.getLogger("dpl")
-
-def model_is_per_example(model: nn.Module) -> None:
-    """Refuse layers whose output for one example depends on the other examples of the batch."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise ConfigError(f"layer {name or type(module).__name__} ({type(module).__name__}) normalizes over "
-                              "the batch, so one example changes the others' gradients and clipping no longer "
-                              "bounds its influence; use LayerNorm/GroupNorm (or replace it before training)")
-        if getattr(module, "expert_capacity", None) is not None or "Top1Router" in type(module).__name__:
-            raise ConfigError(f"layer {name} ({type(module).__name__}) routes tokens with a capacity shared by "
-                              "the batch (token dropping): one example changes the others' outputs")
 
 
 class PrivateEngine:
