@@ -184,8 +184,8 @@ def test_cli_audit_bad_setting_is_one_line(capsys):
 @pytest.mark.parametrize(("old", "new"), [("epsilon", "target_epsilon"), ("delta", "target_delta"),
                                           ("rows_per_user", "max_rows_per_user")])
 def test_cli_audit_refuses_an_old_key_in_one_line(old, new, tmp_path, capsys):
-    """The settings a training run also has carry the privacy config's names; an earlier name, on the command line
-    or in a config file, is one line naming the new one (nothing runs)."""
+    """The settings a training run also has carry the privacy config's names; another name, on the command line or
+    in a config file, is one line naming the right one (nothing runs)."""
     code, out, err = run_cli([*TINY, f"--{old}", "2"], capsys)
     assert code == 2 and out == ""
     assert err.strip() == f"dpl: error: dpl audit: {old!r} is now {new!r} (the privacy config's name)"

@@ -12,11 +12,11 @@ from dpl.audit.runner import run_audit
 from dpl.errors import ConfigError, DPLError
 
 RENAMED = {"epsilon": "target_epsilon", "delta": "target_delta", "rows_per_user": "max_rows_per_user"}
-"""Keys of earlier ``dpl audit`` configs, now named as in the privacy config (``model.privacy``)."""
+"""Names of privacy settings other than the privacy config's (``model.privacy``): refused, naming the right key."""
 
 
-def check_renamed_keys(argv: list[str]) -> None:
-    """Refuse, in one line, a renamed key given on the command line or at the top of a ``--config`` file."""
+def check_privacy_names(argv: list[str]) -> None:
+    """Refuse, in one line, a key of :data:`RENAMED` given on the command line or at the top of a ``--config`` file."""
     import os
 
     import yaml
@@ -56,7 +56,7 @@ def audit_command(argv: list[str]) -> int:
     import os
 
     try:
-        check_renamed_keys(argv)
+        check_privacy_names(argv)
         parser = build_parser()
         args = parser.parse_args(argv)
         cfg = AuditConfig(**{f.name: args[f.name] for f in dataclasses.fields(AuditConfig)})
