@@ -37,10 +37,10 @@ BUGS = ("none", "weak_noise", "no_clip", "noise_leak")
 def settings(quick: bool) -> dict:
     if quick:  # a smoke test of the script (~1 minute), not the documented numbers
         m = 4000
-        return dict(canaries=m, examples=200, batch_size=160, steps=60, rows=128, cols=128, delta=1e-6,
+        return dict(canaries=m, examples=200, batch_size=160, steps=60, rows=128, cols=128, target_delta=1e-6,
                     guesses=[[m // 20, 0], [m // 5, 0], [9 * m // 20, 0]], confidence=0.95, seed=0)
     m = 50000
-    return dict(canaries=m, examples=1000, batch_size=1950, steps=100, rows=448, cols=448, delta=1e-6,
+    return dict(canaries=m, examples=1000, batch_size=1950, steps=100, rows=448, cols=448, target_delta=1e-6,
                 guesses=[[m // 20, 0], [m // 5, 0], [9 * m // 20, 0]], confidence=0.95, seed=0)
 
 
@@ -68,7 +68,7 @@ def main() -> None:
             if bug == "noise_leak" and plugins is not None:
                 continue  # the leak attack replays the default gaussian noise (refused with other release paths)
             for eps in EPSILONS:
-                cfg = AuditConfig(epsilon=eps, plugins=plugins, score=score, inject=bug, **base)
+                cfg = AuditConfig(target_epsilon=eps, plugins=plugins, score=score, inject=bug, **base)
                 result = run_audit(cfg)
                 row = {**{k: v for k, v in result.to_dict().items() if k not in ("config", "guesses")},
                        "label": label, "score": score, "inject": bug, "target_epsilon": eps}

@@ -6,7 +6,7 @@ arguments are its options (typed: they are checked when the config is parsed); i
 (:class:`Contract`) declares what it does to the step, so that the core refuses combinations without an analysis;
 ``state_dict()`` / ``load_state_dict()`` hold its public state (checkpoint) and ``secret_state_dict()`` /
 ``load_secret_state_dict()`` its secrets (owner-only sidecar). The built-in plugins use nothing else, and
-tests/test_plugin_api.py checks it.
+``test_built_in_plugins_use_only_the_plugin_api`` in tests/test_plugin_contracts.py checks it.
 """
 
 from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_mechanism, calibrate_noise_multiplier,
@@ -14,7 +14,7 @@ from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_m
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
 from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment, UserLevelExampleSampling
-from dpl.core.noise import NoiseSource, SecureNormal, normal, normals, normals_like, replay_source
+from dpl.core.noise import NoiseSource, SecureNormal, noisy_mean_, normal, normals, normals_like, replay_source
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import Contract
 from dpl.core.sampling import PoissonBatchSampler, poisson_mask
@@ -27,5 +27,5 @@ __all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource",
            "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
            "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "Segment", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
-           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "normal", "normals", "normals_like", "poisson_mask",
-           "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling", "unit_sizes"]
+           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "noisy_mean_", "normal", "normals", "normals_like",
+           "poisson_mask", "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling", "unit_sizes"]

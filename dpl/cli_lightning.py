@@ -19,13 +19,14 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from dpl import cli
+from dpl.cli_errors import summarize_parse_error
 from dpl.errors import ConfigError
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 from dpl.lightning.report import PrivacyReport
 
 
-def _parser_kwargs() -> dict[str, Any]:
+def _parser_kwargs(argv: list[str]) -> dict[str, Any]:
     import argparse
 
     from jsonargparse import DefaultHelpFormatter
@@ -38,9 +39,10 @@ def _parser_kwargs() -> dict[str, Any]:
     models, data = cli.task_classes()
     epilog = textwrap.fill(cli._SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
     kwargs: dict[str, Any] = {"prog": "dpl", "description": cli.DESCRIPTION, "epilog": cli._epilog(),
-                              "formatter_class": Formatter}
+                              "formatter_class": Formatter, "argv": argv}
     for command in ("fit", "validate", "test"):
-        kwargs[command] = {"epilog": epilog, "description": COMMAND_DESCRIPTIONS[command], "dpl_command": command}
+        kwargs[command] = {"epilog": epilog, "description": COMMAND_DESCRIPTIONS[command], "dpl_command": command,
+                           "argv": argv}
     return kwargs
 
 
@@ -63,16 +65,19 @@ TRAINER_PLUGINS_NOTE = ("Lightning's Trainer plugins (precision, cluster environ
 class DPLArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose errors are one ``dpl: error:`` line (a mistyped option names the closest valid
     one) instead of the usage text and the nested union errors. ``DPL_DEBUG=1`` shows the original. The parser of
-    a command (``dpl_command``) leads its help with dpl's own options and lists the Trainer's last."""
+    a command (``dpl_command``) leads its help with dpl's own options and lists the Trainer's last; ``argv`` is the
+    command line it parses (an unknown option is named as it was typed there)."""
 
-    def __init__(self, *args: Any, dpl_command: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, dpl_command: str | None = None, argv: list[str] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.dpl_command = dpl_command
+        self.argv = list(argv or [])
 
     def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
         if not self.exit_on_error or os.environ.get("DPL_DEBUG"):
             super().error(message, ex)
-        print(f"dpl: error: {cli.summarize_parse_error(message, cli._ARGV, self)}", file=sys.stderr)
+        print(f"dpl: error: {summarize_parse_error(message, self.argv, self)}", file=sys.stderr)
         self.exit(2)
 
     def format_help(self) -> str:
@@ -194,12 +199,13 @@ class DPLightningCLI(LightningCLI):
     directory it created when the run fails before any checkpoint was written."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        argv = kwargs.get("args")
         import dpl.lightning.fsdp  # noqa: F401  (registers --trainer.strategy dpl_fsdp)
         from dpl.lightning.ddp import use_for_lightning_names
 
         use_for_lightning_names()  # --trainer.strategy ddp (and auto on several devices): dpl's DPDDPStrategy
         kwargs.setdefault("parser_class", DPLArgumentParser)
-        kwargs.setdefault("parser_kwargs", _parser_kwargs())
+        kwargs.setdefault("parser_kwargs", _parser_kwargs(list(argv) if isinstance(argv, list) else sys.argv[1:]))
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:

@@ -138,9 +138,9 @@ class PrivateTraining:
         """One private step: on ``batch`` (already collated, e.g. a fixed batch to time), else on the next batch
         of the mechanism's sampler. Refused with :class:`~dpl.errors.BudgetExceeded` if it would spend more than
         the budget; the update is applied and the scheduler stepped."""
-        if self.engine.would_exceed_budget():
+        if self.engine.would_exceed_max_epsilon():
             raise BudgetExceeded(f"a step beyond the {self.steps_done} taken would spend more than the budget "
-                                 f"(epsilon {self.engine.privacy.budget:g}; {self.epsilon:.3f} spent)")
+                                 f"(epsilon {self.engine.privacy.effective_max_epsilon:g}; {self.epsilon:.3f} spent)")
         if batch is None:
             batch = self.next_batch()
         direction = self.engine.step(batch, model=self.model, trainable=self.trainable,

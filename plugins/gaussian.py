@@ -4,7 +4,7 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 from __future__ import annotations
 
 from dpl.api import (GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext,
-                     UserLevelExampleSampling, hookimpl, normals_like)
+                     UserLevelExampleSampling, hookimpl, noisy_mean_, normals_like)
 
 
 class GaussianPlugin:
@@ -24,8 +24,8 @@ class GaussianPlugin:
         std = ctx.noise_multiplier * ctx.max_grad_norm if ctx.noise_multiplier > 0 else 0.0
         batch = float(ctx.expected_batch_size)
         if std > 0:
-            noise = normals_like(gradient_sum.values, ctx.noise_generator)
-            values = {key: noise.pop(key).mul_(std).add_(total).div_(batch)
+            noise = normals_like(gradient_sum.values, ctx.noise_source)
+            values = {key: noisy_mean_(noise.pop(key), std, total, batch)
                       for key, total in gradient_sum.values.items()}
         else:
             values = {key: total / batch for key, total in gradient_sum.values.items()}

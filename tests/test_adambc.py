@@ -135,7 +135,7 @@ class _VaryingNoise:
     @hookimpl
     def privatize(self, ctx, gradient_sum):
         std = 0.1 * (1 + ctx.step)
-        values = {k: (v + std * ctx.expected_batch_size * torch.randn(v.shape, generator=ctx.noise_generator))
+        values = {k: (v + std * ctx.expected_batch_size * torch.randn(v.shape, generator=ctx.noise_source))
                   / ctx.expected_batch_size for k, v in gradient_sum.values.items()}
         return PrivateGradient(values, noise_std=std, mechanism="varying",
                                expected_batch_size=ctx.expected_batch_size, step=ctx.step)
@@ -157,7 +157,7 @@ def test_in_the_private_step_with_a_mechanism_whose_std_varies(monkeypatch):
                               model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
                               b["labels"], reduction="none"),
                           max_grad_norm=1.0, noise_multiplier=7.0, expected_batch_size=4, step=step,
-                          noise_generator=gen, log=logs.__setitem__, optimizer=opt)
+                          noise_source=gen, log=logs.__setitem__, optimizer=opt)
         direction = private_step(pm.hook, ctx, random_batch(batch_size=4), physical_batch_size=4,
                                  mechanism="varying")
         assert set(direction) == set(trainable)

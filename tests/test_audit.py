@@ -92,7 +92,7 @@ def test_ceiling_is_the_perfect_guess_bound():
 
 # --- the canary game through dpl's private step -------------------------------------------------------------
 
-FAST = dict(epsilon=2.0, delta=1e-5, steps=60, canaries=1000, examples=500, batch_size=50, seed=3)
+FAST = dict(target_epsilon=2.0, target_delta=1e-5, steps=60, canaries=1000, examples=500, batch_size=50, seed=3)
 
 
 def test_honest_gaussian_stays_below_its_claim():
@@ -159,7 +159,7 @@ TINY = ["--canaries", "400", "--examples", "200", "--batch_size", "30", "--steps
 
 def test_cli_audit_prints_the_report_and_writes_json(tmp_path, capsys):
     path = tmp_path / "audit.json"
-    code, out, _ = run_cli([*TINY, "--epsilon", "2", "--output", str(path)], capsys)
+    code, out, _ = run_cli([*TINY, "--target_epsilon", "2", "--output", str(path)], capsys)
     assert code == 0
     assert "lower bound" in out and "verdict" in out and "no violation found" in out
     report = json.loads(path.read_text())
@@ -170,7 +170,7 @@ def test_cli_audit_prints_the_report_and_writes_json(tmp_path, capsys):
 
 
 def test_cli_audit_reports_a_planted_bug(capsys):
-    code, out, _ = run_cli([*TINY, "--epsilon", "1", "--inject", "no_clip"], capsys)
+    code, out, _ = run_cli([*TINY, "--target_epsilon", "1", "--inject", "no_clip"], capsys)
     assert code == 1  # a CI job running dpl audit fails
     assert "VIOLATION" in out
 
@@ -179,6 +179,20 @@ def test_cli_audit_bad_setting_is_one_line(capsys):
     code, out, err = run_cli([*TINY, "--canaries", "1"], capsys)
     assert code == 2
     assert err.strip().startswith("dpl: error:") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("old", "new"), [("epsilon", "target_epsilon"), ("delta", "target_delta"),
+                                          ("rows_per_user", "max_rows_per_user")])
+def test_cli_audit_refuses_an_old_key_in_one_line(old, new, tmp_path, capsys):
+    """The settings a training run also has carry the privacy config's names; another name, on the command line or
+    in a config file, is one line naming the right one (nothing runs)."""
+    code, out, err = run_cli([*TINY, f"--{old}", "2"], capsys)
+    assert code == 2 and out == ""
+    assert err.strip() == f"dpl: error: dpl audit: {old!r} is now {new!r} (the privacy config's name)"
+    config = tmp_path / "old.yaml"
+    config.write_text(f"{old}: 2\n")
+    code, _, err = run_cli([*TINY, "--config", str(config)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{old!r} is now {new!r}" in err
 
 
 AUDIT_CONFIGS = sorted((ROOT / "configs" / "audit").glob("*.yaml"))
@@ -209,10 +223,10 @@ def test_user_level_audit_is_sound_and_catches_per_row_clipping():
     """unit: user, k = 4: canaries are users of 4 copies of themselves. The honest mechanism (each user's mean clipped
     as one) stays below its claimed user-level epsilon; clipping each row on its own (a canary user adds 4 C) is a
     violation."""
-    honest = run_audit(AuditConfig(**FAST, unit="user", rows_per_user=4))
+    honest = run_audit(AuditConfig(**FAST, unit="user", max_rows_per_user=4))
     assert not honest.violation and honest.lower_bound < honest.claimed_epsilon
     assert honest.best.correct > honest.best.guesses / 2  # the canary users are seen
-    broken = run_audit(AuditConfig(**FAST, unit="user", rows_per_user=4, inject="per_row_clip"))
+    broken = run_audit(AuditConfig(**FAST, unit="user", max_rows_per_user=4, inject="per_row_clip"))
     assert broken.violation, broken.report()
     with pytest.raises(ConfigError, match="per_row_clip needs unit: user"):
         run_audit(AuditConfig(**FAST, inject="per_row_clip"))

@@ -22,7 +22,7 @@ from dpl_plugins.gaussian import GaussianPlugin
 def _ctx(model, logs):
     return StepContext(model=model, trainable={n: p for n, p in model.named_parameters()},
                        per_example_loss=None, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, step=0,
-                       noise_generator=torch.Generator().manual_seed(0), log=lambda k, v: logs.__setitem__(k, v))
+                       noise_source=torch.Generator().manual_seed(0), log=lambda k, v: logs.__setitem__(k, v))
 
 
 def _setup(model, names):
@@ -72,7 +72,7 @@ def test_runs_in_the_private_step_after_privatize():
                           model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"],
                           reduction="none"),
                       max_grad_norm=1.0, noise_multiplier=0.5, expected_batch_size=4, step=0,
-                      noise_generator=torch.Generator().manual_seed(0), log=lambda k, v: logs.__setitem__(k, v))
+                      noise_source=torch.Generator().manual_seed(0), log=lambda k, v: logs.__setitem__(k, v))
     direction = private_step(pm.hook, ctx, random_batch(batch_size=4), physical_batch_size=4)
     assert set(direction) == set(ctx.trainable)
     assert "denoise/fraction_denoised" in logs
@@ -89,7 +89,7 @@ def _loss_fn(model):
 def _step_ctx(model, logs, noise_multiplier, seed=0, batch_size=8):
     return StepContext(model=model, trainable={n: p for n, p in model.named_parameters() if p.requires_grad},
                        per_example_loss=_loss_fn(model), max_grad_norm=1.0, noise_multiplier=noise_multiplier,
-                       expected_batch_size=batch_size, step=3, noise_generator=torch.Generator().manual_seed(seed),
+                       expected_batch_size=batch_size, step=3, noise_source=torch.Generator().manual_seed(seed),
                        log=lambda k, v: logs.__setitem__(k, v))
 
 
@@ -194,7 +194,7 @@ def test_wrapper_reads_the_sum_before_it_is_wiped_and_never_after():
                               mechanism="test", expected_batch_size=3, step=0)
     logs = {}
     ctx = StepContext(model=None, trainable={}, per_example_loss=None, max_grad_norm=1.0, noise_multiplier=1.0,
-                      expected_batch_size=3, step=0, noise_generator=torch.Generator(), log=logs.__setitem__)
+                      expected_batch_size=3, step=0, noise_source=torch.Generator(), log=logs.__setitem__)
     gen = plugin.privatize(ctx=ctx, gradient_sum=total)  # the wrapper, driven by hand as pluggy does
     next(gen)
     with pytest.raises(StopIteration) as stop:

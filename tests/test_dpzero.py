@@ -61,7 +61,7 @@ def _ctx(model, loss, *, seed=123, C=1.0, sigma=0.0, B=4, noise_seed=0, optimize
     logs = {} if logs is None else logs
     return StepContext(model=model, trainable={n: p for n, p in model.named_parameters() if p.requires_grad},
                        per_example_loss=loss, max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=B, step=0,
-                       noise_generator=torch.Generator().manual_seed(noise_seed),
+                       noise_source=torch.Generator().manual_seed(noise_seed),
                        log=lambda k, v: logs.__setitem__(k, v), public_seed=seed, optimizer=optimizer)
 
 
@@ -367,11 +367,11 @@ def _released(model, public_seed, noise_seed, sigma=2.0, C=1.0, B=4):
     batch = _xbatch(n=4)
     clean = float(DPZeroPlugin().estimate_gradient(ctx=_ctx(model, model.per_example_loss, seed=public_seed, C=C),
                                                    batch=batch).values[KEY])
-    state = ctx.noise_generator.get_state()
+    state = ctx.noise_source.get_state()
     direction = private_step(pm.hook, ctx, batch, physical_batch_size=4, mechanism="gaussian")
     g = float(direction["theta"][0] / DirectionSampler(public_seed).z("theta", model.theta)[0])
     noise = g * B - clean
-    return noise, state, ctx.noise_generator
+    return noise, state, ctx.noise_source
 
 
 def test_noise_does_not_depend_on_the_direction_seed_and_never_comes_from_it():
@@ -402,7 +402,7 @@ def test_noise_std_is_sigma_C_over_B():
     gen = torch.Generator().manual_seed(5)
     batch = _xbatch(n=4)
     ctx = _ctx(model, model.per_example_loss, seed=3, C=C, sigma=sigma, B=B)
-    ctx.noise_generator = gen
+    ctx.noise_source = gen
     clean = float(plugin.estimate_gradient(ctx=ctx, batch=batch).values[KEY]) / B
     released = []
     for _ in range(n):
@@ -564,7 +564,7 @@ def test_generation_module_with_lora(tmp_path):
     pm = create_plugin_manager({"dpzero": {"mu": 1e-2}})
     optimizer = torch.optim.SGD(trainable.values(), lr=1.0)
     ctx = StepContext(model=model, trainable=trainable, per_example_loss=module.per_example_loss, max_grad_norm=10.0,
-                      noise_multiplier=0.0, expected_batch_size=2, step=0, noise_generator=torch.Generator(),
+                      noise_multiplier=0.0, expected_batch_size=2, step=0, noise_source=torch.Generator(),
                       log=lambda k, v: None, public_seed=7, optimizer=optimizer)
     before = {n: p.detach().clone() for n, p in trainable.items()}
     apply_direction(optimizer, trainable, private_step(pm.hook, ctx, batch, physical_batch_size=2))

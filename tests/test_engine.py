@@ -155,15 +155,15 @@ def test_two_continuations_of_one_checkpoint_draw_fresh_noise(seed):
     assert residual.std().item() == pytest.approx(2 ** 0.5, rel=0.08)
 
 
-def test_the_budget_is_checked_before_every_step():
+def test_max_epsilon_is_checked_before_every_step():
     """A driver that runs past the plan: the step that would end above max_epsilon is refused by the accountant."""
     model = _model()
     engine = _engine(model, seed=1)
     engine.start()
-    budget = engine.privacy.budget
-    assert engine.final_epsilon() <= budget
+    max_epsilon = engine.privacy.effective_max_epsilon
+    assert engine.final_epsilon() <= max_epsilon
     _train(engine, model, STEPS)
-    assert engine.epsilon() <= budget and engine.would_exceed_budget()  # step STEPS + 1 would exceed
+    assert engine.epsilon() <= max_epsilon and engine.would_exceed_max_epsilon()  # step STEPS + 1 would exceed
 
 
 def test_poisson_batch_sizes_have_the_binomial_mean_and_variance():
@@ -221,7 +221,7 @@ def _step_with(plugins: list, batch_seed: int) -> dict:
     ctx = StepContext(model=model, trainable=trainable,
                       per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["labels"], reduction="none"),
                       max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B, step=0,
-                      noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+                      noise_source=torch.Generator().manual_seed(0), log=lambda *a: None)
     return private_step(pm.hook, ctx, {"x": data.x[:B], "labels": data.y[:B]}, 8)
 
 

@@ -183,7 +183,7 @@ def _setup(n=64, batch=8, steps=12, trainable=None, secure_noise=False, model=No
 def _ctx(step, gen, sigma=1.5, clip=0.7, batch=8, logs=None):
     logs = {} if logs is None else logs
     return StepContext(model=None, trainable={}, per_example_loss=None, max_grad_norm=clip, noise_multiplier=sigma,
-                       expected_batch_size=batch, step=step, noise_generator=gen,
+                       expected_batch_size=batch, step=step, noise_source=gen,
                        log=lambda k, v: logs.__setitem__(k, v))
 
 
@@ -411,7 +411,7 @@ def test_denoise_reads_ftrl_marginal_noise_std(monkeypatch):
     for t in range(3):
         ctx = StepContext(model=model, trainable=trainable, max_grad_norm=1.0, noise_multiplier=0.8,
                           per_example_loss=lambda batch: F.cross_entropy(model(batch["x"]), batch["y"], reduction="none"),
-                          expected_batch_size=8, step=t, noise_generator=gen, log=lambda k, v: None)
+                          expected_batch_size=8, step=t, noise_source=gen, log=lambda k, v: None)
         private_step(manager.hook, ctx, {"x": x, "y": y}, physical_batch_size=8, mechanism="ftrl")
         expected = 0.8 * 1.0 * mech.strategy.sensitivity * mech.strategy.marginal_std(t) / 8
         assert set(seen[-1]) == {"0.weight", "2.weight"}

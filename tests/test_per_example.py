@@ -90,7 +90,7 @@ def test_both_ghost_and_materialized_linear_paths(monkeypatch, dot_chunk):
     # Short sequences pick the ghost norm, long-and-thin layers materialise (in either orientation: the narrower
     # side first, as LoRA's A (wide in, narrow out) and B (narrow in, wide out)): all must agree with the loop.
     # A small dot_chunk: the ghost norms' Gram products are dotted one example at a time.
-    monkeypatch.setattr("dpl.core.per_example._DOT_CHUNK", dot_chunk)
+    monkeypatch.setattr("dpl.core.layer_gradients._DOT_CHUNK", dot_chunk)
     torch.manual_seed(0)
     for steps, d_in, d_out in [(2, 8, 8), (40, 3, 2), (40, 2, 3), (30, 16, 2), (30, 2, 16)]:
         layer = nn.Linear(d_in, d_out).double()

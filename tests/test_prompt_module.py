@@ -81,7 +81,7 @@ def test_private_step_on_the_prompt_model(tiny, plugins):
     batch = data.collate([data.train_set[i] for i in range(6)])
     ctx = StepContext(model=model, trainable=trainable, per_example_loss=module.per_example_loss, max_grad_norm=1.0,
                       noise_multiplier=0.5, expected_batch_size=6, step=0,
-                      noise_generator=torch.Generator().manual_seed(0), log=lambda k, v: None, public_seed=3,
+                      noise_source=torch.Generator().manual_seed(0), log=lambda k, v: None, public_seed=3,
                       optimizer=optimizer)
     before = {n: p.detach().clone() for n, p in trainable.items()}
     apply_direction(optimizer, trainable, private_step(pm.hook, ctx, batch, physical_batch_size=4))

@@ -22,7 +22,7 @@ def _ctx(model, noise_multiplier, max_grad_norm, batch_size, seed=0):
     return StepContext(model=model, trainable=trainable, per_example_loss=per_example_loss,
                        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                        expected_batch_size=batch_size, step=0,
-                       noise_generator=torch.Generator().manual_seed(seed), log=lambda *a: None)
+                       noise_source=torch.Generator().manual_seed(seed), log=lambda *a: None)
 
 
 def test_noise_std_matches_sigma_c_over_b():

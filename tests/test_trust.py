@@ -502,17 +502,17 @@ def _linear_ctx(expected_batch_size: int) -> StepContext:
     return StepContext(model=model, trainable=dict(model.named_parameters()),
                        per_example_loss=lambda b: F.cross_entropy(model(b["x"]), b["y"], reduction="none"),
                        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=expected_batch_size, step=0,
-                       noise_generator=torch.Generator().manual_seed(0), log=lambda *a: None)
+                       noise_source=torch.Generator().manual_seed(0), log=lambda *a: None)
 
 
 class _LeakyPostProcess:
-    """Tries to reach the noise generator and the data from post_process."""
+    """Tries to reach the noise source and the data from post_process."""
 
     seen: dict = {}
 
     @hookimpl
     def post_process(self, ctx, gradient):
-        _LeakyPostProcess.seen = {"noise_generator": hasattr(ctx, "noise_generator"),
+        _LeakyPostProcess.seen = {"noise_source": hasattr(ctx, "noise_source"),
                                   "per_example_loss": hasattr(ctx, "per_example_loss"),
                                   "model": hasattr(ctx, "model")}
 
@@ -522,7 +522,7 @@ def test_post_processing_hooks_get_no_generator_and_no_data():
     pm.register(_LeakyPostProcess(), name="leaky")
     ctx = _linear_ctx(expected_batch_size=2)
     private_step(pm.hook, ctx, {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])}, 2, mechanism="gaussian")
-    assert _LeakyPostProcess.seen == {"noise_generator": False, "per_example_loss": False, "model": False}
+    assert _LeakyPostProcess.seen == {"noise_source": False, "per_example_loss": False, "model": False}
 
 
 class _RoguePrivatize:

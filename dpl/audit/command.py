@@ -9,7 +9,31 @@ from typing import Any
 
 from dpl.audit.config import AuditConfig
 from dpl.audit.runner import run_audit
-from dpl.errors import DPLError
+from dpl.errors import ConfigError, DPLError
+
+RENAMED = {"epsilon": "target_epsilon", "delta": "target_delta", "rows_per_user": "max_rows_per_user"}
+"""Names of privacy settings other than the privacy config's (``model.privacy``): refused, naming the right key."""
+
+
+def check_privacy_names(argv: list[str]) -> None:
+    """Refuse, in one line, a key of :data:`RENAMED` given on the command line or at the top of a ``--config`` file."""
+    import os
+
+    import yaml
+
+    given = [arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")]
+    paths = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    paths += [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    for path in filter(os.path.isfile, paths):  # a missing or unreadable file: jsonargparse says so
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            continue
+        given += list(loaded) if isinstance(loaded, dict) else []
+    for key in given:
+        if key in RENAMED:
+            raise ConfigError(f"dpl audit: {key!r} is now {RENAMED[key]!r} (the privacy config's name)")
 
 
 def build_parser() -> Any:
@@ -31,11 +55,11 @@ def audit_command(argv: list[str]) -> int:
     1 when the report says VIOLATION (so that a CI job fails), 2 on bad input."""
     import os
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    values = {f.name: args[f.name] for f in dataclasses.fields(AuditConfig)}
     try:
-        cfg = AuditConfig(**values)
+        check_privacy_names(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        cfg = AuditConfig(**{f.name: args[f.name] for f in dataclasses.fields(AuditConfig)})
         result = run_audit(cfg)
     except DPLError as exc:
         if os.environ.get("DPL_DEBUG"):

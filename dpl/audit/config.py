@@ -22,8 +22,8 @@ class AuditConfig:
     Args:
         plugins: plugins to activate, as ``model.plugins`` in a training config (``{name: {options}}``); the
             defaults (clip, gaussian) are always active.
-        epsilon: claimed epsilon: sigma is calibrated by the mechanism for it (PRV accounting by default).
-        delta: claimed delta (also the delta of the audit's bound).
+        target_epsilon: claimed epsilon: sigma is calibrated by the mechanism for it (PRV accounting by default).
+        target_delta: claimed delta (also the delta of the audit's bound).
         noise_multiplier: audit this sigma instead of calibrating one (the claimed epsilon is then computed).
         steps: training steps (logical batches).
         canaries: m, the number of canaries (each included with probability 1/2).
@@ -51,15 +51,15 @@ class AuditConfig:
             ``noise_leak`` (the auditor knows the noise generator's state and subtracts the noise) or
             ``per_row_clip`` (``unit: user``: each row clipped on its own, so a user adds up to k C).
         unit: ``example`` or ``user``: audit user-level DP (user-level sampling): every canary and every ordinary
-            example is a user of ``rows_per_user`` rows (a canary's rows are copies of it: the worst case), users
+            example is a user of ``max_rows_per_user`` rows (a canary's rows are copies of it: the worst case), users
             are Poisson-sampled at q = B / (examples + canaries / 2), and the bound is on the user-level epsilon.
-        rows_per_user: k, the rows of each user with ``unit: user`` (also ``privacy.max_rows_per_user``).
+        max_rows_per_user: k, the rows of each user with ``unit: user``.
         weak_noise_factor: the noise factor of ``weak_noise``.
     """
 
     plugins: dict[str, dict[str, Any] | None] | None = None
-    epsilon: float = 4.0
-    delta: float = 1e-5
+    target_epsilon: float = 4.0
+    target_delta: float = 1e-5
     noise_multiplier: float | None = None
     steps: int = 100
     canaries: int = 1000
@@ -81,15 +81,16 @@ class AuditConfig:
     inject: Literal["none", "weak_noise", "no_clip", "noise_leak", "per_row_clip"] = "none"
     weak_noise_factor: float = 0.1
     unit: Literal["example", "user"] = "example"
-    rows_per_user: int = 1
+    max_rows_per_user: int = 1
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(msg)
 
-        need(self.epsilon > 0 and math.isfinite(self.epsilon), f"epsilon must be > 0, got {self.epsilon}")
-        need(0 < self.delta < 1, f"delta must be in (0, 1), got {self.delta}")
+        need(self.target_epsilon > 0 and math.isfinite(self.target_epsilon),
+             f"target_epsilon must be > 0, got {self.target_epsilon}")
+        need(0 < self.target_delta < 1, f"target_delta must be in (0, 1), got {self.target_delta}")
         need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
         need(self.canaries >= 2, f"canaries must be >= 2, got {self.canaries}")
         need(self.examples >= 0, f"examples must be >= 0, got {self.examples}")
@@ -105,7 +106,7 @@ class AuditConfig:
         need(self.noise_multiplier is None or self.noise_multiplier >= 0, "noise_multiplier must be >= 0")
         need(self.inject in INJECTIONS, f"inject must be one of {', '.join(INJECTIONS)}, got {self.inject!r}")
         need(self.weak_noise_factor >= 0, "weak_noise_factor must be >= 0")
-        need(self.rows_per_user >= 1, f"rows_per_user must be >= 1, got {self.rows_per_user}")
+        need(self.max_rows_per_user >= 1, f"max_rows_per_user must be >= 1, got {self.max_rows_per_user}")
         need(self.inject != "per_row_clip" or self.unit == "user", "inject: per_row_clip needs unit: user")
         rows, cols = self.shape()
         need(rows >= 1 and cols >= 1, f"rows and cols must be >= 1, got {rows} x {cols}")

@@ -89,11 +89,11 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     def optimizer_factory(params):
         return torch.optim.SGD(params, lr=cfg.lr)
 
-    privacy = PrivacyConfig(target_epsilon=cfg.epsilon, target_delta=cfg.delta, noise_multiplier=cfg.noise_multiplier,
-                            max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
+    privacy = PrivacyConfig(target_epsilon=cfg.target_epsilon, target_delta=cfg.target_delta,
+                            noise_multiplier=cfg.noise_multiplier, max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
                             accountant=cfg.accountant, seed=cfg.seed, unit=cfg.unit,
-                            max_rows_per_user=cfg.rows_per_user if cfg.unit == "user" else None)
-    users = Users.from_keys(data.user_keys, cfg.rows_per_user) if cfg.unit == "user" else None
+                            max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None)
+    users = Users.from_keys(data.user_keys, cfg.max_rows_per_user) if cfg.unit == "user" else None
     engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm, seed_namespace="audit/")
     engine.setup(model, trainable=trainable, num_examples=len(data), steps=T, sampling_rate=q,
                  optimizer_factory=optimizer_factory, users=users)
@@ -137,10 +137,10 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
 
     included = data.included.numpy()
     candidates = guesses_for(m, explicit=cfg.guesses)
-    guesses, best = score_guesses(scores.numpy(), included, candidates, cfg.delta, cfg.confidence)
-    ceiling = perfect_guess_ceiling(m, candidates, cfg.delta, cfg.confidence)
+    guesses, best = score_guesses(scores.numpy(), included, candidates, cfg.target_delta, cfg.confidence)
+    ceiling = perfect_guess_ceiling(m, candidates, cfg.target_delta, cfg.confidence)
     return AuditResult(config=cfg, mechanism=engine.mechanism.name, plugins=plugin_names, noise_multiplier=sigma,
-                       sampling_rate=q, claimed_epsilon=claimed, delta=cfg.delta, confidence=cfg.confidence,
+                       sampling_rate=q, claimed_epsilon=claimed, delta=cfg.target_delta, confidence=cfg.confidence,
                        canaries=m, included=int(included.sum()), guesses=guesses, best=best,
                        lower_bound=best.bound, ceiling=ceiling, seconds=time.perf_counter() - start,
                        scores=scores.numpy(), membership=included)
@@ -151,6 +151,6 @@ def _replayed_noise(pm: Any, source: Any, state: torch.Tensor, trainable: dict[s
     """The noise of a step's release, replayed from the noise generator's leaked state (``privatize`` on zeros)."""
     zeros = GradientSum({n: torch.zeros(p.shape, dtype=torch.float32) for n, p in trainable.items()}, 0)
     ctx = StepContext(model=None, trainable=trainable, per_example_loss=None, max_grad_norm=C, noise_multiplier=sigma,
-                      expected_batch_size=B, step=step, noise_generator=replay_source(source, state),
+                      expected_batch_size=B, step=step, noise_source=replay_source(source, state),
                       log=lambda name, value: None)
     return pm.hook.privatize(ctx=ctx, gradient_sum=zeros).values

@@ -35,6 +35,7 @@ from dpl.core.gradients import GradientSum
 from dpl.core.ledger import Plan, PrivacyLedger, make_plan
 from dpl.core.mechanism import Mechanism, apply_adjacency
 from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source
+from dpl.core.per_example import model_is_per_example
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
 from dpl.core.privacy import PrivacyConfig
@@ -45,17 +46,6 @@ from dpl.core.units import RowsSampler, Users, UserRowsSampler
 from dpl.errors import ConfigError, PrivacyWarning
 
 log = logging.getLogger("dpl")
-
-def model_is_per_example(model: nn.Module) -> None:
-    """Refuse layers whose output for one example depends on the other examples of the batch."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise ConfigError(f"layer {name or type(module).__name__} ({type(module).__name__}) normalizes over "
-                              "the batch, so one example changes the others' gradients and clipping no longer "
-                              "bounds its influence; use LayerNorm/GroupNorm (or replace it before training)")
-        if getattr(module, "expert_capacity", None) is not None or "Top1Router" in type(module).__name__:
-            raise ConfigError(f"layer {name} ({type(module).__name__}) routes tokens with a capacity shared by "
-                              "the batch (token dropping): one example changes the others' outputs")
 
 
 class PrivateEngine:
@@ -286,7 +276,7 @@ class PrivateEngine:
         return StepContext(model=model, trainable=trainable, per_example_loss=per_example_loss,
                            max_grad_norm=self.privacy.max_grad_norm, noise_multiplier=self.noise_multiplier,
                            expected_batch_size=self.privacy.batch_size, step=self.steps_done,
-                           noise_generator=self.noise_source, log=log_metric or _ignore, public_seed=public_seed,
+                           noise_source=self.noise_source, log=log_metric or _ignore, public_seed=public_seed,
                            optimizer=optimizer)
 
     # --- accounting (the ledger) ----------------------------------------------------------------------------
@@ -299,9 +289,9 @@ class PrivateEngine:
         """Epsilon after the planned steps."""
         return self._configured_ledger().final_epsilon()
 
-    def would_exceed_budget(self) -> bool:
-        """Whether the next step would spend more than the budget (checked against the accountant every step)."""
-        return self._configured_ledger().would_exceed_budget()
+    def would_exceed_max_epsilon(self) -> bool:
+        """Whether the next step would spend more than ``privacy.max_epsilon`` (asked before every step)."""
+        return self._configured_ledger().would_exceed_max_epsilon()
 
     def _configured_ledger(self) -> PrivacyLedger:
         if self.ledger is None:
@@ -321,7 +311,7 @@ class PrivateEngine:
             "sampling_rate": None, "sampling": None, "steps_per_epoch": 0, "steps_planned": 0, "steps_taken": 0,
             "resumed_segments": [], "accountant": cfg.accountant, "adjacency": None, "mechanism": None,
             "unit": cfg.unit, "num_examples": 0, "num_units": 0, "target_epsilon": cfg.target_epsilon,
-            "max_epsilon": cfg.budget}
+            "max_epsilon": cfg.effective_max_epsilon}
         users, per_row = None, {}
         if self.users is not None:
             # the count and k only: rows per user describe single users (the largest), so they stay in the log

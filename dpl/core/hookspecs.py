@@ -13,7 +13,7 @@ Two *setup hooks* run once before training: ``validate_setup`` (every plugin may
 ``firstresult`` hooks take the first non-``None`` answer. The built-in defaults (``clip`` and ``gaussian``)
 are registered ``trylast``, so any plugin named in the config that implements the same hook replaces them.
 Two named plugins implementing the same ``firstresult`` step hook cannot be combined: the plugin manager
-refuses them at setup. See ``docs/hooks.md`` for examples.
+refuses them when it loads them. See ``docs/hooks.md`` for examples.
 
 Besides the hooks, a plugin object may have:
 
@@ -71,7 +71,7 @@ def privatize(ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient | 
     right after. The returned :class:`~dpl.core.gradients.PrivateGradient` must carry the per-coordinate standard
     deviation of the noise it contains (``noise_std``) so that later hooks can use it.
 
-    Privacy contract: the noise is drawn from ``ctx.noise_generator`` through :func:`dpl.core.noise.normal` (a
+    Privacy contract: the noise is drawn from ``ctx.noise_source`` through :func:`dpl.core.noise.normal` (a
     secret ChaCha20 key from OS entropy unless the user set ``privacy.seed``; identical on every DDP rank, so the
     noise is added once; never torch's float32 ``randn``, whose tails stop at 5.77 sigma); no public value may
     determine it (never ``ctx.public_seed``). The release's ``mechanism`` must be the name of the
@@ -90,7 +90,7 @@ def post_process(ctx: ReleaseContext, gradient: PrivateGradient) -> None:
 
     Privacy contract: read only ``gradient``, public data and the plugin's own state - never the clipped sum
     or per-example data. That makes it post-processing of a DP release, free of privacy cost. ``ctx`` is a
-    :class:`~dpl.core.step.ReleaseContext`: it has no noise generator and no forward pass on the examples.
+    :class:`~dpl.core.step.ReleaseContext`: it has no noise source and no forward pass on the examples.
     Example: ``denoise`` shrinks each 2-D gradient matrix with random-matrix theory, reading
     ``gradient.noise_std``.
     """
@@ -113,10 +113,12 @@ def precondition(ctx: ReleaseContext, gradient: PrivateGradient) -> dict[str, An
 @hookspec
 def validate_setup(setup: RunSetup) -> None:
     """Check the run's configuration before anything trains; raise ``dpl.errors.ConfigError`` with a one-line
-    reason to refuse it (an unsupported model layer, a plugin combination that has no privacy analysis).
+    reason to refuse it (an unsupported model layer, an optimizer the plugin cannot work with).
 
-    Called once for every active plugin. ``setup.plugin_names`` lists the active plugins.
-    Example: ``denoise`` refuses to run with ``dpzero`` (a rank-one update has nothing to denoise).
+    Called once for every active plugin, at ``engine.setup``, after the plugins' declared contracts were checked
+    (:func:`dpl.core.plugin_manager.check_contracts` refuses conflicting combinations, such as ``denoise`` with
+    ``dpzero``: no plugin names another). ``setup.plugin_names`` lists the active plugins.
+    Example: ``denoise`` refuses a model with no trainable 2-D parameter matching its patterns.
     """
 
 

@@ -81,7 +81,7 @@ class PrivacyLedger:
             self.noise_multiplier = float(mechanism.calibrate(privacy.target_epsilon, plan.delta, plan.steps))
         self.history: list[Segment] = []  # earlier parts of a run resumed with changed settings
         self.steps_done = 0
-        self.check_budget()
+        self.check_max_epsilon()
 
     # --- epsilon ------------------------------------------------------------------------------------------
     def epsilon(self, steps: int | None = None, delta: float | None = None) -> float:
@@ -101,31 +101,31 @@ class PrivacyLedger:
         """Epsilon after the planned steps."""
         return self.epsilon(self.plan.steps)
 
-    # --- the budget ---------------------------------------------------------------------------------------
-    def would_exceed_budget(self) -> bool:
-        """Whether the next step would spend more than the budget. Within the plan this is proven, not evaluated:
-        epsilon never decreases with the steps, and :meth:`check_budget` verified the plan's last step against the
-        budget with this sigma and history (at setup and at every resume). A step beyond the plan asks the
-        accountant (a mechanism with no analysis there answers inf)."""
-        budget = self.privacy.budget
-        if budget is None or self.steps_done + 1 <= self.plan.steps:
+    # --- max_epsilon (the budget) ---------------------------------------------------------------------------
+    def would_exceed_max_epsilon(self) -> bool:
+        """Whether the next step would spend more than ``privacy.max_epsilon``. Within the plan this is proven, not
+        evaluated: epsilon never decreases with the steps, and :meth:`check_max_epsilon` verified the plan's last
+        step against it with this sigma and history (at setup and at every resume). A step beyond the plan asks
+        the accountant (a mechanism with no analysis there answers inf)."""
+        max_epsilon = self.privacy.effective_max_epsilon
+        if max_epsilon is None or self.steps_done + 1 <= self.plan.steps:
             return False
-        return self.epsilon(self.steps_done + 1) > budget * (1 + 1e-9)
+        return self.epsilon(self.steps_done + 1) > max_epsilon * (1 + 1e-9)
 
-    def check_budget(self) -> None:
+    def check_max_epsilon(self) -> None:
         """Refuse, in one line, a plan (after a resume: the rest of it, with the sigma that will train) that would
-        end above the budget."""
-        budget = self.privacy.budget
-        if budget is None:  # sigma = 0 spends epsilon = inf: refused below
+        end above ``privacy.max_epsilon``."""
+        max_epsilon = self.privacy.effective_max_epsilon
+        if max_epsilon is None:  # sigma = 0 spends epsilon = inf: refused below
             return
         planned = self.final_epsilon()
-        if planned <= budget * (1 + 1e-9):
+        if planned <= max_epsilon * (1 + 1e-9):
             return
         if self.steps_done:
-            raise ConfigError(f"resuming would end at epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
-                              f"(epsilon = {self.epsilon():.3f} already spent in {self.steps_done} steps, sigma = "
-                              f"{self.noise_multiplier:.4f} for the {self.plan.steps - self.steps_done} steps left)")
-        raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {budget:g} "
+            raise ConfigError(f"resuming would end at epsilon = {planned:.3f} > privacy.max_epsilon = "
+                              f"{max_epsilon:g} (epsilon = {self.epsilon():.3f} already spent in {self.steps_done} "
+                              f"steps, sigma = {self.noise_multiplier:.4f} for the {self.plan.steps - self.steps_done} steps left)")
+        raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {max_epsilon:g} "
                           f"(sigma = {self.noise_multiplier:.4f}, {self.plan.steps} steps)")
 
     def _calibrate_remaining(self, target: float) -> float:
@@ -178,7 +178,7 @@ class PrivacyLedger:
                               f"{self.plan.unit}: a resume cannot change the privacy unit")
         self._check_resume_plan(state, version)
         self.steps_done = done
-        self.check_budget()
+        self.check_max_epsilon()
 
     def _check_resume_plan(self, state: dict[str, Any], version: int) -> None:
         cfg, plan = self.privacy, self.plan
@@ -241,5 +241,5 @@ class PrivacyLedger:
             "steps_taken": self.steps_done, "resumed_segments": [list(s) for s in self.history],
             "accountant": mechanism.accounting, "adjacency": mechanism.adjacency, "mechanism": mechanism.name,
             "unit": mechanism.unit, "num_examples": plan.num_rows, "num_units": plan.num_units,
-            "target_epsilon": cfg.target_epsilon, "max_epsilon": cfg.budget,
+            "target_epsilon": cfg.target_epsilon, "max_epsilon": cfg.effective_max_epsilon,
         }

@@ -280,3 +280,10 @@ def normals_like(tensors: Mapping[str, Tensor], source: NoiseSource) -> dict[str
         out.update(zip([key for key, _ in run], normals([t.shape for _, t in run], source, like.device, like.dtype)))
         start = end
     return out
+
+
+def noisy_mean_(noise: Tensor, scale: float, total: Tensor, batch: float) -> Tensor:
+    """The release of one clipped sum, ``(total + scale * noise) / batch``, written into ``noise`` (overwritten,
+    returned): no second tensor of the gradient's size. ``noise`` is N(0, 1) (or correlated noise in its units),
+    ``scale`` its std on the sum (sigma C, times a sensitivity), ``batch`` the expected batch size."""
+    return noise.mul_(scale).add_(total).div_(batch)

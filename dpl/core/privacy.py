@@ -100,7 +100,7 @@ class PrivacyConfig:
         return self.target_delta if self.target_delta is not None else 0.1 / num_examples
 
     @property
-    def budget(self) -> float | None:
+    def effective_max_epsilon(self) -> float | None:
         """The epsilon training may never exceed (``max_epsilon``, else ``target_epsilon`` when sigma is
         calibrated to it)."""
         if self.max_epsilon is not None:

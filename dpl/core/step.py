@@ -49,7 +49,7 @@ class RunSetup:
 @dataclass
 class StepContext:
     """What ``estimate_gradient`` and ``privatize`` see. ``per_example_loss(batch) -> Tensor[b]`` runs the
-    model's forward pass; ``noise_generator`` is secret (identical on every DDP rank); ``public_seed`` is a
+    model's forward pass; ``noise_source`` is secret (identical on every DDP rank); ``public_seed`` is a
     public per-step seed (identical on every rank) for public randomness such as DPZero's direction."""
 
     model: nn.Module
@@ -59,14 +59,14 @@ class StepContext:
     noise_multiplier: float
     expected_batch_size: int
     step: int
-    noise_generator: NoiseSource
+    noise_source: NoiseSource
     log: Callable[[str, float], None]
     scratch: dict[str, Any] = field(default_factory=dict)  # per-step values shared by estimate_gradient / privatize
     public_seed: int = 0
     optimizer: torch.optim.Optimizer | None = None
 
     def release_context(self) -> ReleaseContext:
-        """The context of the hooks after ``privatize``: no noise generator, no forward pass on data, and a scratch
+        """The context of the hooks after ``privatize``: no noise source, no forward pass on data, and a scratch
         of its own (the private hooks' scratch may hold values computed from the examples)."""
         return ReleaseContext(trainable=self.trainable, max_grad_norm=self.max_grad_norm,
                               noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
@@ -75,7 +75,7 @@ class StepContext:
 
 @dataclass
 class ReleaseContext:
-    """What ``post_process`` and ``precondition`` see: public values only. No noise generator (a later hook
+    """What ``post_process`` and ``precondition`` see: public values only. No noise source (a later hook
     could subtract the noise) and no ``per_example_loss`` (no access to the private examples)."""
 
     trainable: dict[str, nn.Parameter]

@@ -82,10 +82,6 @@ class StreamingDirection(Mapping):
     def __len__(self) -> int:
         return len(self._names)
 
-    def materialize(self) -> dict[str, Tensor]:
-        """All tensors at once (tests and diagnostics only: this is the memory the streaming path avoids)."""
-        return {name: self[name] for name in self._names}
-
 
 def streaming_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``optimizer`` cannot apply a :class:`StreamingDirection` in place, or ``None`` if it can.

@@ -68,7 +68,7 @@ class DPModule(L.LightningModule):
         self.scheduler_factory = lr_scheduler
         self.model: nn.Module | None = None
         self.datamodule_ref: L.LightningDataModule | None = None
-        self.stopped_by_budget = False
+        self.stopped_by_max_epsilon = False
         self.fit_summary: str | None = None  # the one-line summary of the last fit
         self.print_fit_summary = True  # print it at the end of fit (the CLI prints it itself, below the progress bar)
 
@@ -274,8 +274,8 @@ class DPModule(L.LightningModule):
     # --- the private step -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         engine = self.engine
-        if engine.would_exceed_budget():
-            self._stop_for_budget(self.privacy.budget)
+        if engine.would_exceed_max_epsilon():
+            self._stop_at_max_epsilon(self.privacy.effective_max_epsilon)
             self._log_step()
             return
         wrapped = self.optimizers()  # LightningOptimizer: stepping it advances trainer.global_step
@@ -306,11 +306,11 @@ class DPModule(L.LightningModule):
         if trainer is not None and trainer.state.fn == "fit":  # validation metrics: at the steps taken
             self.log("step", float(self.engine.steps_done), on_step=False, on_epoch=True)
 
-    def _stop_for_budget(self, budget: float) -> None:
-        if not self.stopped_by_budget:
+    def _stop_at_max_epsilon(self, max_epsilon: float) -> None:
+        if not self.stopped_by_max_epsilon:
             log.warning("dpl: stopping: step %d would spend more than privacy.max_epsilon = %g (epsilon now %.3f)",
-                        self.steps_done + 1, budget, self.engine.epsilon())
-        self.stopped_by_budget = True
+                        self.steps_done + 1, max_epsilon, self.engine.epsilon())
+        self.stopped_by_max_epsilon = True
         self.trainer.should_stop = True
 
     def _log_metric(self, name: str, value: float) -> None:

@@ -31,9 +31,9 @@ from typing import Any, Literal
 import torch
 
 from dpl.api import (ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, SecureNormal, StepContext,
-                     hookimpl, normals_like)
+                     hookimpl, noisy_mean_, normals_like)
 from dpl_plugins.ftrl.choice import band_range, choose
-from dpl_plugins.ftrl.mechanism import CyclicPoissonSampler, FTRLMechanism, Plan, ShuffledBatchSampler
+from dpl_plugins.ftrl.mechanism import CyclicPoissonSampler, FTRLMechanism, SampledStrategy, ShuffledBatchSampler
 from dpl_plugins.ftrl.strategies import Strategy, make_strategy
 from dpl_plugins.ftrl.streams import BandedStream, BLTStream, DenseKeepStream, DenseRegenerateStream
 
@@ -124,15 +124,15 @@ class FTRLPlugin:
         every = max(1, n // batch)
         bands = [self.bands] if self.bands is not None else band_range(every, steps, self.max_bands)
         if self.sampling == "cyclic_poisson":
-            plans = [Plan(self._strategy("banded", steps, steps, b), "cyclic_poisson") for b in bands]
+            plans = [SampledStrategy(self._strategy("banded", steps, steps, b), "cyclic_poisson") for b in bands]
             if self.noise is None:
-                plans += [Plan(self._strategy(f, steps, every)) for f in ("blt", "independent")]
+                plans += [SampledStrategy(self._strategy(f, steps, every)) for f in ("blt", "independent")]
         elif self.noise in ("banded", None):  # shuffled: sigma is the same for every plan: the least error is best
-            shuffled = [Plan(self._strategy("banded", steps, every, b)) for b in bands] if self.noise else \
-                [Plan(self._strategy(f, steps, every)) for f in ("blt", "independent")]
+            shuffled = [SampledStrategy(self._strategy("banded", steps, every, b)) for b in bands] if self.noise else \
+                [SampledStrategy(self._strategy(f, steps, every)) for f in ("blt", "independent")]
             plans = [min(shuffled, key=lambda p: p.strategy.expected_error)]
         else:
-            plans = [Plan(self._strategy(self.noise, steps, every))]
+            plans = [SampledStrategy(self._strategy(self.noise, steps, every))]
         if self.sampling == "shuffle" and n % batch:
             log.info("dpl: ftrl: %d examples, batch size %d: %d batches per epoch, the last %d examples of the secret "
                      "order (a random subset) are left out", n, batch, every, n % batch)
@@ -186,33 +186,33 @@ class FTRLPlugin:
         elif len(strategy.c) == 1 or not strategy.c[1:].any():
             # C = I (independent; banded with b = 1): exactly the default Gaussian step with noise multiplier
             # sigma * sens (with amplification when the sampling is cyclic_poisson with b = 1: DP-SGD itself)
-            noise = normals_like(totals, ctx.noise_generator)
+            noise = normals_like(totals, ctx.noise_source)
             for key, total in totals.items():
-                values[key] = noise.pop(key).mul_(scale).add_(total).div_(batch)
+                values[key] = noisy_mean_(noise.pop(key), scale, total, batch)
             noise_std = scale / batch
         else:
             if self.stream is None:
                 self.stream = self._new_stream()
             if isinstance(self.stream, DenseRegenerateStream):
-                if isinstance(ctx.noise_generator, SecureNormal):
+                if isinstance(ctx.noise_source, SecureNormal):
                     raise ConfigError("ftrl: memory: regenerate needs a replayable noise source (not secure_noise)")
 
                 def draw(source: Any) -> dict[str, torch.Tensor]:
                     return normals_like(totals, source)
 
-                self.stream.record(ctx.noise_generator)
-                w = self.stream.push(draw(ctx.noise_generator), draw)
+                self.stream.record(ctx.noise_source)
+                w = self.stream.push(draw(ctx.noise_source), draw)
                 for key, total in totals.items():
-                    values[key] = w.pop(key).mul_(scale).add_(total).div_(batch)
+                    values[key] = noisy_mean_(w.pop(key), scale, total, batch)
             else:
                 # z drawn for all keys together (the same values as key by key), then key by key: turn z into w_t,
                 # release; each z becomes its release (in place) or is dropped once released
-                noise = normals_like(totals, ctx.noise_generator)
+                noise = normals_like(totals, ctx.noise_source)
                 for key, total in totals.items():
                     z = noise.pop(key)
                     w = self.stream.push(key, z)
                     if self.stream.in_place:
-                        values[key] = w.mul_(scale).add_(total).div_(batch)
+                        values[key] = noisy_mean_(w, scale, total, batch)
                     else:
                         values[key] = torch.add(total, w, alpha=scale).div_(batch)
                     del z, w

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from dpl_plugins.ftrl.mechanism import FTRLMechanism, Plan
-from dpl_plugins.ftrl.strategies import make_strategy
+from dpl_plugins.ftrl.mechanism import FTRLMechanism, SampledStrategy
 
 log = logging.getLogger("dpl")
 
@@ -24,13 +23,7 @@ def band_range(steps_per_epoch: int, steps: int, max_bands: int) -> list[int]:
     return [cap] + [b for b in (2 ** i for i in range(cap.bit_length())) if b < cap]
 
 
-def amplified_plans(steps: int, bands: list[int], nu: float | None) -> list[Plan]:
-    """Amplified banded plans: b-banded Toeplitz strategies fitted for one participation per column (the column
-    norm is the sensitivity), so the fit minimises exactly the amplified objective up to sigma."""
-    return [Plan(make_strategy("banded", steps, steps, nu=nu, bands=b), "cyclic_poisson") for b in bands]
-
-
-def choose(mechanism: FTRLMechanism, target_epsilon: float, delta: float, steps: int) -> Plan:
+def choose(mechanism: FTRLMechanism, target_epsilon: float, delta: float, steps: int) -> SampledStrategy:
     """The candidate with the least expected error at (target_epsilon, delta); one log line with every candidate's
     error (amplified DP-SGD's among them)."""
     scored = []

@@ -33,7 +33,7 @@ SAMPLINGS = ("shuffle", "cyclic_poisson")
 
 
 @dataclass
-class Plan:
+class SampledStrategy:
     """A strategy and the sampling its sensitivity assumes (``cyclic_poisson``: the strategy is b-banded, b =
     ``bands``, fitted for one participation per column)."""
 
@@ -141,8 +141,8 @@ class CyclicPoissonSampler(_StepSampler):
 
 
 class FTRLMechanism:
-    """Sampling and accounting of ftrl's correlated noise for one :class:`Plan` (chosen among ``candidates`` by
-    ``choose`` at calibration, when there are several).
+    """Sampling and accounting of ftrl's correlated noise for one :class:`SampledStrategy`, its plan (chosen among
+    ``candidates`` by ``choose`` at calibration, when there are several).
 
     ``shuffle``: one Gaussian mechanism with noise multiplier sigma on C X / sens (sens: the strategy's
     sensitivity for the b-periodic participation pattern, k = ceil(T / b) participations), released through
@@ -161,8 +161,9 @@ class FTRLMechanism:
     adjacency = "zero_out"
     unit = "example"  # or "user" (set from the run: under user-level sampling the units it orders are users)
 
-    def __init__(self, plan: Plan, num_examples: int, batch_size: int, accountant: str = "prv",
-                 candidates: list[Plan] | None = None, chooser: Any = None, replay_batches: bool = False) -> None:
+    def __init__(self, plan: SampledStrategy, num_examples: int, batch_size: int, accountant: str = "prv",
+                 candidates: list[SampledStrategy] | None = None, chooser: Any = None,
+                 replay_batches: bool = False) -> None:
         self.plan = plan
         self.num_examples = int(num_examples)
         self.batch_size = int(batch_size)
@@ -220,7 +221,7 @@ class FTRLMechanism:
         """Compositions of the subsampled Gaussian after ``steps`` steps (``cyclic_poisson``)."""
         return -(-int(steps) // self.bands)
 
-    def settle(self, plan: Plan) -> None:
+    def settle(self, plan: SampledStrategy) -> None:
         """Fix the plan (after a choice, or from a checkpoint); candidates are dropped. Used before any calibration
         (a fixed sigma: no epsilon to compare the candidates at), the first candidate is kept, with a log line."""
         if self.candidates and plan is self.plan:
@@ -263,7 +264,7 @@ class FTRLMechanism:
             self.plan = chosen
         return self.calibrate_plan(self.plan, target_epsilon, delta, steps)
 
-    def calibrate_plan(self, plan: Plan, target_epsilon: float, delta: float, steps: int) -> float:
+    def calibrate_plan(self, plan: SampledStrategy, target_epsilon: float, delta: float, steps: int) -> float:
         """sigma of ``plan`` for (target_epsilon, delta) after ``steps`` steps (the plan need not be this one's)."""
 
         if steps > plan.strategy.steps:
@@ -321,8 +322,8 @@ class FTRLMechanism:
                                   f"{mine[key]}: the correlated stream cannot continue under another plan")
         if state["params"] != mine["params"] or state["family"] != mine["family"] or state["every"] != mine["every"]:
             # the checkpoint's plan (a refit may differ in the last digits; an automatic choice is kept)
-            self.plan = Plan(strategy_from_params(state["family"], state["steps"], state["every"], state["params"]),
-                             state["sampling"])
+            strategy = strategy_from_params(state["family"], state["steps"], state["every"], state["params"])
+            self.plan = SampledStrategy(strategy, state["sampling"])
         self.settle(self.plan)
 
     def secret_state_dict(self) -> dict[str, Any]:

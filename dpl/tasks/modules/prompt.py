@@ -228,12 +228,5 @@ class DPPromptClassificationModule(DPClassificationModule):
         shutil.copy(modeling_dpl.__file__, folder / "modeling_dpl.py")
 
     @classmethod
-    def from_export(cls, folder: Path, meta: dict[str, Any], tokenizer: Any) -> "DPPromptClassificationModule":
-        from transformers import AutoModelForSequenceClassification
-
-        from dpl.tasks.exporting import load_exported
-
-        module = cls(model=str(folder), label_words=list(meta["label_words"]))
-        module.label_names = list(meta["label_names"])
-        module.model = load_exported(AutoModelForSequenceClassification, folder, trust_remote_code=True)
-        return module
+    def export_shell(cls, folder: Path, meta: dict[str, Any]) -> "DPPromptClassificationModule":
+        return cls(model=str(folder), label_words=list(meta["label_words"]))
