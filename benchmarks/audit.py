@@ -136,7 +136,7 @@ def plot(runs: list[dict], meta: dict, path: str) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()  # the first panel (gaussian) has every series
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     s = meta["settings"]
-    fig.suptitle(f"One-run audit: m = {s['canaries']} canaries, {s['steps']} steps, δ = {s['delta']:g}", fontsize=9)
+    fig.suptitle(f"One-run audit: m = {s['canaries']} canaries, {s['steps']} steps, δ = {s.get('target_delta', s.get('delta')):g}", fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
