@@ -6,13 +6,13 @@ noise per step), so it stays within a few points of the non-private MeZO (Mallad
 models with just forward passes", NeurIPS 2023) and flat in d, while DPGD-0th (the same zeroth-order estimate,
 clipped and noised as a d-dimensional vector) degrades with d.
 
-Setting: SST-2, frozen MiniLM features (centred, unit norm), a fixed random ReLU expansion of width D in {256, 2,048,
-16,384} scaled by sqrt(2 / D) (its kernel, so the problem, barely changes with D; the features are computed
+Setting: SST-2, frozen MiniLM features (centred, unit norm), a fixed random ReLU expansion of width D in {16, 64, 256,
+2,048, 16,384} scaled by sqrt(2 / D) (its kernel, so the problem, barely changes with D; the features are computed
 once per width), a linear head on it (d = 2 D + 2 parameters, zero init). N = 4,096 rows, Poisson batches of B = 64,
 T = 1,000 steps, C = 1, delta = 1 / (10 N), mu = 1e-3, plain SGD (DPZero's update needs it). MeZO is the dpzero plugin
 with noise 0 and C = inf (plugins/dpzero/mezo.yaml); DPGD-0th is its ``estimator: dpgd0``. Each arm's lr is tuned per
 width on 1,024 held-out training rows (tuning seed), widened once at a grid edge; the zeroth-order arms' grid is in
-units of 1 / d. Report seeds are paired; accuracy on the GLUE validation set.
+units of 1 / d and spans 10 / d to 8,100 / d (the best lr d grows with d). Report seeds are paired; accuracy on the GLUE validation set.
 
     python benchmarks/studies/dpzero.py            # full study
     python benchmarks/studies/dpzero.py --quick    # a few steps on tiny data (the test)
@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from common import Split, fmt, pyplot, save, save_figure, spread, sst2, study_parser, train_private, tune
+from common import (Split, choose, fmt, pyplot, result_name, save, save_figure, spread, sst2, study_parser,
+                    train_private, tune)
 
 ZEROTH = {"dpzero": {"mu": 1e-3}}
 ARMS = [  # lr_grid in units of 1 / d for the zeroth-order arms ("per_d": true)
@@ -42,8 +43,9 @@ ARMS = [  # lr_grid in units of 1 / d for the zeroth-order arms ("per_d": true)
 DIRECTION_ARMS = [
     {"name": f"DPZero ε=6, {label} z", "plugins": {"dpzero": {"mu": 1e-3, "direction": direction}}, "epsilon": 6.0,
      "per_d": True} for label, direction in (("Gaussian", "gaussian"), ("Rademacher", "rademacher"))]
-ZO_GRID = [10.0, 30.0, 100.0]       # x 1 / d
+ZO_GRID = [10.0, 30.0, 100.0, 300.0, 900.0, 2700.0, 8100.0]       # x 1 / d
 FO_GRID = [0.3, 1.0, 3.0]
+WIDTHS = [16, 64, 256, 2048, 16384]
 
 
 def random_features(x: torch.Tensor, width: int, mean: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -56,17 +58,23 @@ def random_features(x: torch.Tensor, width: int, mean: torch.Tensor, seed: int =
     return torch.relu(u @ w + b) * math.sqrt(2.0 / width)
 
 
+def parser():
+    """The command line; its defaults are the published table's settings."""
+    p = study_parser(__doc__)
+    p.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--zo-grid", type=float, nargs="+", default=ZO_GRID, help="lr grid of the zeroth-order arms "
+                   "(units of 1 / d)")
+    p.add_argument("--arms", nargs="+", default=None, help="run only these arms")
+    p.add_argument("--tag", default="", help="suffix of the results' name (dpzero_<tag>.json)")
+    p.add_argument("--report-only", action="store_true", help="the tables and figure of dpzero.json and "
+                   "dpzero_directions.json")
+    return p
+
+
 def main() -> None:
-    parser = study_parser(__doc__)
-    parser.add_argument("--widths", type=int, nargs="+", default=[256, 2048, 16384])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--zo-grid", type=float, nargs="+", default=ZO_GRID, help="lr grid of the zeroth-order arms "
-                        "(units of 1 / d)")
-    parser.add_argument("--arms", nargs="+", default=None, help="run only these arms")
-    parser.add_argument("--tag", default="", help="suffix of the results' name (dpzero_<tag>.json)")
-    parser.add_argument("--report-only", action="store_true", help="table and figure from dpzero.json, with the "
-                        "cells of the tagged runs (wider grids, more widths) in place of or beside its own")
-    args = parser.parse_args()
+    args = parser().parse_args()
+    args.arms = choose(args.arms, [a["name"] for a in ARMS + DIRECTION_ARMS])
     if args.report_only:
         report(args.out)
         return
@@ -77,11 +85,14 @@ def main() -> None:
         zo_grid, fo_grid = ZO_GRID[:2], FO_GRID[:2]
     else:
         data, batch, zo_grid, fo_grid = sst2(4096, 1024), 64, args.zo_grid, FO_GRID
-    name = "dpzero" + (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
+    name = result_name("dpzero" + (f"_{args.tag}" if args.tag else ""), args)
     mean = data.train.x.mean(0)
     results = {"settings": {"train": len(data.train), "tune": len(data.tune), "batch_size": batch,
                             "steps": args.steps, "widths": args.widths, "mu": 1e-3, "clip": 1.0,
-                            "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick}, "cells": []}
+                            "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick,
+                            "zo_grid": zo_grid, "fo_grid": fo_grid,
+                            "arms": [a["name"] for a in ARMS + DIRECTION_ARMS
+                                     if (a["name"] in args.arms if args.arms else a in ARMS)]}, "cells": []}
     for width in args.widths:
         train, held, test = (Split(random_features(s.x, width, mean), s.y) for s in (data.train, data.tune, data.test))
         d = 2 * width + 2
@@ -114,30 +125,21 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - start
     save(name, results, args.out)
     print(table(results))
-    if not args.quick and not args.tag:
+    if name == "dpzero":
         plot(results)
 
 
 def report(folder) -> None:
+    """The tables of ``dpzero.json`` and ``dpzero_directions.json`` (where present), and the figure of the first."""
     from pathlib import Path
 
-    main_run = json.loads((Path(folder) / "dpzero.json").read_text())
-    cells = {(c["arm"], c["width"]): c for c in main_run["cells"]}
-    for path in sorted(Path(folder).glob("dpzero_*.json")):
-        if not path.stem.endswith("_quick"):
-            for c in json.loads(path.read_text())["cells"]:
-                cells[(c["arm"], c["width"])] = {**c, "source": path.stem}
-    order = [a["name"] for a in ARMS + DIRECTION_ARMS]
-    pair = {a["name"] for a in DIRECTION_ARMS}
-    for group in ([c for c in cells.values() if c["arm"] not in pair], [c for c in cells.values() if c["arm"] in pair]):
-        if not group:
-            continue
-        widths = sorted({c["width"] for c in group})
-        merged = {**main_run, "settings": {**main_run["settings"], "widths": widths},
-                  "cells": sorted(group, key=lambda c: (order.index(c["arm"]), c["width"]))}
-        print(table(merged))
-        if group[0]["arm"] not in pair:
-            plot(merged)
+    for stem in ("dpzero", "dpzero_directions"):
+        path = Path(folder) / f"{stem}.json"
+        if path.exists():
+            results = json.loads(path.read_text())
+            print(table(results))
+            if stem == "dpzero":
+                plot(results)
 
 
 def table(results: dict) -> str:
@@ -150,7 +152,7 @@ def table(results: dict) -> str:
         row = []
         for w in widths:
             c = cell.get((name, w))
-            edge = (" (edge)" if c and c["tuning"]["at_edge"] else "") + ("*" if c and c.get("source") else "")
+            edge = " (edge)" if c and c["tuning"]["at_edge"] else ""
             row.append((fmt(c["acc"]) if c["acc"] else "diverged") + edge if c else "-")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines)
