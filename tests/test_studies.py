@@ -61,13 +61,12 @@ def _accs(values):
 
 def test_ftrl_quick(quick_results):
     cells = quick_results["ftrl"]["cells"]
-    assert [c["arm"] for c in cells] == ["DP-SGD (amplified)", "independent", "banded", "BLT", "nu-FTRL",
-                                         "amplified BandMF"]
+    assert [c["arm"] for c in cells] == ["DP-SGD (amplified)", "independent", "banded", "BLT", "nu-FTRL"]
     for c in cells:
         _accs(c["per_seed_acc"])
         assert c["sigma"] > 0 and c["epsilon_spent"] <= c["epsilon"] + 1e-6
     # amplified DP-SGD (Poisson, PRV) and ftrl's mechanism (no amplification) calibrate different sigmas
-    ftrl_sigmas = {round(c["sigma"], 9) for c in cells[1:5]}
+    ftrl_sigmas = {round(c["sigma"], 9) for c in cells[1:]}
     assert len(ftrl_sigmas) == 1 and cells[0]["sigma"] < min(ftrl_sigmas)
 
 
@@ -141,49 +140,63 @@ def test_an_unknown_name_fails_in_one_line_that_lists_the_valid_ones(argv, valid
 
 
 def _published(name):
-    return json.loads((RESULTS / f"{name}.json").read_text())["settings"]
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _keys(values):
+    return {f"{v:.6g}" for v in values}
 
 
 def test_ftrl_defaults_are_the_published_settings():
     m = _study("ftrl")
-    args, s = m.parser().parse_args([]), _published("ftrl")
-    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100)
-    assert (args.epsilons, args.epochs, m.LR_GRID) == (s["epsilons"], s["epochs"], s["lr_grid"])
-    assert s["arms"] == [a["name"] for a in m.arms(1) if not a.get("extra")] and not s["quick"]
+    args, res = m.parser().parse_args([]), _published("ftrl")
+    s, cells = res["settings"], res["cells"]
+    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+    assert m.LR_GRID == s["lr_grid"] and all(_keys(m.LR_GRID) <= set(c["tuning"]["scores"]) for c in cells)
+    assert [(c["epochs"], c["epsilon"]) for c in cells[::5]] == [(e, x) for e in args.epochs for x in args.epsilons]
+    assert [c["arm"] for c in cells] == [a["name"] for a in m.arms(1) if not a.get("extra")] * 6
 
 
 def test_dpzero_defaults_are_the_published_settings():
     m = _study("dpzero")
-    args, s = m.parser().parse_args([]), _published("dpzero")
-    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100)
-    assert (args.widths, args.steps, args.zo_grid, m.FO_GRID) == (s["widths"], s["steps"], s["zo_grid"],
-                                                                   s["fo_grid"])
-    assert s["arms"] == [a["name"] for a in m.ARMS] and not s["quick"]
+    args, res = m.parser().parse_args([]), _published("dpzero")
+    s, cells = res["settings"], res["cells"]
+    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+    assert (args.widths, args.steps) == (s["widths"], s["steps"])
+    assert [(c["arm"], c["width"]) for c in cells] == [(a["name"], w) for w in args.widths for a in m.ARMS]
+    for c in cells:  # each cell's tuning started from the default grid (widened once at an edge)
+        grid = _keys(v / c["d"] for v in args.zo_grid) if c["arm"] != "DP-SGD ε=6" else _keys(m.FO_GRID)
+        assert grid <= _keys(float(k) * (1 / c["d"] if c["arm"] != "DP-SGD ε=6" else 1) for k in c["tuning"]["scores"])
 
 
 def test_denoise_defaults_are_the_published_settings():
     m = _study("denoise")
-    args, s = m.parser().parse_args([]), _published("denoise")
-    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100)
-    assert (args.batch_sizes, args.steps, args.hidden, m.GRID) == (s["batch_sizes"], s["steps"], s["hidden"],
-                                                                   s["lr_grid"])
+    args, res = m.parser().parse_args([]), _published("denoise")
+    s, cells = res["settings"], res["cells"]
+    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+    assert (args.batch_sizes, args.steps, args.hidden) == (s["batch_sizes"], s["steps"], s["hidden"])
+    assert [(c["batch_size"], c["arm"]) for c in cells] == [(b, a["name"]) for b in args.batch_sizes for a in m.ARMS]
+    assert all(_keys(m.GRID) <= set(c["tuning"]["scores"]) for c in cells)
 
 
 def test_adambc_defaults_are_the_published_settings():
     m = _study("adambc")
     args = m.parser().parse_args([])
     for part in ("synthetic", "banking77"):
-        s = _published(f"adambc_{part}")
-        assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100)
-        assert s["arms"] == [a["name"] for a in m.ARMS]  # those meant for the other part only are skipped
-        assert s["lr_grids"] == {a["name"]: a["lr_grid"] for a in m.ARMS}
+        res = _published(f"adambc_{part}")
+        s = res["settings"]
+        assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+        assert [r["arm"] for r in res[part]] == [a["name"] for a in m.ARMS if not a.get("extra")]
 
 
 def test_users_defaults_are_the_published_settings():
     m = _study("users")
-    args, s = m.parser().parse_args([]), _published("users")
+    args, res = m.parser().parse_args([]), _published("users")
+    s = res["settings"]
     assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100)
     assert (m.EPSILONS, m.KS, m.LR_GRID) == (s["epsilons"], s["ks"], s["lr_grid"])
+    assert {(c["assignment"], c["epsilon"], c["k"], c["arm"]) for c in res["cells"]} == {
+        (a, e, k, arm) for a in m.EPSILONS for e in m.EPSILONS[a] for k in m.KS[a] for arm in m.ARMS}
 
 
 # ---------------------------------------------------------------------------------------------------------
