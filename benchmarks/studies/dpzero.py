@@ -167,6 +167,9 @@ def plot(results: dict) -> None:
         sel = [c for c in results["cells"] if c["arm"] == name and c["acc"]]
         ax.errorbar([c["d"] for c in sel], [100 * c["acc"]["mean"] for c in sel],
                     [100 * c["acc"]["sd"] for c in sel], marker="o", capsize=3, color=f"C{i}", label=name)
+        edge = [c for c in sel if c["tuning"]["at_edge"]]
+        ax.scatter([c["d"] for c in edge], [100 * c["acc"]["mean"] for c in edge], s=140, facecolors="none",
+                   edgecolors="k", label="lr at the grid's edge" if i == len(names) - 1 else None, zorder=3)
     s = results["settings"]
     ax.set_xscale("log")
     ax.set_xlabel("trainable parameters d (random-feature width D, d = 2D + 2)")
