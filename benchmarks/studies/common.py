@@ -422,13 +422,15 @@ PUBLISHED_SEEDS, PUBLISHED_TUNE_SEED = [0, 1, 2], 100
 
 def result_name(base: str, args: Any) -> str:
     """``base``, with ``_seeds<first>`` / ``_tune<seed>`` when the report / tuning seeds are not the published
-    ones, and ``_quick`` under ``--quick``."""
+    ones; ``<base>_quick`` under ``--quick`` (whose seeds are cut to two)."""
+    if args.quick:
+        return base + "_quick"
     name = base
     if list(args.seeds) != PUBLISHED_SEEDS:
         name += f"_seeds{args.seeds[0]}"
     if args.tune_seed != PUBLISHED_TUNE_SEED:
         name += f"_tune{args.tune_seed}"
-    return name + ("_quick" if args.quick else "")
+    return name
 
 
 def save(name: str, results: dict[str, Any], folder: Path | None = None) -> Path:
