@@ -161,6 +161,95 @@ def test_tuning_study_solves_the_total_epsilon(target, law):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The command line: unknown names fail in one line; the defaults are the published tables' settings
+
+RESULTS = ROOT / "benchmarks" / "results" / "studies"
+
+
+def _study(name):
+    spec = importlib.util.spec_from_file_location(f"study_{name}", STUDIES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, valid", [
+    (["ftrl.py", "--arms", "amplified DP-SGD"], "'DP-SGD (amplified)'"),
+    (["dpzero.py", "--arms", "MeZO", "DPZero eps=6"], "'DPZero ε=6'"),
+    (["adambc.py", "--arms", "DP-AdamBC (gamma 1e-8)"], "'DP-AdamBC (γ′ 1e-8)'"),
+    (["users.py", "--epsilons", "2"], "'4'"),
+    (["finetune.py", "ftrl", "--arms", "amplified DP-SGD"], "'DP-SGD (amplified)'"),
+])
+def test_an_unknown_name_fails_in_one_line_that_lists_the_valid_ones(argv, valid, tmp_path):
+    proc = subprocess.run([sys.executable, str(STUDIES / argv[0]), *argv[1:], "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unknown ") and valid in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def _published(name):
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _keys(values):
+    return {f"{v:.6g}" for v in values}
+
+
+def test_ftrl_defaults_are_the_published_settings():
+    m = _study("ftrl")
+    args, res = m.parser().parse_args([]), _published("ftrl")
+    s, cells = res["settings"], res["cells"]
+    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+    assert m.LR_GRID == s["lr_grid"] and all(_keys(m.LR_GRID) <= set(c["tuning"]["scores"]) for c in cells)
+    assert [(c["epochs"], c["epsilon"]) for c in cells[::5]] == [(e, x) for e in args.epochs for x in args.epsilons]
+    assert [c["arm"] for c in cells] == [a["name"] for a in m.arms(1) if not a.get("extra")] * 6
+
+
+def test_dpzero_defaults_are_the_published_settings():
+    m = _study("dpzero")
+    args, res = m.parser().parse_args([]), _published("dpzero")
+    s, cells = res["settings"], res["cells"]
+    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+    assert (args.widths, args.steps) == (s["widths"], s["steps"])
+    assert [(c["arm"], c["width"]) for c in cells] == [(a["name"], w) for w in args.widths for a in m.ARMS]
+    for c in cells:  # each cell's tuning started from the default grid (widened once at an edge)
+        grid = _keys(v / c["d"] for v in args.zo_grid) if c["arm"] != "DP-SGD ε=6" else _keys(m.FO_GRID)
+        assert grid <= _keys(float(k) * (1 / c["d"] if c["arm"] != "DP-SGD ε=6" else 1) for k in c["tuning"]["scores"])
+
+
+def test_denoise_defaults_are_the_published_settings():
+    m = _study("denoise")
+    args, res = m.parser().parse_args([]), _published("denoise")
+    s, cells = res["settings"], res["cells"]
+    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+    assert (args.batch_sizes, args.steps, args.hidden) == (s["batch_sizes"], s["steps"], s["hidden"])
+    assert [(c["batch_size"], c["arm"]) for c in cells] == [(b, a["name"]) for b in args.batch_sizes for a in m.ARMS]
+    assert all(_keys(m.GRID) <= set(c["tuning"]["scores"]) for c in cells)
+
+
+def test_adambc_defaults_are_the_published_settings():
+    m = _study("adambc")
+    args = m.parser().parse_args([])
+    for part in ("synthetic", "banking77"):
+        res = _published(f"adambc_{part}")
+        s = res["settings"]
+        assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100) and not s["quick"]
+        assert [r["arm"] for r in res[part]] == [a["name"] for a in m.ARMS if not a.get("extra")]
+
+
+def test_users_defaults_are_the_published_settings():
+    m = _study("users")
+    args, res = m.parser().parse_args([]), _published("users")
+    s = res["settings"]
+    assert (args.seeds, args.tune_seed) == (s["seeds"], s["tune_seed"]) == ([0, 1, 2], 100)
+    assert (m.EPSILONS, m.KS, m.LR_GRID) == (s["epsilons"], s["ks"], s["lr_grid"])
+    assert {(c["assignment"], c["epsilon"], c["k"], c["arm"]) for c in res["cells"]} == {
+        (a, e, k, arm) for a in m.EPSILONS for e in m.EPSILONS[a] for k in m.KS[a] for arm in m.ARMS}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # finetune.py: real fine-tuning (MiniLM LoRA on SST-2, SmolLM2-135M LoRA on E2E), --quick on CPU
 
 HAVE_FINETUNE = (DATA / "sst2" / "train.tsv").is_file() and (DATA / "e2e" / "devset.csv").is_file() \

@@ -31,7 +31,7 @@ import torch
 
 from dpl.core.mechanism import PoissonGaussian
 
-from common import (Split, banking77_features, fmt, pyplot, save, save_figure, spread, study_parser, train_private,
+from common import (Split, banking77_features, choose, fmt, pyplot, result_name, save, save_figure, spread, study_parser, train_private,
                     tune)
 
 ARMS = [
@@ -128,13 +128,19 @@ def group_summary(result: dict, split: str, groups: int) -> list[dict]:
     return [spread([r["final"][split]["group_acc"][k] for r in ok]) if ok else None for k in range(groups)]
 
 
+def parser():
+    """The command line; its defaults are the published tables' settings."""
+    p = study_parser(__doc__)
+    p.add_argument("--part", choices=["synthetic", "banking77", "both"], default="both",
+                   help="run one part only (the two parts are independent: run them as two processes)")
+    p.add_argument("--arms", nargs="+", default=None, help="run only these arms (results: adambc_..._extra)")
+    p.add_argument("--report-only", action="store_true", help="tables and figure from the saved parts")
+    return p
+
+
 def main() -> None:
-    parser = study_parser(__doc__)
-    parser.add_argument("--part", choices=["synthetic", "banking77", "both"], default="both",
-                        help="run one part only (the two parts are independent: run them as two processes)")
-    parser.add_argument("--arms", nargs="+", default=None, help="run only these arms (results: adambc_..._extra)")
-    parser.add_argument("--report-only", action="store_true", help="tables and figure from the saved parts")
-    args = parser.parse_args()
+    args = parser().parse_args()
+    args.arms = choose(args.arms, [a["name"] for a in ARMS])
     if args.report_only:
         report(args.out)
         return
@@ -149,7 +155,9 @@ def main() -> None:
         arms = ARMS
     arms = [a for a in arms if (a["name"] in args.arms if args.arms else not a.get("extra"))]
     results = {"settings": {"groups": G, "tail": tail, "dim": dim, "steps": steps, "sigma": 10.0, "clip": 1.0,
-                            "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick},
+                            "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick,
+                            "arms": [a["name"] for a in arms],
+                            "lr_grids": {a["name"]: a["lr_grid"] for a in arms}},
                "synthetic": [], "banking77": []}
     # 1. synthetic
     probe, group_of_class = synthetic(G, tail, dim, 0)
@@ -159,8 +167,8 @@ def main() -> None:
                                 "group_classes": [int((group_of_class == k).sum()) for k in range(G)]})
     common = {"noise_multiplier": 10.0, "max_grad_norm": 1.0, "batch_size": n, "steps": steps, "delta": 1e-5,
               "optimizer": "sgd", "eval_steps": list(range(steps // 15, steps + 1, steps // 15))}
-    name = "adambc" + ("" if args.part == "both" else f"_{args.part}") + ("_extra" if args.arms else "") \
-        + ("_quick" if args.quick else "")
+    name = result_name("adambc" + ("" if args.part == "both" else f"_{args.part}") + ("_extra" if args.arms else ""),
+                       args)
     for arm in (arms if args.part != "banking77" else []):
         res = run_arm(arm, probe, classes, common, args.seeds, args.tune_seed,
                       make_train=lambda s: synthetic(G, tail, dim, s)[0], groups=group_of_class)
@@ -192,7 +200,7 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - start
     save(name, results, args.out)
     print(tables(results))
-    if not args.quick and results["synthetic"]:
+    if name in ("adambc", "adambc_synthetic"):
         plot(results)
 
 

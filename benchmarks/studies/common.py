@@ -372,16 +372,19 @@ def tune(score: Callable[[float], float], grid: Sequence[float], label: str = ""
 
     run(grid)
     widened = False
-    for _ in range(1):
-        best = max(scores, key=scores.get)
-        values = sorted(scores)
-        if best == values[0] or best == values[-1]:
-            widened = True
-            run(widen(values, "low" if best == values[0] else "high"))
     best = max(scores, key=scores.get)
     values = sorted(scores)
+    if best == values[0] or best == values[-1]:
+        widened = True
+        run(widen(values, "low" if best == values[0] else "high"))
+    best = max(scores, key=scores.get)
+    values = sorted(scores)
+    at_edge = best in (values[0], values[-1]) and len(values) > 1
+    if at_edge:
+        print(f"WARNING: {label} {best:.3g} is at the edge of the widened grid {values[0]:.3g}..{values[-1]:.3g}",
+              flush=True)
     return {"best": best, "scores": {f"{k:.6g}": v for k, v in sorted(scores.items())}, "widened": widened,
-            "at_edge": best in (values[0], values[-1]) and len(values) > 1}
+            "at_edge": at_edge}
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -403,6 +406,33 @@ def arm_settings(arm: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     return {**{k: v for k, v in arm.items() if k != "name"}, **overrides}
 
 
+def choose(asked: Sequence[str] | None, valid: Sequence[str], what: str = "arm") -> list[str] | None:
+    """``asked`` (None: None), after checking that each is one of ``valid``; an unknown name exits with one line
+    that lists the valid names."""
+    if asked is None:
+        return None
+    unknown = [a for a in asked if a not in valid]
+    if unknown:
+        raise SystemExit(f"unknown {what} {', '.join(map(repr, unknown))}; valid: {', '.join(map(repr, valid))}")
+    return list(asked)
+
+
+PUBLISHED_SEEDS, PUBLISHED_TUNE_SEED = [0, 1, 2], 100
+
+
+def result_name(base: str, args: Any) -> str:
+    """``base``, with ``_seeds<first>`` / ``_tune<seed>`` when the report / tuning seeds are not the published
+    ones; ``<base>_quick`` under ``--quick`` (whose seeds are cut to two)."""
+    if args.quick:
+        return base + "_quick"
+    name = base
+    if list(args.seeds) != PUBLISHED_SEEDS:
+        name += f"_seeds{args.seeds[0]}"
+    if args.tune_seed != PUBLISHED_TUNE_SEED:
+        name += f"_tune{args.tune_seed}"
+    return name
+
+
 def save(name: str, results: dict[str, Any], folder: Path | None = None) -> Path:
     """Write ``results`` as ``<folder>/<name>.json`` (default: benchmarks/results/studies)."""
     folder = Path(folder) if folder is not None else RESULTS
@@ -421,8 +451,9 @@ def study_parser(doc: str) -> Any:
     torch.set_num_threads(1)  # tiny ops: one thread is fastest, and the studies must not oversubscribe shared cores
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps on tiny data (the test runs this)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="report seeds (paired across arms)")
-    parser.add_argument("--tune-seed", type=int, default=100, help="seed of the tuning runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=PUBLISHED_SEEDS,
+                        help="report seeds (paired across arms)")
+    parser.add_argument("--tune-seed", type=int, default=PUBLISHED_TUNE_SEED, help="seed of the tuning runs")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON results")
     return parser
 

@@ -21,21 +21,28 @@ from __future__ import annotations
 import statistics
 import time
 
-from common import fmt, pyplot, save, save_figure, spread, sst2, study_parser, train_private, tune
+from common import fmt, pyplot, result_name, save, save_figure, spread, sst2, study_parser, train_private, tune
 
 ARMS = [
     {"name": "DP-SGD", "plugins": None},
     {"name": "DP-SGD + denoise", "plugins": {"denoise": {}}},
 ]
 GRID = [1e-3, 3e-3, 1e-2]
+BATCH_SIZES = [64, 256, 1024]
+
+
+def parser():
+    """The command line; its defaults are the published table's settings."""
+    p = study_parser(__doc__)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=BATCH_SIZES)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--hidden", type=int, default=256)
+    return p
 
 
 def main() -> None:
-    parser = study_parser(__doc__)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=256)
-    args = parser.parse_args()
+    args = parser().parse_args()
+    name = result_name("denoise", args)
     start = time.perf_counter()
     if args.quick:
         data, args.batch_sizes, args.steps, grid = sst2(1024, 256, quick=True), [64, 256], 8, GRID[1:]
@@ -45,7 +52,7 @@ def main() -> None:
         scored = [s for s in (25, 50, 100, 200, 400) if s <= args.steps]
     results = {"settings": {"train": len(data.train), "tune": len(data.tune), "hidden": args.hidden,
                             "steps": args.steps, "scored_steps": scored, "epsilon": 4.0, "optimizer": "adam",
-                            "batch_sizes": args.batch_sizes, "seeds": args.seeds, "tune_seed": args.tune_seed,
+                            "batch_sizes": args.batch_sizes, "lr_grid": grid, "seeds": args.seeds, "tune_seed": args.tune_seed,
                             "quick": args.quick}, "cells": []}
     for batch in args.batch_sizes:
         for arm in ARMS:
@@ -68,16 +75,16 @@ def main() -> None:
                                for r in runs],
                     "seconds_per_run": statistics.fmean(r["seconds"] for r in runs)}
             results["cells"].append(cell)
-            save("denoise_quick" if args.quick else "denoise", results, args.out)  # so far
+            save(name, results, args.out)  # so far
             final = [c[scored[-1]] for c in cell["curves"] if c]
             print(f"[{time.perf_counter() - start:5.0f} s] B={batch} {arm['name']}: lr {tuned['best']:.3g}"
                   f"{' (AT EDGE)' if tuned['at_edge'] else ''} acc@{scored[-1]} {fmt(spread(final)) if final else '-'}"
                   f" denoised {cell['fraction_denoised']}", flush=True)
     results["paired"] = paired(results)
     results["seconds"] = time.perf_counter() - start
-    save("denoise_quick" if args.quick else "denoise", results, args.out)
+    save(name, results, args.out)
     print(table(results))
-    if not args.quick:
+    if name == "denoise":
         plot(results)
 
 

@@ -12,7 +12,8 @@ once per width), a linear head on it (d = 2 D + 2 parameters, zero init). N = 4,
 T = 1,000 steps, C = 1, delta = 1 / (10 N), mu = 1e-3, plain SGD (DPZero's update needs it). MeZO is the dpzero plugin
 with noise 0 and C = inf (plugins/dpzero/mezo.yaml); DPGD-0th is its ``estimator: dpgd0``. Each arm's lr is tuned per
 width on 1,024 held-out training rows (tuning seed), widened once at a grid edge; the zeroth-order arms' grid is in
-units of 1 / d. Report seeds are paired; accuracy on the GLUE validation set.
+units of 1 / d. A best lr still at the edge of the widened grid is warned about and marked "(edge)" in the table:
+the best lr d grows with d, and ``--zo-grid`` widens the grid. Report seeds are paired; accuracy on the GLUE validation set.
 
     python benchmarks/studies/dpzero.py            # full study
     python benchmarks/studies/dpzero.py --quick    # a few steps on tiny data (the test)
@@ -26,7 +27,8 @@ import time
 
 import torch
 
-from common import Split, fmt, pyplot, save, save_figure, spread, sst2, study_parser, train_private, tune
+from common import (Split, choose, fmt, pyplot, result_name, save, save_figure, spread, sst2, study_parser,
+                    train_private, tune)
 
 ZEROTH = {"dpzero": {"mu": 1e-3}}
 ARMS = [  # lr_grid in units of 1 / d for the zeroth-order arms ("per_d": true)
@@ -44,6 +46,7 @@ DIRECTION_ARMS = [
      "per_d": True} for label, direction in (("Gaussian", "gaussian"), ("Rademacher", "rademacher"))]
 ZO_GRID = [10.0, 30.0, 100.0]       # x 1 / d
 FO_GRID = [0.3, 1.0, 3.0]
+WIDTHS = [256, 2048, 16384]
 
 
 def random_features(x: torch.Tensor, width: int, mean: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -56,17 +59,23 @@ def random_features(x: torch.Tensor, width: int, mean: torch.Tensor, seed: int =
     return torch.relu(u @ w + b) * math.sqrt(2.0 / width)
 
 
+def parser():
+    """The command line; its defaults are the published table's settings."""
+    p = study_parser(__doc__)
+    p.add_argument("--widths", type=int, nargs="+", default=WIDTHS)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--zo-grid", type=float, nargs="+", default=ZO_GRID, help="lr grid of the zeroth-order arms "
+                   "(units of 1 / d)")
+    p.add_argument("--arms", nargs="+", default=None, help="run only these arms")
+    p.add_argument("--tag", default="", help="suffix of the results' name (dpzero_<tag>.json)")
+    p.add_argument("--report-only", action="store_true", help="the tables and figure of dpzero.json and "
+                   "dpzero_directions.json")
+    return p
+
+
 def main() -> None:
-    parser = study_parser(__doc__)
-    parser.add_argument("--widths", type=int, nargs="+", default=[256, 2048, 16384])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--zo-grid", type=float, nargs="+", default=ZO_GRID, help="lr grid of the zeroth-order arms "
-                        "(units of 1 / d)")
-    parser.add_argument("--arms", nargs="+", default=None, help="run only these arms")
-    parser.add_argument("--tag", default="", help="suffix of the results' name (dpzero_<tag>.json)")
-    parser.add_argument("--report-only", action="store_true", help="table and figure from dpzero.json, with the "
-                        "cells of the tagged runs (wider grids, more widths) in place of or beside its own")
-    args = parser.parse_args()
+    args = parser().parse_args()
+    args.arms = choose(args.arms, [a["name"] for a in ARMS + DIRECTION_ARMS])
     if args.report_only:
         report(args.out)
         return
@@ -77,11 +86,14 @@ def main() -> None:
         zo_grid, fo_grid = ZO_GRID[:2], FO_GRID[:2]
     else:
         data, batch, zo_grid, fo_grid = sst2(4096, 1024), 64, args.zo_grid, FO_GRID
-    name = "dpzero" + (f"_{args.tag}" if args.tag else "") + ("_quick" if args.quick else "")
+    name = result_name("dpzero" + (f"_{args.tag}" if args.tag else ""), args)
     mean = data.train.x.mean(0)
     results = {"settings": {"train": len(data.train), "tune": len(data.tune), "batch_size": batch,
                             "steps": args.steps, "widths": args.widths, "mu": 1e-3, "clip": 1.0,
-                            "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick}, "cells": []}
+                            "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick,
+                            "zo_grid": zo_grid, "fo_grid": fo_grid,
+                            "arms": [a["name"] for a in ARMS + DIRECTION_ARMS
+                                     if (a["name"] in args.arms if args.arms else a in ARMS)]}, "cells": []}
     for width in args.widths:
         train, held, test = (Split(random_features(s.x, width, mean), s.y) for s in (data.train, data.tune, data.test))
         d = 2 * width + 2
@@ -114,30 +126,21 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - start
     save(name, results, args.out)
     print(table(results))
-    if not args.quick and not args.tag:
+    if name == "dpzero":
         plot(results)
 
 
 def report(folder) -> None:
+    """The tables of ``dpzero.json`` and ``dpzero_directions.json`` (where present), and the figure of the first."""
     from pathlib import Path
 
-    main_run = json.loads((Path(folder) / "dpzero.json").read_text())
-    cells = {(c["arm"], c["width"]): c for c in main_run["cells"]}
-    for path in sorted(Path(folder).glob("dpzero_*.json")):
-        if not path.stem.endswith("_quick"):
-            for c in json.loads(path.read_text())["cells"]:
-                cells[(c["arm"], c["width"])] = {**c, "source": path.stem}
-    order = [a["name"] for a in ARMS + DIRECTION_ARMS]
-    pair = {a["name"] for a in DIRECTION_ARMS}
-    for group in ([c for c in cells.values() if c["arm"] not in pair], [c for c in cells.values() if c["arm"] in pair]):
-        if not group:
-            continue
-        widths = sorted({c["width"] for c in group})
-        merged = {**main_run, "settings": {**main_run["settings"], "widths": widths},
-                  "cells": sorted(group, key=lambda c: (order.index(c["arm"]), c["width"]))}
-        print(table(merged))
-        if group[0]["arm"] not in pair:
-            plot(merged)
+    for stem in ("dpzero", "dpzero_directions"):
+        path = Path(folder) / f"{stem}.json"
+        if path.exists():
+            results = json.loads(path.read_text())
+            print(table(results))
+            if stem == "dpzero":
+                plot(results)
 
 
 def table(results: dict) -> str:
@@ -150,7 +153,7 @@ def table(results: dict) -> str:
         row = []
         for w in widths:
             c = cell.get((name, w))
-            edge = (" (edge)" if c and c["tuning"]["at_edge"] else "") + ("*" if c and c.get("source") else "")
+            edge = " (edge)" if c and c["tuning"]["at_edge"] else ""
             row.append((fmt(c["acc"]) if c["acc"] else "diverged") + edge if c else "-")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -164,6 +167,9 @@ def plot(results: dict) -> None:
         sel = [c for c in results["cells"] if c["arm"] == name and c["acc"]]
         ax.errorbar([c["d"] for c in sel], [100 * c["acc"]["mean"] for c in sel],
                     [100 * c["acc"]["sd"] for c in sel], marker="o", capsize=3, color=f"C{i}", label=name)
+        edge = [c for c in sel if c["tuning"]["at_edge"]]
+        ax.scatter([c["d"] for c in edge], [100 * c["acc"]["mean"] for c in edge], s=140, facecolors="none",
+                   edgecolors="k", label="lr at the grid's edge" if i == len(names) - 1 else None, zorder=3)
     s = results["settings"]
     ax.set_xscale("log")
     ax.set_xlabel("trainable parameters d (random-feature width D, d = 2D + 2)")

@@ -58,7 +58,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from common import DATA, ENCODER, fmt, private_training, pyplot, read_tsv, save, save_figure, spread, study_parser, tune
+from common import (DATA, ENCODER, choose, fmt, private_training, pyplot, read_tsv, save, save_figure, spread,
+                    study_parser, tune)
 
 FTRL_ARMS = [
     {"name": "DP-SGD (amplified)", "plugins": None},
@@ -491,6 +492,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "evaluation (results: finetune_<study>_timing.json)")
     args = parser.parse_args(argv)
     arms, setup_of, run, size_of, table, plot = STUDIES[args.study]
+    choose(args.arms, [a["name"] for a in arms])
     arms = [a for a in arms if not args.arms or a["name"] in args.arms]
     s = {**DEFAULTS[args.study], **(QUICK[args.study] if args.quick else {})}
     for key in ("seeds", "epsilons", "epochs", "lr_grid", "eval_rows", "scored_steps"):

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import time
 
-from common import arm_settings, fmt, save, save_figure, spread, sst2, study_parser, pyplot, train_private, tune
+from common import (arm_settings, choose, fmt, pyplot, result_name, save, save_figure, spread, sst2, study_parser,
+                    train_private, tune)
+
+EPSILONS, EPOCHS, LR_GRID = [1.0, 4.0, 16.0], [3, 20], [0.03, 0.1, 0.3, 1.0, 3.0]
 
 
 def arms(steps_per_epoch: int) -> list[dict]:
@@ -38,24 +41,33 @@ def arms(steps_per_epoch: int) -> list[dict]:
     ]
 
 
+def parser():
+    """The command line; its defaults are the published table's settings."""
+    p = study_parser(__doc__)
+    p.add_argument("--epsilons", type=float, nargs="+", default=EPSILONS)
+    p.add_argument("--epochs", type=int, nargs="+", default=EPOCHS)
+    p.add_argument("--arms", nargs="+", default=None, help="run only these arms (results: ftrl_<arms>.json)")
+    return p
+
+
 def main() -> None:
-    parser = study_parser(__doc__)
-    parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 4.0, 16.0])
-    parser.add_argument("--epochs", type=int, nargs="+", default=[3, 20])
-    parser.add_argument("--arms", nargs="+", default=None, help="run only these arms (results: ftrl_<arms>.json)")
-    args = parser.parse_args()
-    name = "ftrl" + ("_" + "_".join(a.split()[0].lower() + "".join(c for c in a if c.isdigit()) for a in args.arms)
-                     if args.arms else "") + ("_quick" if args.quick else "")
+    args = parser().parse_args()
+    args.arms = choose(args.arms, [a["name"] for a in arms(1)])
+    name = result_name("ftrl" + ("_" + "_".join(a.split()[0].lower() + "".join(c for c in a if c.isdigit())
+                                                for a in args.arms) if args.arms else ""), args)
     start = time.perf_counter()
     if args.quick:
         data, batch, args.epsilons, args.epochs, grid = sst2(512, 256, quick=True), 64, [4.0], [2], [0.3, 1.0]
         args.seeds = args.seeds[:2]
     else:
-        data, batch, grid = sst2(8192, 2048), 256, [0.03, 0.1, 0.3, 1.0, 3.0]
+        data, batch, grid = sst2(8192, 2048), 256, LR_GRID
     b = len(data.train) // batch
     common = {"momentum": 0.9, "optimizer": "sgd", "batch_size": batch}
     results = {"settings": {"train": len(data.train), "tune": len(data.tune), "test": len(data.test),
                             "batch_size": batch, "steps_per_epoch": b, "momentum": 0.9, "lr_grid": grid,
+                            "epsilons": args.epsilons, "epochs": args.epochs,
+                            "arms": [a["name"] for a in arms(b) if (a["name"] in args.arms if args.arms
+                                                                    else not a.get("extra"))],
                             "seeds": args.seeds, "tune_seed": args.tune_seed, "quick": args.quick}, "cells": []}
     for epochs in args.epochs:
         for eps in args.epsilons:

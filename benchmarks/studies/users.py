@@ -59,9 +59,13 @@ import torch
 from dpl.core.accounting import group_privacy
 from dpl.core.units import Users
 
-from common import Split, fmt, pyplot, save, save_figure, spread, sst2, study_parser, train_private, tune
+from common import (Split, choose, fmt, pyplot, result_name, save, save_figure, spread, sst2, study_parser,
+                    train_private, tune)
 
 ARMS = ("ULS", "ELS", "group")
+EPSILONS = {"zipf": [1.0, 4.0, 8.0], "uniform": [1.0, 8.0]}
+KS = {"zipf": [1, 2, 4, 8, 16], "uniform": [1, 8]}
+LR_GRID = [0.003, 0.01, 0.03, 0.1]
 
 
 def zipf_keys(n: int, users: int, seed: int = 0) -> list[int]:
@@ -137,7 +141,8 @@ def run_cell(arm: str, data, keys: list[int], k: int, epsilon: float, grid: list
             "diverged": sum(r["diverged"] for r in runs), "seconds_per_run": sum(r["seconds"] for r in runs) / len(runs)}
 
 
-def main() -> None:
+def parser():
+    """The command line; the study's defaults (EPSILONS, KS, LR_GRID) are the published table's settings."""
     parser = study_parser(__doc__)
     parser.add_argument("--resume", action="store_true",
                         help="keep the cells already in the results file (and in users_<assignment>.json)")
@@ -148,7 +153,13 @@ def main() -> None:
                         help="run only these user-level epsilons (with --assignments: a part to merge by --resume)")
     parser.add_argument("--reverse-k", action="store_true",
                         help="the k values from the largest (a second process working toward the first)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
+    choose([f"{e:g}" for e in args.epsilons or []], sorted({f"{e:g}" for v in EPSILONS.values() for e in v}),
+           "epsilon")
     start = time.perf_counter()
     if args.quick:
         data = sst2(train=1024, tune=512, quick=True)
@@ -158,13 +169,12 @@ def main() -> None:
         zipf_users, per_user = 100, 8
     else:
         data = sst2(train=8192, tune=2048)
-        epsilons, ks, steps, rows_per_step = {"zipf": [1.0, 4.0, 8.0], "uniform": [1.0, 8.0]}, \
-            {"zipf": [1, 2, 4, 8, 16], "uniform": [1, 8]}, 200, 256
-        grid, zipf_users, per_user = [0.003, 0.01, 0.03, 0.1], 500, 8
+        epsilons, ks, steps, rows_per_step = EPSILONS, KS, 200, 256
+        grid, zipf_users, per_user = LR_GRID, 500, 8
     n = len(data.train)
     assignments = {"zipf": zipf_keys(n, zipf_users), "uniform": uniform_keys(n, per_user)}
     both = len(args.assignments) == 2
-    name = "users" + ("" if both else "_" + args.assignments[0]) + ("_quick" if args.quick else "")
+    name = result_name("users" + ("" if both else "_" + args.assignments[0]), args)
     path = args.out / f"{name}.json"
     results = {"settings": {"rows": n, "tune_rows": len(data.tune), "test_rows": len(data.test),
                             "steps": steps, "rows_per_step": rows_per_step, "clip": 1.0, "optimizer": "sgd",
@@ -175,7 +185,7 @@ def main() -> None:
                                                 "rows_per_user": per_user} for a, keys in assignments.items()}},
                "cells": []}
     if args.resume:
-        parts = [path] + ([args.out / f"users_{a}{'_quick' if args.quick else ''}.json" for a in assignments]
+        parts = [path] + ([args.out / f"{name.replace('users', f'users_{a}', 1)}.json" for a in assignments]
                           if both else [])
         for part in parts:
             if part.exists():
@@ -207,7 +217,7 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - start
     save(name, results, args.out)
     print(table(results))
-    if not args.quick:
+    if name == "users":
         plot(results)
 
 
