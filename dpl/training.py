@@ -54,6 +54,8 @@ class PrivateTraining:
         users: under ``privacy.unit: user``, the user of every training row.
         sampling_rate: the sampling rate, if not ``B / N``.
         log_metric: receives the metrics the plugins log during a step (``name, value``).
+        seed_namespace: with ``privacy.seed`` (experiments only), the prefix of the purposes its per-purpose seeds
+            are derived for (:class:`~dpl.core.engine.PrivateEngine`), so that a study keeps its own streams.
     """
 
     def __init__(self, model: nn.Module, per_example_loss: Callable[[dict[str, Any]], Tensor],
@@ -62,7 +64,7 @@ class PrivateTraining:
                  plugins: Mapping[str, Any] | None = None, trainable: Mapping[str, Tensor] | None = None,
                  scheduler: SchedulerFactory | None = None, users: Sequence[Hashable] | None = None,
                  sampling_rate: float | None = None,
-                 log_metric: Callable[[str, float], None] | None = None) -> None:
+                 log_metric: Callable[[str, float], None] | None = None, seed_namespace: str = "") -> None:
         if (data is None) == (num_examples is None):
             raise ConfigError("give the training data or its size (num_examples), not both")
         if data is not None:
@@ -75,7 +77,7 @@ class PrivateTraining:
         self.trainable = dict(trainable) if trainable is not None else {
             n: p for n, p in model.named_parameters() if p.requires_grad}
         self.log_metric = log_metric
-        self.engine = PrivateEngine(privacy, plugins)
+        self.engine = PrivateEngine(privacy, plugins, seed_namespace=seed_namespace)
         factory = optimizer if not isinstance(optimizer, torch.optim.Optimizer) else _answering(optimizer)
         users_of = None
         if users is not None:

