@@ -137,7 +137,8 @@ class PrivateTraining:
 
     # --- training ---------------------------------------------------------------------------------------------
     def step(self, batch: dict[str, Any] | None = None) -> None:
-        """One private step: on ``batch`` (already collated, e.g. a fixed batch to time), else on the next batch
+        """One private step: on ``batch`` (already collated, e.g. a fixed batch to time; the accounted epsilon
+        assumes the mechanism's sampling and does not hold for batches the caller chooses), else on the next batch
         of the mechanism's sampler. Refused with :class:`~dpl.errors.BudgetExceeded` if it would spend more than
         the budget; the update is applied and the scheduler stepped."""
         if self.engine.would_exceed_max_epsilon():
