@@ -143,21 +143,22 @@ def test_tuning_study_solves_the_total_epsilon(target, law):
     import tuning
 
     from dpl.core.accounting import tuning as accounting
-    from dpl.tune import release
+    from dpl.tune import plans, release
 
     n, batch, steps, runs = 8192, 256, 96, 6
     rate, delta = batch / n, 1.0 / (10 * n)
     dist = getattr(accounting, law)(6.0)
-    report = {"noise_multiplier": tuning.tuned_sigma(target, delta, rate, steps, dist), "sampling_rate": rate,
-              "steps_planned": steps, "steps_taken": steps, "delta": delta, "accountant": "prv"}
-    total = release.tuned_privacy(report, dist)["epsilon"]
+    plan = {"noise_multiplier": tuning.tuned_sigma(target, delta, rate, steps, dist), "sampling_rate": rate,
+            "steps": steps, "delta": delta, "accountant": "prv"}
+    report = {"delta": delta}
+    total = release.tuned_privacy([plan], dist, report)["epsilon"]
     assert target * 0.99 <= total <= target
-    assert release.tuned_privacy(report, dist)["epsilon_one_trial_rdp"] < target  # each trial spends less
+    assert release.tuned_privacy([plan], dist, report)["epsilon_one_trial_rdp"] < target  # each trial spends less
 
-    report["noise_multiplier"] = tuning.grid_sigma(target, delta, rate, steps, runs)
-    total = release.composed_epsilon(report, runs, delta)
+    plan["noise_multiplier"] = tuning.grid_sigma(target, delta, rate, steps, runs)
+    total = plans.composed_epsilon([plan], runs, delta)
     assert target * 0.99 <= total <= target
-    assert release.composed_epsilon(report, runs + 1, delta) > target  # one more grid run would overspend
+    assert plans.composed_epsilon([plan], runs + 1, delta) > target  # one more grid run would overspend
 
 
 # ---------------------------------------------------------------------------------------------------------
