@@ -46,3 +46,10 @@ def test_the_checks_catch_a_moved_page(tmp_path):
                                    " [z](#nowhere)\n")
     assert links(tmp_path / "a.md") == ["b.md", "#cost-per-step-fused-streams", "#nowhere"]
     assert "cost-per-step-fused-streams" in slugs(tmp_path / "a.md") and "nowhere" not in slugs(tmp_path / "a.md")
+
+
+def test_the_tests_map_names_every_test_file():
+    """tests/README.md maps each test file to the code it checks: a new test file gets its row."""
+    table = (ROOT / "tests" / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if f"`{p.name}`" not in table]
+    assert missing == []
