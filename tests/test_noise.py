@@ -183,7 +183,10 @@ def test_normals_draw_what_one_normal_per_shape_draws(threads):
     expected = [normal(s, generator) for s in shapes[:3]]
     assert all(torch.equal(a, b) for a, b in zip(expected, normals(shapes[:3], torch.Generator().manual_seed(3))))
     secure = normals([(10,), (70_001,)], SecureNormal())
-    assert [t.numel() for t in secure] == [10, 70_001] and not torch.isin(secure[0], secure[1]).any()
+    assert [t.numel() for t in secure] == [10, 70_001]
+    # the second draw does not repeat the first anywhere (a single float32 value may recur by chance, ~1% of runs;
+    # ten in a row may not)
+    assert not (secure[1].unfold(0, 10, 1) == secure[0]).all(dim=1).any()
 
 
 def test_normals_like_follows_the_order_device_and_dtype_of_its_tensors():
