@@ -48,6 +48,34 @@ def steps_per_epoch(population: int, batch_size: int) -> int:
     return max(1, population // batch_size)
 
 
+def planned_steps(steps_per_epoch: int, *, max_steps: int | None, max_epochs: int | None,
+                  limit_train_batches: int | float | None = 1.0) -> int:
+    """The number of steps a Lightning trainer with these settings really runs: the smallest of ``max_steps`` and
+    ``max_epochs`` times the batches per epoch (``limit_train_batches`` applied); a warning when they disagree."""
+    per_epoch = steps_per_epoch
+    limit = limit_train_batches
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        per_epoch = min(per_epoch, limit)
+    elif limit is not None and limit != 1.0:
+        per_epoch = int(per_epoch * float(limit))
+    candidates = {}
+    if max_steps is not None and max_steps > 0:
+        candidates["trainer.max_steps"] = int(max_steps)
+    if max_epochs is not None and max_epochs >= 0:
+        candidates[f"trainer.max_epochs ({max_epochs} x {per_epoch} steps)"] = int(max_epochs) * per_epoch
+    if not candidates:
+        raise ConfigError("set trainer.max_steps or trainer.max_epochs: privacy accounting needs the number "
+                          "of steps up front")
+    steps = min(candidates.values())
+    if len(set(candidates.values())) > 1:
+        log.warning("dpl: %s; training stops after %d steps, and privacy is accounted for %d steps",
+                    " vs ".join(f"{k} = {v}" for k, v in candidates.items()), steps, steps)
+    if steps < 1:
+        raise ConfigError("the trainer settings leave no training step (max_steps / max_epochs / "
+                          "limit_train_batches)")
+    return steps
+
+
 def make_plan(privacy: PrivacyConfig, *, population: int, steps: int, num_rows: int | None = None,
               num_units: int | None = None, sampling_rate: float | None = None) -> Plan:
     """The plan of ``steps`` steps drawing expected batches of ``privacy.batch_size`` out of ``population``; delta

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
-
-import torch
-from torch.utils.data import Sampler
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from dpl.core.accounting.common import Segment
-from dpl.core.sampling import PoissonBatchSampler
 from dpl.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where batches are drawn, not for planning (dpl plan loads no torch)
+    import torch
+    from torch.utils.data import Sampler
 
 Adjacency = Literal["add_remove", "zero_out", "replace_one"]
 ADJACENCIES: tuple[str, ...] = ("add_remove", "zero_out", "replace_one")
@@ -97,6 +97,8 @@ class PoissonGaussian:
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
+        from dpl.core.sampling import PoissonBatchSampler
+
         # Every Poisson batch is a fresh draw: where the run resumes does not matter.
         return PoissonBatchSampler(num_examples, self.sample_rate, steps_per_epoch, generator)
 

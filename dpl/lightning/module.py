@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import Sampler
 
 from dpl.core.engine import PrivateEngine
-from dpl.core.ledger import steps_per_epoch
+from dpl.core.ledger import planned_steps, steps_per_epoch
 from dpl.core.plugin_manager import plugin_options_type
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sharding import full_parameters
@@ -176,30 +176,9 @@ class DPModule(L.LightningModule):
 
     @staticmethod
     def planned_total_steps(trainer: L.Trainer, steps_per_epoch: int) -> int:
-        """The number of steps the trainer will really run: the smallest of ``max_steps`` and ``max_epochs``
-        times the batches per epoch (``limit_train_batches`` applied); a warning when the settings disagree."""
-        per_epoch = steps_per_epoch
-        limit = trainer.limit_train_batches
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            per_epoch = min(per_epoch, limit)
-        elif limit is not None and limit != 1.0:
-            per_epoch = int(per_epoch * float(limit))
-        candidates = {}
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            candidates["trainer.max_steps"] = int(trainer.max_steps)
-        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
-            candidates[f"trainer.max_epochs ({trainer.max_epochs} x {per_epoch} steps)"] = int(trainer.max_epochs) * per_epoch
-        if not candidates:
-            raise ConfigError("set trainer.max_steps or trainer.max_epochs: privacy accounting needs the number "
-                              "of steps up front")
-        steps = min(candidates.values())
-        if len(set(candidates.values())) > 1:
-            log.warning("dpl: %s; training stops after %d steps, and privacy is accounted for %d steps",
-                        " vs ".join(f"{k} = {v}" for k, v in candidates.items()), steps, steps)
-        if steps < 1:
-            raise ConfigError("the trainer settings leave no training step (max_steps / max_epochs / "
-                              "limit_train_batches)")
-        return steps
+        """The number of steps the trainer will really run (:func:`~dpl.core.ledger.planned_steps`)."""
+        return planned_steps(steps_per_epoch, max_steps=trainer.max_steps, max_epochs=trainer.max_epochs,
+                             limit_train_batches=trainer.limit_train_batches)
 
     def _check_precision(self, trainer: L.Trainer) -> None:
         precision = str(getattr(trainer, "precision", "32"))

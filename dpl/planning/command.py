@@ -7,6 +7,8 @@ classes are instantiated, N is counted without tokenizing, the model is built wi
 ``dpl fit`` would train with. Printed: N, B, q, steps, epochs, (epsilon, delta), the mechanism, d, sigma, the
 noise-batch ratio sigma / B and the noise on the mean update against the clipped signal
 (:mod:`dpl.core.regime`), then the alternatives at the same epsilon and compute (:mod:`~dpl.planning.alternatives`).
+A config that needs no model code (the quickstart's kind) is planned by :mod:`~dpl.planning.quick` first, without
+importing torch or Lightning; the report is the same.
 """
 
 from __future__ import annotations
@@ -76,10 +78,13 @@ def plan_command(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     from dpl.cli import _dpl_error_in, _quiet
+    from dpl.planning.quick import quick_plan
 
-    _quiet()  # the warnings dpl fit silences
     try:
-        report = plan_config(argv)
+        report = quick_plan(argv)
+        if report is None:  # the config needs dpl fit's parser and classes
+            _quiet()  # the warnings dpl fit silences
+            report = plan_config(argv)
     except Exception as exc:
         error = _dpl_error_in(exc)
         if error is None or os.environ.get("DPL_DEBUG"):
@@ -161,13 +166,19 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
         adjacency=mechanism.adjacency, max_grad_norm=float(cfg.max_grad_norm), current=current,
         trainable=sum(p.numel() for p in trainable.values()), estimator=_estimator(engine), lora=_lora(module))
-    if current.noise_multiplier == 0 or not math.isfinite(target):
+    return finish_report(report, engine, partial(_replan, module, trainer, float(target)))
+
+
+def finish_report(report: PlanReport, engine: Any, replan: Any) -> PlanReport:
+    """``report`` with the alternatives at the same compute (each planned by ``replan(B, steps)``) and the
+    recommendation; none where the run adds no noise."""
+    current = report.current
+    if current.noise_multiplier == 0 or not math.isfinite(report.target_epsilon):
         report.rows = [current]
         report.why = "no alternatives: the run adds no noise (not private)"
         return report
-    replan = partial(_replan, module, trainer, float(target))
     report.rows, report.refused = alternatives(replan, engine)
-    report.recommended, report.why = recommend(report.rows, replan, plan.num_examples, report.lora)
+    report.recommended, report.why = recommend(report.rows, replan, engine.plan.num_examples, report.lora)
     return report
 
 
