@@ -51,7 +51,9 @@ QUICK = {"train_size": 300, "validation_size": 40, "test_size": 40, "batch_size"
 
 
 def test_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """The generated rows after the validation split (the generator draws the splits in order, without repeats)."""
+    """``test_size`` generated rows in neither the training nor the validation split: the generator drawn for a
+    larger validation split (it draws the training rows first, then new sentences, each once, and shuffles each
+    split afterwards), less the rows of the real validation split."""
     return _generated(s["train_size"], s["validation_size"], s["test_size"])
 
 
@@ -59,7 +61,11 @@ def test_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
 def _generated(train: int, validation: int, test: int) -> list[tuple[str, str]]:
     from dpl.tasks.data.quickstart_gen import SEED, generate
 
-    return generate(SEED, train, validation + test)["validation"][validation:]
+    used = {text for text, _ in generate(SEED, train, validation)["validation"]}
+    rows = [r for r in generate(SEED, train, validation + test)["validation"] if r[0] not in used]
+    if len(rows) != test:
+        raise RuntimeError(f"the generator gave {len(rows)} new rows, not {test}")
+    return rows
 
 
 def _dpl(args: list[str]) -> None:
