@@ -374,3 +374,14 @@ def test_users_study_quick(tmp_path):
         kmax = {c["arm"]: c for c in mine if c["k"] == max(ks)}
         assert kmax["ULS"]["sigma"] < kmax["ELS"]["sigma"] < kmax["group"]["sigma"]  # k > 1: group privacy costs most
         assert kmax["group"]["row_level"]["epsilon"] == pytest.approx(res["settings"]["epsilons"][a][0] / max(ks))
+
+
+def test_tuning_quickstart_defaults_and_table_are_the_published_ones():
+    import tuning
+
+    m = _study("tuning_quickstart")
+    res = _published("tuning_quickstart")
+    s = res["settings"]
+    assert {k: s[k] for k in m.SETTINGS} == m.SETTINGS and not s["quick"]
+    assert s["seeds"] == [c["seed"] for c in res["cells"]]
+    assert tuning.table(res) in (ROOT / "docs" / "methods.md").read_text()  # the docs show the file as it is
