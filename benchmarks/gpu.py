@@ -2,9 +2,14 @@
 within one time budget, the results written after every stage.
 
     python benchmarks/gpu.py                          # on a GPU: --budget-seconds 480, under a 540 s limit
+    python benchmarks/gpu_payload.py                  # for a bare GPU machine: packages, weights, data in parts
     python benchmarks/gpu_tables.py                   # the docs' GPU tables (docs/benchmarks.md)
     git add benchmarks/results/gpu docs/benchmarks.md && git commit    # results and tables
     python benchmarks/gpu.py --dry-run --out /tmp/gpudry    # every stage on CPU with tiny settings (seconds)
+
+On a machine that lacks dpl's dependencies and reaches no package index, gpu_payload.py packs what it needs into
+parts of at most 64 MiB each beside the repository, and benchmarks/gpu_device.sh (run there after the parts) unpacks
+and installs them, runs this script and packs the results folder into one tar file (gpu_payload.py prints the calls).
 
 Stages, in this order, each a subprocess with a timeout and a deadline (a stage or run that would not fit before it
 is recorded as skipped, and so is what remains):
@@ -96,6 +101,17 @@ def junit_results(path: Path) -> dict[str, str]:
     return results
 
 
+def junit_failures(path: Path) -> dict[str, str]:
+    """``{test id: the end of its failure or error text (message and traceback)}`` from pytest's junit XML."""
+    failures = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                text = (child.get("message") or "") + "\n" + (child.text or "")
+                failures[f"{case.get('classname')}::{case.get('name')}"] = text.strip()[-1500:]
+    return failures
+
+
 def verbose_results(output: str) -> dict[str, str]:
     """``{test id: outcome}`` from ``pytest -v`` lines, for a run stopped before it wrote its junit XML."""
     outcomes = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped"}
@@ -111,13 +127,14 @@ def tests_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
         run = run_command([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "-p", "no:cacheprovider",
                            f"--junitxml={xml}", *paths], seconds)
         tests = junit_results(xml) if xml.is_file() else verbose_results(run["output"])
+        failures = junit_failures(xml) if xml.is_file() else {}
         run = trimmed(run)
     counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failed", "skipped")}
     if run["status"] == "failed" and tests and not counts["failed"]:
         run["status"] = "passed"  # pytest exits 5 when every test is deselected or skipped
     if run["status"] == "passed" and counts["failed"]:
         run["status"] = "failed"
-    return {**run, "results": {"counts": counts, "tests": tests}}
+    return {**run, "results": {"counts": counts, "tests": tests, "failures": failures}}
 
 
 # ----------------------------------------------------------------------------------------------------------

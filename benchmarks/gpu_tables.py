@@ -47,7 +47,15 @@ def tests_table(reports: list[tuple[str, dict[str, Any]]]) -> str:
         failed = [t for t, v in results["tests"].items() if v == "failed"]
         c = results["counts"]
         lines.append(f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']} | {', '.join(failed) or '-'} |")
-    return "\n".join(lines)
+    errors = [f"* {name}, `{test}`: {last_line(text)}" for name, r in reports
+              for test, text in (((r["stages"].get("tests") or {}).get("results") or {}).get("failures") or {}).items()]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def last_line(text: str) -> str:
+    """The last line of a failure's text that says what went wrong (its ``E   `` lines, else the message)."""
+    said = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    return "`" + (said[-1] if said else text.splitlines()[0]).replace("`", "'")[:200] + "`"
 
 
 def speed_rows(reports: list[tuple[str, dict[str, Any]]]) -> dict[tuple, dict[str, Any]]:

@@ -92,7 +92,9 @@ def _fresh_port(monkeypatch):
 
 def fit(module: DPModule, data: L.LightningDataModule, out: Path, devices: int, steps: int, ckpt_path=None,
         callbacks=(), validate: bool = False, accelerator: str = "cpu") -> list[dict]:
-    strategy = DPFSDPStrategy(start_method="fork" if accelerator == "cpu" else "spawn") if devices > 1 else "auto"
+    # fork is fast, but a process forked after CUDA was initialised cannot use CUDA (not even torch's lazy checks)
+    fork = accelerator == "cpu" and not torch.cuda.is_initialized()
+    strategy = DPFSDPStrategy(start_method="fork" if fork else "spawn") if devices > 1 else "auto"
     trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, accelerator=accelerator, devices=devices,
                         strategy=strategy, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -390,8 +392,8 @@ def test_two_gpus_sharded_equal_one_gpu(tmp_path):  # pragma: no cover - GPU onl
 def test_one_gpu_equals_two_sharded_cpu_processes(tmp_path):  # pragma: no cover - GPU only
     """Same batches, clipping and update on 1 GPU and on 2 FSDP CPU processes. sigma = 0: CUDA and CPU generators
     draw different noise, so only the noiseless path can be compared across devices."""
+    cpu = run_blocks(tmp_path / "cpu", 2, sigma=0.0)  # first: its processes fork before this one uses CUDA
     gpu = run_blocks(tmp_path / "gpu", 1, sigma=0.0, accelerator="gpu")[0]
-    cpu = run_blocks(tmp_path / "cpu", 2, sigma=0.0)
     for step, batch in enumerate(gpu["batches"]):
         real = {i for r in cpu for i in r["batches"][step] if i < 160}
         assert sorted(real) == sorted(batch)

@@ -1,11 +1,14 @@
-"""benchmarks/gpu.py: its dry run (every stage on CPU with tiny settings) writes every stage's status in order, and
-benchmarks/gpu_tables.py turns a result file into the docs' GPU tables."""
+"""benchmarks/gpu.py: its dry run (every stage on CPU with tiny settings), reached the way a bare GPU machine reaches it
+(gpu_payload.py's parts, gpu_device.sh), writes every stage's status in order; benchmarks/gpu_tables.py turns a result
+file into the docs' GPU tables."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -17,12 +20,23 @@ import gpu_tables  # noqa: E402
 STATUSES = {"passed", "failed", "skipped", "timed out"}
 
 
-def test_dry_run(tmp_path):
+def test_dry_run_from_a_payload_through_the_device_script(tmp_path):
+    """The path a bare GPU machine takes, on CPU: the payload in parts, joined and unpacked by gpu_device.sh, which
+    runs gpu.py's dry run (every stage, tiny settings) and packs the results folder into one tar file."""
+    import gpu_payload
+
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    parts = gpu_payload.build(tmp_path / "parts", [], [], None, size=100, level=1)
+    assert len(parts) > 1 and all(p.stat().st_size <= 100 for p in parts)
+    env = {**os.environ, "PARTS": str(tmp_path / "parts"), "PAYLOAD": str(tmp_path / "payload"),
+           "PYTHON": sys.executable, "RESULTS": str(tmp_path / "gpu"), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_device.sh"), "--dry-run"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [path] = tmp_path.glob("*.json")
+    assert (tmp_path / "payload" / "site").is_dir() and "gpu.py exited 0" in done.stdout
+    with tarfile.open(tmp_path / "out" / "gpu-results.tar") as tar:
+        tar.extractall(tmp_path / "back")
+    [path] = (tmp_path / "back" / "gpu").glob("*.json")
     report = json.loads(path.read_text())
     assert report["dry_run"] and list(report["stages"]) == ["tests", "speed_memory", "finetune"]
     assert all(s["status"] in STATUSES and s["seconds"] >= 0 for s in report["stages"].values())
@@ -33,8 +47,31 @@ def test_dry_run(tmp_path):
     assert speed["status"] == "passed" and speed["results"][0]["rows"][0]["examples_per_s"] > 0
     finetune = report["stages"]["finetune"]
     assert finetune["status"] == "passed" and finetune["results"]["remaining"] == 0
-    assert (tmp_path / "finetune" / "finetune_ftrl_quick.json").is_file()
+    assert (tmp_path / "back" / "gpu" / "finetune" / "finetune_ftrl_quick.json").is_file()
     print(f"dry run: {time.perf_counter() - start:.0f} s")
+
+
+def test_payload_parts_fit_beside_the_repository():
+    """Each part and the repository's files together stay under one command's limit; the wheels cover what the
+    GPU machine's image lacks, pinned at the versions installed here."""
+    import gpu_payload
+
+    size = gpu_payload.part_bytes()
+    assert 0 < size and size + gpu_payload.repository_bytes() < gpu_payload.LIMIT_MIB * 2 ** 20
+    pins = gpu_payload.pinned(gpu_payload.WHEELS)
+    assert {"opacus", "prv-accountant", "cryptography", "cffi"} <= {p.split("==")[0] for p in pins}
+    assert all(p.split("==")[1] for p in pins)
+
+
+def test_junit_failures_keep_the_message(tmp_path):
+    import gpu
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="test_b"><failure message="'
+                   'AssertionError: 1 != 2">trace</failure></testcase><testcase classname="tests.test_a" '
+                   'name="test_c"/></testsuite></testsuites>')
+    assert gpu.junit_failures(xml) == {"tests.test_a::test_b": "AssertionError: 1 != 2\ntrace"}
+    assert gpu.junit_results(xml) == {"tests.test_a::test_b": "failed", "tests.test_a::test_c": "passed"}
 
 
 def synthetic_report() -> dict:
@@ -43,7 +80,9 @@ def synthetic_report() -> dict:
     return {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-25", "dry_run": False, "budget_seconds": 480,
             "stages": {"tests": {"status": "failed", "seconds": 61.0, "results": {
                 "counts": {"passed": 5, "failed": 1, "skipped": 0},
-                "tests": {"tests.test_gpu::test_cuda_run_predicts_and_exports": "failed"}}},
+                "tests": {"tests.test_gpu::test_cuda_run_predicts_and_exports": "failed"},
+                "failures": {"tests.test_gpu::test_cuda_run_predicts_and_exports":
+                             "assert 1 == 2\ntrace\nE   RuntimeError: no kernel image\nE   more`"}}},
                 "speed_memory": {"status": "passed", "seconds": 150.0, "results": [
                     {"model": "minilm", "lora": True, "precision": "bf16", "batch": 64, "tokens": 256,
                      "status": "passed", "rows": [row]}]},
@@ -66,6 +105,7 @@ def test_gpu_tables(tmp_path):
     assert "| 2026-11-25_nvidia-h100-80gb-hbm3.json | NVIDIA H100 80GB HBM3 | 480 | failed (61 s) | passed (150 s) | " \
            "timed out (250 s) |" in text
     assert "| 5 | 1 | 0 | tests.test_gpu::test_cuda_run_predicts_and_exports |" in text
+    assert "* 2026-11-25_nvidia-h100-80gb-hbm3.json, `tests.test_gpu::test_cuda_run_predicts_and_exports`: `more'`" in text
     assert "| NVIDIA H100 80GB HBM3 | minilm | LoRA r=8 | bf16 | 64 x 256 | dpl | 2560.0 | 1.37 | 1.23 |" in text
 
 
