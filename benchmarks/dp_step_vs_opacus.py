@@ -15,6 +15,11 @@ Times: medians of interleaved repeats (machine noise hits every variant alike). 
 variant alone on the device - its model, optimizer state and one step - as ``torch.cuda.max_memory_allocated``.
 ``--precision bf16``: the forward passes run under bfloat16 autocast (weights, gradients and optimizer stay float32).
 Results: a markdown table on stdout and ``benchmarks/results/dp_step_vs_opacus.json``.
+
+``--profile``: also one profiled step of each variant (torch.profiler): how many kernels it launches (CUDA kernels on
+a GPU; on a CPU the operators that compute, views left out) and the operators that take most of its time, per
+variant under ``profiles`` in the JSON. A step of a small model on a GPU is bound by kernel launches, so the count
+says where the private step's extra time goes before anyone reads a trace.
 """
 
 from __future__ import annotations
@@ -120,6 +125,40 @@ def peak_memory(variant: str, name: str, batch: dict, device: str, freeze: bool)
     return float(peak)
 
 
+#: operators that only make views (no kernel, no copy)
+VIEWS = {"aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::alias", "aten::slice", "aten::detach",
+         "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::as_strided", "aten::select", "aten::permute",
+         "aten::unflatten", "aten::flatten", "aten::_unsafe_view", "aten::split", "aten::chunk", "aten::narrow",
+         "aten::lift_fresh", "aten::split_with_sizes", "aten::unbind", "aten::empty", "aten::empty_like"}
+
+
+def profile_step(step: Callable[[], None], device: str, top: int = 12) -> dict:
+    """One profiled call of ``step``: its kernel count and its ``top`` operators by self time (ms, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    events = prof.events()
+    if device == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name = {}
+        for e in kernels:
+            ms, calls = by_name.get(e.name, (0.0, 0))
+            by_name[e.name] = (ms + e.device_time_total / 1e3, calls + 1)
+    else:  # the outermost aten operators (their inner calls are part of them), views left out
+        ops = [e for e in events if e.name.startswith("aten::") and e.name not in VIEWS
+               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
+        kernels = ops
+        by_name = {}
+        for e in ops:
+            ms, calls = by_name.get(e.name, (0.0, 0))
+            by_name[e.name] = (ms + e.cpu_time_total / 1e3, calls + 1)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernels": len(kernels), "unit": "CUDA kernels" if device == "cuda" else "computing aten operators",
+            "top": [{"name": n[:120], "ms": round(ms, 3), "calls": calls} for n, (ms, calls) in ranked]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,6 +169,7 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="LoRA r = 8 on the attention projections (+ the head)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: bfloat16 autocast")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "dp_step_vs_opacus.json"))
+    parser.add_argument("--profile", action="store_true", help="also profile one step of each variant")
     args = parser.parse_args()
     OPTIONS.update(lora=args.lora, precision=args.precision)
     from dpl.allocator import keep_freed_memory
@@ -137,7 +177,7 @@ def main() -> None:
     keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     variants = ["non-private", "dpl", "opacus hooks", "opacus ghost"]
-    rows = []
+    rows, profiles = [], []
     for name, freeze in [c for m in args.models for c in CONFIGS[m] if not (args.lora and c[1])]:
         vocab = load(name, "cpu").config.vocab_size
         batch = make_batch(args.batch, args.tokens, vocab, args.device)
@@ -148,6 +188,9 @@ def main() -> None:
             if step is not None:
                 steps[v] = (lambda s: lambda: (s(), sync()))(step)
         medians = {v: statistics.median(t) for v, t in timeit(steps, args.repeats, time.perf_counter).items()}
+        if args.profile:
+            profiles += [{"model": name + (" (embeddings frozen)" if freeze else ""), "step": v,
+                          **profile_step(step, args.device)} for v, step in steps.items()]
         base = medians["non-private"]
         for v in variants:
             seconds = medians.get(v)
@@ -170,7 +213,13 @@ def main() -> None:
         print(f"| {r['model']} | {r['step']} | {fmt(r['median_s'], '.3f')} | {fmt(r['examples_per_s'], '.1f')} | "
               f"{fmt(r['x_nonprivate'], '.2f')} | {fmt(r['peak_memory_gib'], '.2f')} |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "device": device, "rows": rows}, indent=2))
+    if profiles:
+        print("\n| model | step | kernels | most time (ms, calls) |\n|---|---|---:|---|")
+        for p in profiles:
+            most = "; ".join(f"{t['name'][:40]} {t['ms']:.1f} ({t['calls']})" for t in p["top"][:4])
+            print(f"| {p['model']} | {p['step']} | {p['kernels']} | {most} |")
+    Path(args.json).write_text(json.dumps({"args": vars(args), "device": device, "rows": rows,
+                                           **({"profiles": profiles} if profiles else {})}, indent=2))
 
 
 if __name__ == "__main__":

@@ -144,14 +144,18 @@ def tests_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
 def speed_runs(dry_run: bool) -> list[dict[str, Any]]:
     """The dp_step_vs_opacus.py runs, most wanted first (fp32 full fine-tuning at 32 x 128 leads)."""
     if dry_run:
-        return [{"model": "minilm", "lora": True, "precision": "fp32", "batch": 2, "tokens": 8, "repeats": 1}]
-    return [{"model": model, "lora": lora, "precision": precision, "batch": batch, "tokens": tokens, "repeats": 5}
-            for batch, tokens in ((32, 128), (64, 256)) for lora in (False, True)
-            for precision in ("fp32", "bf16") for model in ("minilm", "smollm2")]
+        return [{"model": "minilm", "lora": True, "precision": "fp32", "batch": 2, "tokens": 8, "repeats": 1,
+                 "profile": True}]
+    # first: one profiled step per variant (kernel counts, where the time goes), MiniLM and SmolLM2, fp32 32 x 128
+    profiled = [{"model": model, "lora": False, "precision": "fp32", "batch": 32, "tokens": 128, "repeats": 1,
+                 "profile": True} for model in ("minilm", "smollm2")]
+    return profiled + [{"model": model, "lora": lora, "precision": precision, "batch": batch, "tokens": tokens,
+                        "repeats": 5} for batch, tokens in ((32, 128), (64, 256)) for lora in (False, True)
+                       for precision in ("fp32", "bf16") for model in ("minilm", "smollm2")]
 
 
 def speed_key(run: dict[str, Any]) -> tuple:
-    return tuple(run[k] for k in ("model", "lora", "precision", "batch", "tokens"))
+    return tuple(run.get(k, False) for k in ("model", "lora", "precision", "batch", "tokens", "profile"))
 
 
 def earlier_speed_runs(args: argparse.Namespace) -> set[tuple]:
@@ -184,11 +188,13 @@ def speed_run(device: str, spec: dict[str, Any], out: Path, seconds: float) -> d
     run = run_command(python("benchmarks/dp_step_vs_opacus.py", "--device", device, "--models", spec["model"],
                              "--precision", spec["precision"], "--batch", str(spec["batch"]), "--tokens",
                              str(spec["tokens"]), "--repeats", str(spec["repeats"]), "--json", str(out),
-                             *(["--lora"] if spec["lora"] else [])), seconds)
+                             *(["--lora"] if spec["lora"] else []), *(["--profile"] if spec.get("profile") else [])),
+                     seconds)
     if run["status"] != "passed":
         return trimmed(run)
     data = json.loads(out.read_text())
-    return {**{k: v for k, v in run.items() if k != "output"}, "device": data["device"], "rows": data["rows"]}
+    return {**{k: v for k, v in run.items() if k != "output"}, "device": data["device"], "rows": data["rows"],
+            **({"profiles": data["profiles"]} if "profiles" in data else {})}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -63,11 +63,24 @@ def speed_rows(reports: list[tuple[str, dict[str, Any]]]) -> dict[tuple, dict[st
     rows = {}
     for _, r in reports:
         for run in (r["stages"].get("speed_memory") or {}).get("results") or []:
+            if run.get("profile"):  # one profiled repeat: its timings do not replace a timed run's
+                continue
             for row in run.get("rows") or []:
                 key = (r["gpu"], row["model"], "LoRA r=8" if run["lora"] else "full", run["precision"],
                        f"{run['batch']} x {run['tokens']}", row["step"])
                 rows[key] = row
     return rows
+
+
+def profile_table(reports: list[tuple[str, dict[str, Any]]]) -> str:
+    """Kernels per step and the kernels that take most of its time, from the profiled speed runs."""
+    lines = ["| GPU | model | step | kernels | most time: kernel ms (launches) |", "|---|---|---|---:|---|"]
+    for _, r in reports:
+        for run in (r["stages"].get("speed_memory") or {}).get("results") or []:
+            for p in run.get("profiles") or []:
+                most = "; ".join(f"`{t['name'][:48]}` {t['ms']:.2f} ({t['calls']})" for t in p["top"][:3])
+                lines.append(f"| {r['gpu']} | {p['model']} | {p['step']} | {p['kernels']} | {most} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def number(value: float | None, spec: str) -> str:
@@ -110,6 +123,9 @@ def markdown(folder: Path) -> str:
     parts = ["Runs of `benchmarks/gpu.py` (status and seconds per stage):", runs_table(reports),
              "GPU tests (`pytest -m gpu`):", tests_table(reports),
              "dpl's DP step vs non-private vs opacus (`benchmarks/dp_step_vs_opacus.py`):", speed_table(reports)]
+    profiles = profile_table(reports)
+    if profiles:
+        parts += ["One profiled step of each (fp32, 32 x 128; `dp_step_vs_opacus.py --profile`):", profiles]
     finetune = finetune_tables(folder / "finetune")
     if finetune:
         parts += ["Fine-tuning study rows (`benchmarks/studies/finetune.py`, bfloat16 autocast):", finetune]

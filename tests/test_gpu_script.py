@@ -45,6 +45,8 @@ def test_dry_run_from_a_payload_through_the_device_script(tmp_path):
     assert "tests.test_gpu::test_cuda_run_predicts_and_exports" in tests
     speed = report["stages"]["speed_memory"]
     assert speed["status"] == "passed" and speed["results"][0]["rows"][0]["examples_per_s"] > 0
+    profiles = {p["step"]: p for p in speed["results"][0]["profiles"]}  # one profiled step per variant
+    assert profiles["dpl"]["kernels"] > profiles["non-private"]["kernels"] > 0 and profiles["dpl"]["top"]
     finetune = report["stages"]["finetune"]
     assert finetune["status"] == "passed" and finetune["results"]["remaining"] == 0
     assert (tmp_path / "back" / "gpu" / "finetune" / "finetune_ftrl_quick.json").is_file()
@@ -85,7 +87,11 @@ def synthetic_report() -> dict:
                              "assert 1 == 2\ntrace\nE   RuntimeError: no kernel image\nE   more`"}}},
                 "speed_memory": {"status": "passed", "seconds": 150.0, "results": [
                     {"model": "minilm", "lora": True, "precision": "bf16", "batch": 64, "tokens": 256,
-                     "status": "passed", "rows": [row]}]},
+                     "status": "passed", "rows": [row]},
+                    {"model": "minilm", "lora": True, "precision": "bf16", "batch": 64, "tokens": 256, "repeats": 1,
+                     "profile": True, "status": "passed", "rows": [{**row, "examples_per_s": 1.0}],
+                     "profiles": [{"model": "minilm", "step": "dpl", "kernels": 1234, "unit": "CUDA kernels",
+                                   "top": [{"name": "ampere_sgemm", "ms": 1.5, "calls": 40}]}]}]},
                 "finetune": {"status": "timed out", "seconds": 250.0, "results": {"chunks": [], "remaining": 3}}}}
 
 
@@ -106,7 +112,8 @@ def test_gpu_tables(tmp_path):
            "timed out (250 s) |" in text
     assert "| 5 | 1 | 0 | tests.test_gpu::test_cuda_run_predicts_and_exports |" in text
     assert "* 2026-11-25_nvidia-h100-80gb-hbm3.json, `tests.test_gpu::test_cuda_run_predicts_and_exports`: `more'`" in text
-    assert "| NVIDIA H100 80GB HBM3 | minilm | LoRA r=8 | bf16 | 64 x 256 | dpl | 2560.0 | 1.37 | 1.23 |" in text
+    assert "| NVIDIA H100 80GB HBM3 | minilm | LoRA r=8 | bf16 | 64 x 256 | dpl | 2560.0 | 1.37 | 1.23 |" in text  # not the profiled run's
+    assert "| NVIDIA H100 80GB HBM3 | minilm | dpl | 1234 | `ampere_sgemm` 1.50 (40) |" in text
 
 
 def test_outcomes_of_a_test_run_stopped_at_its_timeout():

