@@ -17,8 +17,9 @@ variant alone on the device - its model, optimizer state and one step - as ``tor
 Results: a markdown table on stdout and ``benchmarks/results/dp_step_vs_opacus.json``.
 
 ``--profile``: also one profiled step of each variant (torch.profiler): how many kernels it launches (CUDA kernels on
-a GPU; on a CPU the operators that compute, views left out) and the operators that take most of its time, per
-variant under ``profiles`` in the JSON. A step of a small model on a GPU is bound by kernel launches, so the count
+a GPU; on a CPU the operators that compute, views left out), the operators that take most of its time, and what the
+memory it allocates holds at its peak (torch's categories: parameters, gradients, autograd's saved tensors, ...),
+per variant under ``profiles`` in the JSON. A step of a small model on a GPU is bound by kernel launches, so the count
 says where the private step's extra time goes before anyone reads a trace.
 """
 
@@ -156,7 +157,30 @@ def profile_step(step: Callable[[], None], device: str, top: int = 12) -> dict:
             by_name[e.name] = (ms + e.cpu_time_total / 1e3, calls + 1)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"kernels": len(kernels), "unit": "CUDA kernels" if device == "cuda" else "computing aten operators",
-            "top": [{"name": n[:120], "ms": round(ms, 3), "calls": calls} for n, (ms, calls) in ranked]}
+            "top": [{"name": n[:120], "ms": round(ms, 3), "calls": calls} for n, (ms, calls) in ranked],
+            "memory_at_peak_mib": memory_at_peak(step, device)}
+
+
+def memory_at_peak(step: Callable[[], None], device: str) -> dict[str, float] | str:
+    """What the memory one call of ``step`` allocates on ``device`` holds at its peak, by torch.profiler's
+    categories (parameters, gradients, autograd's saved tensors, temporaries, ...), MiB; its reason if torch's
+    (private) memory profile cannot tell."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        from torch.profiler._memory_profiler import Category, MemoryProfileTimeline
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            step()
+        timeline = MemoryProfileTimeline(prof._memory_profile())
+        _, sizes = timeline._coalesce_timeline(torch.device(device if device == "cpu" else "cuda:0"))
+        peak = max(sizes, key=sum)
+        names = ["other"] + [c.name.lower() for c in Category]
+        held = {name: round(size / 2 ** 20, 1) for name, size in zip(names, peak) if size}
+        return {"total": round(sum(peak) / 2 ** 20, 1), **held}
+    except Exception as exc:  # noqa: BLE001 - a private torch API: report why, keep the timings
+        return f"{type(exc).__name__}: {str(exc)[:100]}"
 
 
 def main() -> None:
@@ -214,10 +238,12 @@ def main() -> None:
               f"{fmt(r['x_nonprivate'], '.2f')} | {fmt(r['peak_memory_gib'], '.2f')} |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if profiles:
-        print("\n| model | step | kernels | most time (ms, calls) |\n|---|---|---:|---|")
+        print("\n| model | step | kernels | most time (ms, calls) | memory at peak, MiB |\n|---|---|---:|---|---|")
         for p in profiles:
             most = "; ".join(f"{t['name'][:40]} {t['ms']:.1f} ({t['calls']})" for t in p["top"][:4])
-            print(f"| {p['model']} | {p['step']} | {p['kernels']} | {most} |")
+            memory = p["memory_at_peak_mib"]
+            held = memory if isinstance(memory, str) else ", ".join(f"{k} {v:.0f}" for k, v in memory.items())
+            print(f"| {p['model']} | {p['step']} | {p['kernels']} | {most} | {held} |")
     Path(args.json).write_text(json.dumps({"args": vars(args), "device": device, "rows": rows,
                                            **({"profiles": profiles} if profiles else {})}, indent=2))
 

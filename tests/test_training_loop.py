@@ -130,6 +130,9 @@ def test_one_step_on_a_given_batch():
         training.step(batch)
     assert training.steps_done == 3
     assert not torch.equal(model.linear.weight, weight)
+    # the update's .grad is dropped after the optimizer's step: held until the next one, it would add a model-sized
+    # buffer to that step's peak memory
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_dpzero_trains_with_its_streaming_update():

@@ -141,7 +141,8 @@ def apply_streaming(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
 def apply_direction(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn.Parameter],
                     direction: Mapping[str, Tensor]) -> None:
     """Apply one update: a :class:`StreamingDirection` in place (:func:`apply_streaming`); any other mapping is
-    written into each trainable parameter's ``.grad`` and the optimizer takes one step.
+    written into each trainable parameter's ``.grad``, the optimizer takes one step, and the ``.grad`` are dropped
+    (held until the next update, they would add a model-sized buffer to every later step's peak memory).
 
     ``optimizer`` may be Lightning's ``LightningOptimizer``: its ``step()`` is what advances the trainer's
     ``global_step`` (and so ``max_steps``) under manual optimization, so dpl always steps through it."""
@@ -152,3 +153,5 @@ def apply_direction(optimizer: torch.optim.Optimizer, trainable: Mapping[str, nn
     for name, param in trainable.items():
         param.grad = as_gradient_of(param, direction[name])  # FSDP: this rank's slice of the direction
     optimizer.step()
+    for param in trainable.values():
+        param.grad = None
