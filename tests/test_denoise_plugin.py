@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import random_batch, tiny_bert, tiny_classification_workspace
 
-from dpl.errors import ConfigError, PrivacyViolation, PrivacyWarning
+from dpl.errors import ConfigError, PrivacyWarning
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
 from dpl.core.plugin_manager import create_plugin_manager, replaced_hooks
@@ -179,13 +179,15 @@ def test_diagnostics_keep_nothing_and_change_nothing():
     assert vars(plugins[0]).keys() == vars(plugins[1]).keys()
 
 
-def test_wrapper_reads_the_sum_before_it_is_wiped_and_never_after():
+def test_wrapper_copies_the_clean_sum_before_privatize_may_overwrite_it():
+    """The default privatize writes the release into the clipped sum: the diagnostics copy the clean sum first, and
+    without diagnostics the wrapper does not read the sum at all."""
     seen = {}
 
     class Spy(DenoisePlugin):
-        def _log_nonprivate(self, ctx, gradient_sum, private):
-            seen["sum"] = gradient_sum
-            super()._log_nonprivate(ctx, gradient_sum, private)
+        def _log_nonprivate(self, ctx, clean, private):
+            seen["clean"] = {k: v.clone() for k, v in clean.items()}
+            super()._log_nonprivate(ctx, clean, private)
 
     plugin = Spy(nonprivate_diagnostics=True)
     values = {"w": torch.randn(20, 10), "b": torch.randn(10)}
@@ -197,13 +199,22 @@ def test_wrapper_reads_the_sum_before_it_is_wiped_and_never_after():
                       expected_batch_size=3, step=0, noise_source=torch.Generator(), log=logs.__setitem__)
     gen = plugin.privatize(ctx=ctx, gradient_sum=total)  # the wrapper, driven by hand as pluggy does
     next(gen)
+    for key, value in total.values.items():  # the inner privatize writes its release into the sum
+        value.copy_(private.values[key])
     with pytest.raises(StopIteration) as stop:
         gen.send(private)
     assert stop.value.value is private  # passed through unchanged
-    assert seen["sum"] is total and NONPRIVATE_PREFIX + "denoise_improvement" in logs
+    assert all(torch.equal(seen["clean"][k], values[k]) for k in values)  # the clean sum, not the release
+    assert NONPRIVATE_PREFIX + "denoise_improvement" in logs
+    assert not any(isinstance(v, (torch.Tensor, dict)) for v in vars(plugin).values())  # nothing kept
+
+    quiet = DenoisePlugin()  # diagnostics off: the sum is never read (a wiped one does not raise)
     total.wipe()
-    with pytest.raises(PrivacyViolation):
-        plugin._log_nonprivate(ctx, total, private)
+    gen = quiet.privatize(ctx=ctx, gradient_sum=total)
+    next(gen)
+    with pytest.raises(StopIteration) as stop:
+        gen.send(private)
+    assert stop.value.value is private
 
 
 class _OtherNoise:

@@ -246,3 +246,23 @@ def test_the_cuda_generator_seed_keeps_all_64_key_bits():
     assert philox_seed(bytes([1] + [0] * 31)) == 1
     assert torch.Generator().manual_seed(philox_seed(b"\xff" * 32)).initial_seed() == 2 ** 64 - 1
     assert len({philox_seed(None) >> 63 for _ in range(64)}) == 2  # the top bit varies
+
+
+def test_noisy_means_write_the_release_into_the_sums_in_groups(monkeypatch):
+    """The default release: bit for bit ``noisy_mean_`` of ``normals_like``'s noise, written into the sums
+    themselves (no new model-sized tensor), the noise drawn a bounded group of tensors at a time."""
+    import dpl.core.noise as noise_module
+    from dpl.core.noise import KeyedNormal, noisy_mean_, noisy_means_, normals_like
+
+    gen = torch.Generator().manual_seed(0)
+    sums = {f"p{i}": torch.randn(shape, generator=gen) for i, shape in enumerate([(30, 20), (7,), (50, 40), (3, 3)])}
+    key = bytes(range(32))
+    noise = normals_like(sums, KeyedNormal(key))
+    expected = {k: noisy_mean_(noise[k], 0.7, v.clone(), 8.0) for k, v in sums.items()}
+    ids = {k: id(v) for k, v in sums.items()}
+    groups = []
+    monkeypatch.setattr(noise_module, "normals_like", lambda g, s: groups.append(list(g)) or normals_like(g, s))
+    released = noisy_means_(sums, 0.7, 8.0, KeyedNormal(key), group_numel=1000)
+    assert groups == [["p0", "p1"], ["p2"], ["p3"]]  # 607 values; one tensor over the bound alone; the rest
+    assert list(released) == list(sums) and all(id(released[k]) == ids[k] for k in sums)  # in place
+    assert all(torch.equal(released[k], expected[k]) for k in sums)

@@ -282,6 +282,28 @@ def normals_like(tensors: Mapping[str, Tensor], source: NoiseSource) -> dict[str
     return out
 
 
+def noisy_means_(sums: Mapping[str, Tensor], scale: float, batch: float, source: NoiseSource,
+                 group_numel: int = 1 << 24) -> dict[str, Tensor]:
+    """The release of each clipped sum, ``(total + scale * N(0, 1)) / batch``, written into the sum itself (which is
+    then gone): the noise is drawn a group of tensors at a time (about ``group_numel`` values at most, one larger
+    tensor alone), with the values :func:`normals_like` draws for all of them, so no model-sized noise buffer is
+    ever held beside the sums."""
+    out: dict[str, Tensor] = {}
+    items = list(sums.items())
+    start = 0
+    while start < len(items):
+        end, numel = start + 1, items[start][1].numel()
+        while end < len(items) and numel + items[end][1].numel() <= group_numel:
+            numel += items[end][1].numel()
+            end += 1
+        group = dict(items[start:end])
+        noise = normals_like(group, source)
+        for key, total in group.items():
+            out[key] = total.add_(noise.pop(key).mul_(scale)).div_(batch)  # bit for bit what noisy_mean_ gives
+        start = end
+    return out
+
+
 def noisy_mean_(noise: Tensor, scale: float, total: Tensor, batch: float) -> Tensor:
     """The release of one clipped sum, ``(total + scale * noise) / batch``, written into ``noise`` (overwritten,
     returned): no second tensor of the gradient's size. ``noise`` is N(0, 1) (or correlated noise in its units),

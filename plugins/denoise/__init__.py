@@ -100,14 +100,18 @@ class DenoisePlugin:
                                                                                     PrivateGradient | None]:
         """A wrapper around whichever plugin privatizes (it adds nothing to the release and replaces nothing).
 
-        With ``nonprivate_diagnostics`` off (the default) it only passes the result through. With it on, once the
-        inner ``privatize`` has returned and before dpl wipes the clipped sum, it denoises a copy of the private
-        gradient and logs the cosines against the clean clipped gradient (``nonprivate/...``); the clean values
-        are dropped on return: nothing derived from them is kept in the plugin, ``ctx.scratch`` or the gradient.
+        With ``nonprivate_diagnostics`` off (the default) it only passes the result through. With it on, it copies
+        the clean clipped sum before the inner ``privatize`` (which may write the release into the sum), then
+        denoises a copy of the private gradient and logs the cosines against the clean clipped gradient
+        (``nonprivate/...``); the copy is dropped on return: nothing derived from it is kept in the plugin,
+        ``ctx.scratch`` or the gradient.
         """
+        clean = {k: v.detach().clone() for k, v in gradient_sum.values.items()} if self.nonprivate_diagnostics \
+            else None
         private = yield
-        if self.nonprivate_diagnostics and private is not None:
-            self._log_nonprivate(ctx, gradient_sum, private)
+        if clean is not None and private is not None:
+            self._log_nonprivate(ctx, clean, private)
+        del clean
         return private
 
     @hookimpl
@@ -125,12 +129,11 @@ class DenoisePlugin:
         ctx.log("denoise/max_edge_ratio", float(stats.max_edge_ratio))
 
     @torch.no_grad()
-    def _log_nonprivate(self, ctx: StepContext, gradient_sum: GradientSum, private: PrivateGradient) -> None:
+    def _log_nonprivate(self, ctx: StepContext, clean: dict[str, Tensor], private: PrivateGradient) -> None:
         """Log Improvement = cos(D(g~), g) - cos(g~, g), whole gradient and per denoised-eligible matrix.
 
         NOT PRIVATE: reads the clean clipped sum. Only the logged floats leave this function.
         """
-        clean = gradient_sum.values
         noisy = private.values
         denoised, _ = self._denoise(noisy, private, seed=ctx.step)  # new tensors: the release is not touched
         whole = torch.zeros(5, dtype=torch.float64)  # <D, g>, <g~, g>, |D|^2, |g~|^2, |g|^2
