@@ -298,8 +298,13 @@ def noisy_means_(sums: Mapping[str, Tensor], scale: float, batch: float, source:
             end += 1
         group = dict(items[start:end])
         noise = normals_like(group, source)
-        for key, total in group.items():
-            out[key] = total.add_(noise.pop(key).mul_(scale)).div_(batch)  # bit for bit what noisy_mean_ gives
+        totals, draws = list(group.values()), [noise.pop(key) for key in group]
+        # three fused launches per group rather than three per tensor; bit for bit what noisy_mean_ gives
+        torch._foreach_mul_(draws, scale)
+        torch._foreach_add_(totals, draws)
+        torch._foreach_div_(totals, batch)
+        del draws
+        out.update(group)
         start = end
     return out
 
