@@ -12,7 +12,6 @@ import inspect
 import logging
 import os
 import re
-import shutil
 import sys
 import textwrap
 import typing
@@ -102,38 +101,6 @@ def privacy_help() -> str:
         lines.append(f"  --model.privacy.{f.name} ({kind}, default {f.default!r})")
         lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
-
-
-def _run_dir(trainer: Any) -> Path | None:
-    try:
-        location = trainer.log_dir or trainer.default_root_dir
-    except Exception:  # noqa: BLE001 - a logger without a log folder
-        location = trainer.default_root_dir
-    return Path(location).absolute() if location else None
-
-
-def _missing_dirs(path: Path | None) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet (deepest first)."""
-    missing = []
-    while path is not None and not path.exists() and path.parent != path:
-        missing.append(path)
-        path = path.parent
-    return missing
-
-
-def _remove_partial_run(new_dirs: list[Path]) -> None:
-    """After a failed run: remove the run folder this run created (config.yaml, logs) unless it holds a
-    checkpoint, then the parent folders it created if they are empty."""
-    if not new_dirs or not new_dirs[0].exists():
-        return
-    if any(new_dirs[0].rglob("*.ckpt")):
-        return
-    shutil.rmtree(new_dirs[0], ignore_errors=True)
-    for folder in new_dirs[1:]:
-        try:
-            folder.rmdir()
-        except OSError:
-            break
 
 
 def print_plugins() -> None:

@@ -1,6 +1,6 @@
-"""The ``dpl`` command's Lightning part: :class:`DPLightningCLI` (``dpl fit``, ``validate``, ``test``), its parser and
-run-folder handling. :mod:`dpl.cli` imports it only for those commands, so that ``dpl --help`` and dpl's own light
-commands start without torch and Lightning."""
+"""The ``dpl`` command's Lightning part: :class:`DPLightningCLI` (``dpl fit``, ``validate``, ``test``) and its parser;
+a failed run's folder is removed (:mod:`dpl.cli_runs`). :mod:`dpl.cli` imports it only for those commands, so that
+``dpl --help`` and dpl's own light commands start without torch and Lightning."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from dpl import cli
 from dpl.cli_errors import summarize_parse_error
+from dpl.cli_runs import missing_folders, remove_partial_run, run_folder
 from dpl.errors import ConfigError
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
@@ -349,11 +350,11 @@ class DPLightningCLI(LightningCLI):
                               f"epochs, or lower val_check_interval")
 
     def _run_subcommand(self, subcommand: str) -> None:
-        new_dirs = cli._missing_dirs(cli._run_dir(self.trainer))
+        created = missing_folders(run_folder(self.trainer))
         try:
             super()._run_subcommand(subcommand)
         except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
-            cli._remove_partial_run(new_dirs)
+            remove_partial_run(created)
             raise
 
 
