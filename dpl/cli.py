@@ -62,14 +62,16 @@ def task_classes() -> tuple[list[str], list[str]]:
     return names(dpl.tasks.modules, DPModule), names(dpl.tasks.data, DPDataModule)
 
 
-def _epilog() -> str:
+def epilog() -> str:
+    """The end of ``dpl fit --help``'s parent help: dpl's other commands and an example."""
     width = max(len(name) for name in COMMANDS)
     lines = [f"  {name.ljust(width)}  {text}" for name, (text, _) in COMMANDS.items()]
     return ("other commands:\n" + "\n".join(lines) + "\n\nExample: dpl fit --config configs/quickstart.yaml  "
             "(docs: README.md, docs/configuration.md)")
 
 
-_SUBCOMMAND_EPILOG = (
+#: the end of ``dpl fit/validate/test --help`` (``{models}``, ``{data}``: the task classes dpl ships)
+SUBCOMMAND_EPILOG = (
     "Model and data options depend on the class chosen by the config (model.class_path, data.class_path). "
     "See them with --model.help CLASS ({models}) and --data.help CLASS ({data}), e.g. "
     "dpl fit --model.help DPClassificationModule; or print a config with every option resolved: "

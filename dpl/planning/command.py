@@ -110,11 +110,12 @@ def plan_config(argv: list[str]) -> PlanReport:
         def _set_seed(self) -> None:  # nothing random is drawn
             pass
 
-        def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
             from lightning.pytorch import Trainer
 
-            return Trainer(**{**config, "logger": False, "callbacks": [], "enable_checkpointing": False,
-                              "enable_progress_bar": False, "enable_model_summary": False})
+            bare = {"logger": False, "callbacks": [], "enable_checkpointing": False, "enable_progress_bar": False,
+                    "enable_model_summary": False}
+            return Trainer(**self.trainer_config(**{**kwargs, **bare}))
 
         def _run_subcommand(self, subcommand: str) -> None:
             self.report = make_report(self.model, self.datamodule, self.trainer, self._check_val_check_interval)
