@@ -279,9 +279,9 @@ def _regime_line(r: PlanReport) -> str:
         return f"{x:.3g} x the largest clipped signal: at most {QUIET:g}, where the project's runs learned (docs/planning.md)"
     if not regime.hopeless:
         return (f"{x:.3g} x the largest clipped signal: between {QUIET:g} and {HOPELESS:g}, where the project's "
-                "classification runs learned, slowly (docs/planning.md)")
-    return (f"{x:.3g} x the largest clipped signal: above {HOPELESS:g}, where the project's classification runs "
-            "learned nothing (dpl fit warns; docs/planning.md)")
+                "classification runs learned, less the noisier (docs/planning.md)")
+    return (f"{x:.3g} x the largest clipped signal: above {HOPELESS:g}, noisier than any classification run the "
+            "project has seen learn (dpl fit warns; docs/planning.md)")
 
 
 def _table(r: PlanReport) -> str:
