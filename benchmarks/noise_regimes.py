@@ -161,7 +161,8 @@ def adambc_runs(part: str) -> Callable[[], Iterator[Run]]:
         for res in _files("adambc"):
             s = res["settings"]
             if part == "banking77":
-                n, steps, d, split = s["banking77"]["train_rows"], s["banking77"]["steps"], head_size(77), "dev"
+                b77 = s["banking77"]
+                n, steps, d, split = b77["train_rows"], b77["steps"], head_size(sum(b77["group_classes"])), "dev"
             else:
                 n, steps, d, split = s["num_examples"], s["steps"], head_size(s["classes"], 0, s["dim"]), "train"
             for c in res[part]:
