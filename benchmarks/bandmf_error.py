@@ -3,7 +3,7 @@
     python benchmarks/bandmf_error.py [--n 8192] [--batch 256] [--json benchmarks/results/bandmf_error.json]
 
 For each epsilon in {1, 4, 16} and epochs in {3, 20} (T = epochs x floor(N / B) steps, delta = 0.1 / N, dpl's
-default) every candidate plan of ftrl's automatic choice is calibrated with its own accountant (amplified: PRV for
+default) every candidate strategy of ftrl's automatic choice is calibrated with its own accountant (amplified: PRV for
 ceil(T / b) subsampled Gaussian steps at rate B / floor(N / b); shuffled: the exact Gaussian mechanism) and scored
 by sigma x its strategy's expected error: the RMS over the steps of the per-coordinate noise std in the prefix
 sums of the released gradients, in units of C / B (``dpl_plugins.ftrl.choice``). Amplified banded is tried for b
@@ -28,16 +28,16 @@ def scores(n: int, batch: int, epochs: int, epsilon: float, max_bands: int) -> d
     steps = epochs * (n // batch)
     setup = RunSetup(model=nn.Linear(1, 1), trainable={"w": nn.Parameter(torch.zeros(1))}, plugin_names=["ftrl"],
                      num_examples=n, expected_batch_size=batch, steps=steps, sampling_rate=batch / n,
-                     accountant="prv", optimizer_name="SGD", task="classification")
+                     accountant="prv", optimizer_name="SGD")
     start = time.perf_counter()
     mech = FTRLPlugin(max_bands=max_bands).configure_mechanism(setup=setup)
     fit = time.perf_counter() - start
     delta = 0.1 / n
     rows = {}
-    for plan in [mech.plan, *mech.candidates]:
-        sigma = mech.calibrate_plan(plan, epsilon, delta, steps)
-        rows[plan.label()] = {"sigma": sigma, "strategy_error": plan.strategy.expected_error,
-                              "error": sigma * plan.strategy.expected_error, "bands": plan.bands}
+    for candidate in [mech.sampled_strategy, *mech.candidates]:
+        sigma = mech.calibrate_strategy(candidate, epsilon, delta, steps)
+        rows[candidate.label()] = {"sigma": sigma, "strategy_error": candidate.strategy.expected_error,
+                                   "error": sigma * candidate.strategy.expected_error, "bands": candidate.bands}
     amplified = {k: v for k, v in rows.items() if k.startswith("amplified")}
     best = min(amplified, key=lambda k: amplified[k]["error"])
     chosen = min(rows, key=lambda k: rows[k]["error"])

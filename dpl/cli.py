@@ -12,7 +12,6 @@ import inspect
 import logging
 import os
 import re
-import shutil
 import sys
 import textwrap
 import typing
@@ -63,14 +62,16 @@ def task_classes() -> tuple[list[str], list[str]]:
     return names(dpl.tasks.modules, DPModule), names(dpl.tasks.data, DPDataModule)
 
 
-def _epilog() -> str:
+def epilog() -> str:
+    """The end of ``dpl fit --help``'s parent help: dpl's other commands and an example."""
     width = max(len(name) for name in COMMANDS)
     lines = [f"  {name.ljust(width)}  {text}" for name, (text, _) in COMMANDS.items()]
     return ("other commands:\n" + "\n".join(lines) + "\n\nExample: dpl fit --config configs/quickstart.yaml  "
             "(docs: README.md, docs/configuration.md)")
 
 
-_SUBCOMMAND_EPILOG = (
+#: the end of ``dpl fit/validate/test --help`` (``{models}``, ``{data}``: the task classes dpl ships)
+SUBCOMMAND_EPILOG = (
     "Model and data options depend on the class chosen by the config (model.class_path, data.class_path). "
     "See them with --model.help CLASS ({models}) and --data.help CLASS ({data}), e.g. "
     "dpl fit --model.help DPClassificationModule; or print a config with every option resolved: "
@@ -102,38 +103,6 @@ def privacy_help() -> str:
         lines.append(f"  --model.privacy.{f.name} ({kind}, default {f.default!r})")
         lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
-
-
-def _run_dir(trainer: Any) -> Path | None:
-    try:
-        location = trainer.log_dir or trainer.default_root_dir
-    except Exception:  # noqa: BLE001 - a logger without a log folder
-        location = trainer.default_root_dir
-    return Path(location).absolute() if location else None
-
-
-def _missing_dirs(path: Path | None) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet (deepest first)."""
-    missing = []
-    while path is not None and not path.exists() and path.parent != path:
-        missing.append(path)
-        path = path.parent
-    return missing
-
-
-def _remove_partial_run(new_dirs: list[Path]) -> None:
-    """After a failed run: remove the run folder this run created (config.yaml, logs) unless it holds a
-    checkpoint, then the parent folders it created if they are empty."""
-    if not new_dirs or not new_dirs[0].exists():
-        return
-    if any(new_dirs[0].rglob("*.ckpt")):
-        return
-    shutil.rmtree(new_dirs[0], ignore_errors=True)
-    for folder in new_dirs[1:]:
-        try:
-            folder.rmdir()
-        except OSError:
-            break
 
 
 def print_plugins() -> None:

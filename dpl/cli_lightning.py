@@ -1,9 +1,10 @@
-"""The ``dpl`` command's Lightning part: :class:`DPLightningCLI` (``dpl fit``, ``validate``, ``test``), its parser and
-run-folder handling. :mod:`dpl.cli` imports it only for those commands, so that ``dpl --help`` and dpl's own light
-commands start without torch and Lightning."""
+"""The ``dpl`` command's Lightning part: :class:`DPLightningCLI` (``dpl fit``, ``validate``, ``test``) and its parser;
+a failed run's folder is removed (:mod:`dpl.cli_runs`). :mod:`dpl.cli` imports it only for those commands, so that
+``dpl --help`` and dpl's own light commands start without torch and Lightning."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from dpl import cli
 from dpl.cli_errors import summarize_parse_error
+from dpl.cli_runs import missing_folders, remove_partial_run, run_folder
 from dpl.errors import ConfigError
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
@@ -37,8 +39,8 @@ def _parser_kwargs(argv: list[str]) -> dict[str, Any]:
         pass
 
     models, data = cli.task_classes()
-    epilog = textwrap.fill(cli._SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
-    kwargs: dict[str, Any] = {"prog": "dpl", "description": cli.DESCRIPTION, "epilog": cli._epilog(),
+    epilog = textwrap.fill(cli.SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
+    kwargs: dict[str, Any] = {"prog": "dpl", "description": cli.DESCRIPTION, "epilog": cli.epilog(),
                               "formatter_class": Formatter, "argv": argv}
     for command in ("fit", "validate", "test"):
         kwargs[command] = {"epilog": epilog, "description": COMMAND_DESCRIPTIONS[command], "dpl_command": command,
@@ -225,34 +227,42 @@ class DPLightningCLI(LightningCLI):
         """Lightning's fit, validate and test (``dpl predict`` is dpl's own command)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+    def trainer_config(self, **kwargs: Any) -> dict[str, Any]:
+        """The Trainer's arguments as configured for this command, updated with ``kwargs``."""
+        section = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        return {**section.get("trainer", {}), **kwargs}
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """Lightning's Trainer with dpl's defaults where the config leaves them open: dpl's progress bar and model
+        summary, the CSV (and TensorBoard) loggers, the privacy report, checkpoints that keep ``last.ckpt``;
+        ``validate`` and ``test`` evaluate a run without a new run folder or checkpoint."""
+        config = self.trainer_config(**kwargs)
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        if config.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
+        callbacks: list[Any] = []
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             from dpl.lightning.progress import default_progress_bar
 
-            callbacks = [*callbacks, default_progress_bar()]
-        if config.get("enable_model_summary") is not False and not any(
-                isinstance(c, ModelSummary) for c in [*given, *callbacks]):
+            callbacks.append(default_progress_bar())
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in given):
             from dpl.lightning.progress import default_model_summary
 
             summary = default_model_summary()  # off a terminal: one plain line, not the box-drawn table
             if summary is not None:  # Lightning then adds no table of its own (and says nothing about it)
-                callbacks = [*callbacks, summary]
-                config = {**config, "enable_model_summary": False}
+                callbacks.append(summary)
+                config["enable_model_summary"] = False
         if self.subcommand in ("validate", "test"):  # evaluate a run: no new run folder, no checkpoint callback
             self.save_config_callback = None
-            config = {**config, "enable_checkpointing": False}
+            config["enable_checkpointing"] = False
             warnings.filterwarnings("ignore", message=r".*callbacks used to create the checkpoint need to be")
             if config.get("logger") in (None, True):
                 config["logger"] = False
         elif config.get("logger") in (None, True):
-            config = {**config, "logger": default_loggers(config.get("default_root_dir"))}
-        if not any(isinstance(c, PrivacyReport) for c in [*given, *callbacks]):
-            callbacks = [*callbacks, PrivacyReport()]  # privacy.json / privacy.md in the run folder
-        callbacks = [ShowBanners(), *callbacks]
-        trainer = super()._instantiate_trainer(native_precision(config), callbacks)
+            config["logger"] = default_loggers(config.get("default_root_dir"))
+        if not any(isinstance(c, PrivacyReport) for c in given):
+            callbacks.append(PrivacyReport())  # privacy.json / privacy.md in the run folder
+        config["callbacks"] = [*given, ShowBanners(), *callbacks]
+        trainer = super().instantiate_trainer(**native_precision(config))
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
                 callback.save_last = True
@@ -349,22 +359,26 @@ class DPLightningCLI(LightningCLI):
                               f"epochs, or lower val_check_interval")
 
     def _run_subcommand(self, subcommand: str) -> None:
-        new_dirs = cli._missing_dirs(cli._run_dir(self.trainer))
+        created = missing_folders(run_folder(self.trainer))
         try:
             super()._run_subcommand(subcommand)
         except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
-            cli._remove_partial_run(new_dirs)
+            remove_partial_run(created)
             raise
+
+
+def tensorboard_installed() -> bool:
+    """Whether the ``tensorboard`` package is installed (what Lightning's TensorBoardLogger writes with)."""
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def default_loggers(root: str | None) -> list[Any]:
     """``metrics.csv`` always (CSVLogger), and TensorBoard event files in the same run folder where tensorboard is
     installed (``pip install tensorboard``; then ``tensorboard --logdir <default_root_dir>``)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 
     csv = CSVLogger(save_dir=root or os.getcwd())
-    if not _TENSORBOARD_AVAILABLE:
+    if not tensorboard_installed():
         return [csv]
     return [csv, TensorBoardLogger(save_dir=csv.save_dir, name=csv.name, version=csv.version,
                                    default_hp_metric=False)]

@@ -212,36 +212,37 @@ def test_automatic_choice_minimises_the_expected_error(caplog):
     n, batch, T = 2048, 64, 96  # 32 steps per epoch, 3 epochs
     plugin = FTRLPlugin()  # noise chosen among blt, independent and amplified banded b = 1..16
     mech = plugin.configure_mechanism(setup=_setup(n=n, batch=batch, steps=T))
-    plans = [mech.plan, *mech.candidates]
-    assert {(p.sampling, p.strategy.family, p.bands) for p in plans} == {
+    candidates = [mech.sampled_strategy, *mech.candidates]
+    assert {(p.sampling, p.strategy.family, p.bands) for p in candidates} == {
         ("cyclic_poisson", "banded", b) for b in (1, 2, 4, 8, 16)} | {("shuffle", "blt", 0), ("shuffle", "independent", 0)}
     errors = {}
-    for p in plans:
-        errors[p.label()] = mech.calibrate_plan(p, 1.0, 1e-5, T) * p.strategy.expected_error
+    for p in candidates:
+        errors[p.label()] = mech.calibrate_strategy(p, 1.0, 1e-5, T) * p.strategy.expected_error
     with caplog.at_level("INFO", logger="dpl"):
         sigma = mech.calibrate(1.0, 1e-5, T)
-    assert mech.plan.label() == min(errors, key=errors.get) and not mech.candidates
+    assert mech.sampled_strategy.label() == min(errors, key=errors.get) and not mech.candidates
     assert "ftrl chose" in caplog.text and "amplified DP-SGD (b=1)" in caplog.text
     assert mech.epsilon(sigma, 1e-5, T) <= 1.0
-    # the amplified plans beat independent (shuffled) noise at small epsilon
+    # the amplified strategies beat independent (shuffled) noise at small epsilon
     assert errors["amplified DP-SGD (b=1)"] < errors["independent (shuffled, no amplification)"]
     # without a target epsilon (fixed sigma): amplified banded with the largest b tried
     fixed = FTRLPlugin().configure_mechanism(setup=_setup(n=n, batch=batch, steps=T))
     fixed.epsilon(1.0, 1e-5, T)
-    assert fixed.plan.label() == "amplified banded (b=16)"
-    # shuffled only: sigma does not depend on the plan, the least strategy error wins (BLT over independent)
+    assert fixed.sampled_strategy.label() == "amplified banded (b=16)"
+    # shuffled only: sigma does not depend on the strategy, the least strategy error wins (BLT over independent)
     shuffled = FTRLPlugin(sampling="shuffle").configure_mechanism(setup=_setup(n=n, batch=batch, steps=T))
-    assert shuffled.plan.strategy.family == "blt" and not shuffled.candidates
+    assert shuffled.sampled_strategy.strategy.family == "blt" and not shuffled.candidates
 
 
-def test_chosen_plan_survives_a_checkpoint():
+def test_chosen_strategy_survives_a_checkpoint():
     plugin = FTRLPlugin(noise="banded")
     mech = plugin.configure_mechanism(setup=_setup(n=2048, batch=64, steps=96))
     mech.calibrate(8.0, 1e-5, 96)
     state = mech.state_dict()
     other = FTRLPlugin(noise="banded").configure_mechanism(setup=_setup(n=2048, batch=64, steps=96))
     other.load_state_dict(state)
-    assert other.plan.bands == mech.plan.bands and np.array_equal(other.strategy.c, mech.strategy.c)
+    assert other.sampled_strategy.bands == mech.sampled_strategy.bands
+    assert np.array_equal(other.strategy.c, mech.strategy.c)
 
 
 # ---------------------------------------------------------------------------------------------------------

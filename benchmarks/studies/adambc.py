@@ -40,7 +40,7 @@ ARMS = [
     {"name": "DP-Adam", "plugins": {"adambc": {"bias_correction": False}}, "lr_grid": [1e-3, 3e-3, 1e-2]},
     {"name": "DP-AdamBC", "plugins": {"adambc": {"bias_correction": True}}, "lr_grid": [1e-3, 3e-3, 1e-2],
      "gamma_factors": [0.01, 0.1, 1.0]},
-    # the plugin's old default gamma' = 1e-8 (run only when named with --arms)
+    # a fixed gamma' = 1e-8, far below Phi (run only when named with --arms)
     {"name": "DP-AdamBC (γ′ 1e-8)",
      "plugins": {"adambc": {"bias_correction": True, "gamma": 1e-8, "gamma_relative": 0.0}},
      "lr_grid": [1e-3, 3e-3, 1e-2], "extra": True},

@@ -110,11 +110,12 @@ def plan_config(argv: list[str]) -> PlanReport:
         def _set_seed(self) -> None:  # nothing random is drawn
             pass
 
-        def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
             from lightning.pytorch import Trainer
 
-            return Trainer(**{**config, "logger": False, "callbacks": [], "enable_checkpointing": False,
-                              "enable_progress_bar": False, "enable_model_summary": False})
+            bare = {"logger": False, "callbacks": [], "enable_checkpointing": False, "enable_progress_bar": False,
+                    "enable_model_summary": False}
+            return Trainer(**self.trainer_config(**{**kwargs, **bare}))
 
         def _run_subcommand(self, subcommand: str) -> None:
             self.report = make_report(self.model, self.datamodule, self.trainer, self._check_val_check_interval)
@@ -278,9 +279,9 @@ def _regime_line(r: PlanReport) -> str:
         return f"{x:.3g} x the largest clipped signal: at most {QUIET:g}, where the project's runs learned (docs/planning.md)"
     if not regime.hopeless:
         return (f"{x:.3g} x the largest clipped signal: between {QUIET:g} and {HOPELESS:g}, where the project's "
-                "classification runs learned, slowly (docs/planning.md)")
-    return (f"{x:.3g} x the largest clipped signal: above {HOPELESS:g}, where the project's classification runs "
-            "learned nothing (dpl fit warns; docs/planning.md)")
+                "classification runs learned, less the noisier (docs/planning.md)")
+    return (f"{x:.3g} x the largest clipped signal: above {HOPELESS:g}, noisier than any classification run the "
+            "project has seen learn (dpl fit warns; docs/planning.md)")
 
 
 def _table(r: PlanReport) -> str:

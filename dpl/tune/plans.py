@@ -8,9 +8,9 @@ of the RDP curves of all the configurations of the space. Only the options of
 by ``dpl plan``'s planner (sigma as ``dpl fit`` calibrates it, the sampling rate and the steps), and the bound uses
 all of them - never only the drawn ones, whose choice and number K are secret.
 
-A plan is a dict: ``config`` (the planned keys' values), ``noise_multiplier``, ``sampling_rate``, ``steps``,
-``delta``, ``accountant``, ``mechanism``, ``sampling``, ``unit``, ``adjacency``, ``num_examples`` and ``epsilon`` (the
-trial's own, by its accountant).
+A trial's plan (:data:`TrialPlan`; not the engine's :class:`dpl.core.ledger.Plan`) is a dict: ``config`` (the
+planned keys' values), ``noise_multiplier``, ``sampling_rate``, ``steps``, ``delta``, ``accountant``, ``mechanism``,
+``sampling``, ``unit``, ``adjacency``, ``num_examples`` and ``epsilon`` (the trial's own, by its accountant).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dpl.core.accounting import tuning as accounting
 from dpl.errors import ConfigError
 from dpl.tune.search import SearchSpace, accounting_part, config_args, short
 
-Plan = dict[str, Any]
+#: the plan of one accounting-distinct configuration (a plain dict: it is stored in the tuning folder's state)
+TrialPlan = dict[str, Any]
 #: what every configuration of a space must share for one bound to cover them
 SHARED = ("mechanism", "sampling", "accountant", "unit", "adjacency", "delta", "num_examples")
 #: the target epsilon of a trial is passed to ``dpl fit`` as this option
@@ -36,7 +37,7 @@ TOTAL_TOL = 0.005
 SMALLEST_FRACTION = 1e-3
 
 
-def plan_configuration(fit_args: list[str], config: dict[str, str], target: float | None = None) -> Plan:
+def plan_configuration(fit_args: list[str], config: dict[str, str], target: float | None = None) -> TrialPlan:
     """The plan of the trial ``dpl fit FIT_ARGS CONFIG`` (``target``: its target epsilon, else the config's)."""
     from dpl.cli import _dpl_error_in
     from dpl.planning.command import plan_config
@@ -61,7 +62,7 @@ def plan_configuration(fit_args: list[str], config: dict[str, str], target: floa
     return plan
 
 
-def plan_space(fit_args: list[str], space: SearchSpace, target: float | None = None) -> list[Plan]:
+def plan_space(fit_args: list[str], space: SearchSpace, target: float | None = None) -> list[TrialPlan]:
     """The plan of every accounting-distinct configuration of ``space`` (one-line ``ConfigError`` if they differ in
     more than sigma, the sampling rate and the steps)."""
     plans = [plan_configuration(fit_args, config, target) for config in space.accounting_configurations()]
@@ -73,19 +74,19 @@ def plan_space(fit_args: list[str], space: SearchSpace, target: float | None = N
     return plans
 
 
-def curve(plan: Plan) -> np.ndarray:
+def curve(plan: TrialPlan) -> np.ndarray:
     """One configuration's RDP curve at :data:`~dpl.core.accounting.tuning.ORDERS`."""
     return accounting.subsampled_gaussian_rdp([(plan["noise_multiplier"], plan["sampling_rate"], plan["steps"])])
 
 
-def max_curve(plans: list[Plan]) -> np.ndarray:
+def max_curve(plans: list[TrialPlan]) -> np.ndarray:
     """The RDP curve of one trial: at each order, the largest of the configurations' curves."""
     if not plans:
         raise ValueError("no plan: the bound needs the plan of every configuration")
     return np.max(np.stack([curve(plan) for plan in plans]), axis=0)
 
 
-def composed_epsilon(plans: list[Plan], trials: int, delta: float) -> float:
+def composed_epsilon(plans: list[TrialPlan], trials: int, delta: float) -> float:
     """Epsilon of ``trials`` trials composed: by the trials' own accountant when all configurations share one
     accounting (the steps of all the trials), else by RDP (``trials`` times the largest curve)."""
     from dpl.core.accounting import epsilon_for
@@ -97,7 +98,7 @@ def composed_epsilon(plans: list[Plan], trials: int, delta: float) -> float:
     return accounting.fixed_trials_epsilon(accounting.ORDERS, max_curve(plans), trials, delta)
 
 
-def tuned_epsilon(plans: list[Plan], dist: accounting.TrialDistribution, delta: float) -> float:
+def tuned_epsilon(plans: list[TrialPlan], dist: accounting.TrialDistribution, delta: float) -> float:
     """Epsilon at ``delta`` of the tuned release: the best of K ~ ``dist`` trials whose RDP is the largest curve of
     ``plans`` (a fixed K: their composition)."""
     if dist.kind == "fixed":
@@ -105,7 +106,7 @@ def tuned_epsilon(plans: list[Plan], dist: accounting.TrialDistribution, delta: 
     return accounting.tuned_epsilon(dist, accounting.ORDERS, max_curve(plans), delta)
 
 
-def plan_for(plans: list[Plan], config: dict[str, str]) -> Plan:
+def plan_for(plans: list[TrialPlan], config: dict[str, str]) -> TrialPlan:
     """The plan covering the trial of ``config`` (``ConfigError`` if none does)."""
     part = accounting_part(config)
     for plan in plans:
@@ -114,7 +115,7 @@ def plan_for(plans: list[Plan], config: dict[str, str]) -> Plan:
     raise ConfigError(f"dpl tune: no plan covers the configuration {short(config)}: the bound does not hold for it")
 
 
-def mismatch(plan: Plan, summary: dict[str, Any]) -> str | None:
+def mismatch(plan: TrialPlan, summary: dict[str, Any]) -> str | None:
     """How a trial's privacy summary (or report) differs from its plan in sigma, sampling rate, steps or delta, or
     ``None``: a difference means the bound, computed from the plans, does not cover the trial."""
     checks = [("noise_multiplier", summary.get("noise_multiplier"), plan["noise_multiplier"]),
@@ -132,7 +133,7 @@ def mismatch(plan: Plan, summary: dict[str, Any]) -> str | None:
 # ------------------------------------------------------------------------------------------- --total-epsilon
 
 
-def calibrated(plans: list[Plan], target: float) -> list[Plan]:
+def calibrated(plans: list[TrialPlan], target: float) -> list[TrialPlan]:
     """``plans`` with sigma calibrated to ``target`` by each configuration's mechanism, as ``dpl fit`` does
     (the Poisson-subsampled Gaussian, the only mechanism a trial may have)."""
     from dpl.core.mechanism import PoissonGaussian
@@ -142,7 +143,7 @@ def calibrated(plans: list[Plan], target: float) -> list[Plan]:
 
 
 def solve_total(fit_args: list[str], space: SearchSpace, dist: accounting.TrialDistribution,
-                total: float) -> tuple[float, list[Plan], float]:
+                total: float) -> tuple[float, list[TrialPlan], float]:
     """The largest per-trial target epsilon whose tuned epsilon is at most ``total`` (at the trials' delta), by a
     safeguarded secant search on logarithms; each step calibrates sigma for every accounting-distinct configuration,
     and the answer is planned again by the planner. Returns ``(per-trial target, plans, tuned epsilon)``."""

@@ -124,25 +124,26 @@ class FTRLPlugin:
         every = max(1, n // batch)
         bands = [self.bands] if self.bands is not None else band_range(every, steps, self.max_bands)
         if self.sampling == "cyclic_poisson":
-            plans = [SampledStrategy(self._strategy("banded", steps, steps, b), "cyclic_poisson") for b in bands]
+            candidates = [SampledStrategy(self._strategy("banded", steps, steps, b), "cyclic_poisson")
+                          for b in bands]
             if self.noise is None:
-                plans += [SampledStrategy(self._strategy(f, steps, every)) for f in ("blt", "independent")]
-        elif self.noise in ("banded", None):  # shuffled: sigma is the same for every plan: the least error is best
+                candidates += [SampledStrategy(self._strategy(f, steps, every)) for f in ("blt", "independent")]
+        elif self.noise in ("banded", None):  # shuffled: the same sigma for every strategy: the least error is best
             shuffled = [SampledStrategy(self._strategy("banded", steps, every, b)) for b in bands] if self.noise else \
                 [SampledStrategy(self._strategy(f, steps, every)) for f in ("blt", "independent")]
-            plans = [min(shuffled, key=lambda p: p.strategy.expected_error)]
+            candidates = [min(shuffled, key=lambda p: p.strategy.expected_error)]
         else:
-            plans = [SampledStrategy(self._strategy(self.noise, steps, every))]
+            candidates = [SampledStrategy(self._strategy(self.noise, steps, every))]
         if self.sampling == "shuffle" and n % batch:
             log.info("dpl: ftrl: %d examples, batch size %d: %d batches per epoch, the last %d examples of the secret "
                      "order (a random subset) are left out", n, batch, every, n % batch)
-        for plan in plans:
-            log.info("dpl: ftrl candidate: %s; %s; fitted in %.2f s", plan.label(), plan.describe(),
-                     plan.strategy.fit_seconds)
+        for candidate in candidates:
+            log.info("dpl: ftrl candidate: %s; %s; fitted in %.2f s", candidate.label(), candidate.describe(),
+                     candidate.strategy.fit_seconds)
         if self.noise == "nu_ftrl" and self.memory == "keep":
             log.info("dpl: ftrl nu_ftrl memory: keep stores every step's noise: %d x d floats", steps)
-        self.mechanism = FTRLMechanism(plans[0], n, batch, accountant=setup.accountant, candidates=plans[1:],
-                                       chooser=choose, replay_batches=setup.seed is not None)
+        self.mechanism = FTRLMechanism(candidates[0], n, batch, accountant=setup.accountant,
+                                       candidates=candidates[1:], chooser=choose, replay_batches=setup.seed is not None)
         self.mechanism.unit = setup.unit  # user-level sampling: the examples it orders and samples are users
         self.stream = None
         return self.mechanism
@@ -169,7 +170,7 @@ class FTRLPlugin:
         mechanism = self.mechanism
         if mechanism is None:
             raise PluginError("ftrl: configure_mechanism has not run")
-        mechanism.settle(mechanism.plan)
+        mechanism.settle(mechanism.sampled_strategy)
         strategy = mechanism.strategy
         if ctx.step != self.step:
             raise PluginError(f"ftrl: step {ctx.step} but the noise stream is at step {self.step}")

@@ -51,7 +51,7 @@ class SampledStrategy:
         c = ", ".join(f"{x:.4g}" for x in st.c[:self.bands])
         return (f"c=[{c}] for T={st.steps}, each participation one subsampled Gaussian step: column norm "
                 f"{st.sensitivity:.4f}, expected prefix-sum error {st.expected_error:.4g} sigma*C "
-                f"(before the sigma each plan needs for the target)")
+                f"(before the sigma each strategy needs for the target)")
 
     def label(self) -> str:
         if self.sampling == "cyclic_poisson":
@@ -141,8 +141,8 @@ class CyclicPoissonSampler(_StepSampler):
 
 
 class FTRLMechanism:
-    """Sampling and accounting of ftrl's correlated noise for one :class:`SampledStrategy`, its plan (chosen among
-    ``candidates`` by ``choose`` at calibration, when there are several).
+    """Sampling and accounting of ftrl's correlated noise for one :class:`SampledStrategy`,
+    :attr:`sampled_strategy` (chosen among ``candidates`` by ``chooser`` at calibration, when there are several).
 
     ``shuffle``: one Gaussian mechanism with noise multiplier sigma on C X / sens (sens: the strategy's
     sensitivity for the b-periodic participation pattern, k = ceil(T / b) participations), released through
@@ -161,10 +161,10 @@ class FTRLMechanism:
     adjacency = "zero_out"
     unit = "example"  # or "user" (set from the run: under user-level sampling the units it orders are users)
 
-    def __init__(self, plan: SampledStrategy, num_examples: int, batch_size: int, accountant: str = "prv",
+    def __init__(self, sampled_strategy: SampledStrategy, num_examples: int, batch_size: int, accountant: str = "prv",
                  candidates: list[SampledStrategy] | None = None, chooser: Any = None,
                  replay_batches: bool = False) -> None:
-        self.plan = plan
+        self.sampled_strategy = sampled_strategy
         self.num_examples = int(num_examples)
         self.batch_size = int(batch_size)
         self.every_epoch = max(1, self.num_examples // self.batch_size)
@@ -177,14 +177,14 @@ class FTRLMechanism:
         # only for a seeded run (privacy.seed), whose resume replays its streams; any other resume draws fresh batches
         self.replay_batches = replay_batches
 
-    # --- the plan -------------------------------------------------------------------------------------
+    # --- the sampled strategy -------------------------------------------------------------------------
     @property
     def strategy(self) -> Strategy:
-        return self.plan.strategy
+        return self.sampled_strategy.strategy
 
     @property
     def sampling(self) -> str:
-        return self.plan.sampling
+        return self.sampled_strategy.sampling
 
     @property
     def steps(self) -> int:
@@ -198,7 +198,7 @@ class FTRLMechanism:
 
     @property
     def bands(self) -> int:
-        return self.plan.bands
+        return self.sampled_strategy.bands
 
     @property
     def adjacencies(self) -> tuple[str, ...]:
@@ -221,13 +221,14 @@ class FTRLMechanism:
         """Compositions of the subsampled Gaussian after ``steps`` steps (``cyclic_poisson``)."""
         return -(-int(steps) // self.bands)
 
-    def settle(self, plan: SampledStrategy) -> None:
-        """Fix the plan (after a choice, or from a checkpoint); candidates are dropped. Used before any calibration
-        (a fixed sigma: no epsilon to compare the candidates at), the first candidate is kept, with a log line."""
-        if self.candidates and plan is self.plan:
+    def settle(self, sampled: SampledStrategy) -> None:
+        """Fix the sampled strategy (after a choice, or from a checkpoint); candidates are dropped. Used before any
+        calibration (a fixed sigma: no epsilon to compare the candidates at), the first candidate is kept, with a
+        log line."""
+        if self.candidates and sampled is self.sampled_strategy:
             log.info("dpl: ftrl uses %s: privacy.noise_multiplier is set, so there is no target epsilon to compare "
-                     "the candidates at (the default with a fixed sigma)", plan.label())
-        self.plan, self.candidates = plan, []
+                     "the candidates at (the default with a fixed sigma)", sampled.label())
+        self.sampled_strategy, self.candidates = sampled, []
 
     # --- sampling -------------------------------------------------------------------------------------
     def ensure_permutation(self, generator: torch.Generator) -> torch.Tensor:
@@ -244,7 +245,7 @@ class FTRLMechanism:
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
-        self.settle(self.plan)
+        self.settle(self.sampled_strategy)
         if num_examples != self.num_examples or steps_per_epoch != self.every_epoch:
             raise ConfigError(f"ftrl: the mechanism was set up for N={self.num_examples}, {self.every_epoch} steps "
                               f"per epoch, got N={num_examples}, {steps_per_epoch}")
@@ -261,30 +262,30 @@ class FTRLMechanism:
         if self.candidates and self.chooser is not None:
             chosen = self.chooser(self, target_epsilon, delta, steps)
             self.candidates = []
-            self.plan = chosen
-        return self.calibrate_plan(self.plan, target_epsilon, delta, steps)
+            self.sampled_strategy = chosen
+        return self.calibrate_strategy(self.sampled_strategy, target_epsilon, delta, steps)
 
-    def calibrate_plan(self, plan: SampledStrategy, target_epsilon: float, delta: float, steps: int) -> float:
-        """sigma of ``plan`` for (target_epsilon, delta) after ``steps`` steps (the plan need not be this one's)."""
+    def calibrate_strategy(self, sampled: SampledStrategy, target_epsilon: float, delta: float, steps: int) -> float:
+        """sigma of ``sampled`` for (target_epsilon, delta) after ``steps`` steps (a candidate, or the one in use)."""
 
-        if steps > plan.strategy.steps:
-            raise ConfigError(f"ftrl: its noise was fitted and accounted for {plan.strategy.steps} steps, asked "
+        if steps > sampled.strategy.steps:
+            raise ConfigError(f"ftrl: its noise was fitted and accounted for {sampled.strategy.steps} steps, asked "
                               f"about {steps}")
-        if plan.sampling == "cyclic_poisson":
-            b = plan.bands
+        if sampled.sampling == "cyclic_poisson":
+            b = sampled.bands
             return calibrate_noise_multiplier(target_epsilon, delta,
                                                          self.batch_size / (self.num_examples // b), -(-steps // b),
                                                          method=self.accountant)
         # epsilon(sigma, steps) = G(sigma * sens_T / sens_steps), G the exact Gaussian-mechanism epsilon
         return calibrate_gaussian_mechanism(target_epsilon, delta) \
-            * float(plan.strategy.sens_prefix[steps - 1]) / plan.strategy.sensitivity
+            * float(sampled.strategy.sens_prefix[steps - 1]) / sampled.strategy.sensitivity
 
     def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        self.settle(self.plan)
+        self.settle(self.sampled_strategy)
         if steps <= 0:
             return 0.0
         if noise_multiplier == 0 or steps > self.steps:
-            return math.inf  # beyond the plan there is no accounting (the budget guard stops there)
+            return math.inf  # beyond the fitted steps there is no accounting (the budget guard stops there)
         if self.sampling == "cyclic_poisson":
             return epsilon_for(noise_multiplier, self.sample_rate, self.rounds(steps), delta,
                                           method=self.accountant)
@@ -300,7 +301,7 @@ class FTRLMechanism:
 
     # --- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Public: the plan (family, sampling, fitted coefficients), the run's shape and the adjacency. No
+        """Public: the sampled strategy (family, sampling, fitted coefficients), the run's shape and the adjacency. No
         permutation, no sampler state."""
         return {"family": self.strategy.family, "sampling": self.sampling, "steps": self.steps,
                 "every": self.strategy.every, "num_examples": self.num_examples, "batch_size": self.batch_size,
@@ -310,21 +311,21 @@ class FTRLMechanism:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = {"sampling": "shuffle", "adjacency": "zero_out", **state}
         if state["sampling"] != self.sampling or state["family"] != self.strategy.family:
-            candidates = {(p.sampling, p.strategy.family) for p in [self.plan, *self.candidates]}
+            candidates = {(p.sampling, p.strategy.family) for p in [self.sampled_strategy, *self.candidates]}
             if (state["sampling"], state["family"]) not in candidates:
                 raise ConfigError(f"ftrl: the checkpoint's noise is {state['family']} with {state['sampling']} "
                                   f"sampling, this run's {self.strategy.family} with {self.sampling}: the correlated "
-                                  "stream cannot continue under another plan")
+                                  "stream cannot continue under another strategy")
         mine = self.state_dict()
         for key in ("steps", "num_examples", "batch_size", "adjacency"):
             if state.get(key) != mine[key]:
                 raise ConfigError(f"ftrl: the checkpoint's noise was set up with {key}={state.get(key)}, this run has "
-                                  f"{mine[key]}: the correlated stream cannot continue under another plan")
+                                  f"{mine[key]}: the correlated stream cannot continue under another strategy")
         if state["params"] != mine["params"] or state["family"] != mine["family"] or state["every"] != mine["every"]:
-            # the checkpoint's plan (a refit may differ in the last digits; an automatic choice is kept)
+            # the checkpoint's strategy (a refit may differ in the last digits; an automatic choice is kept)
             strategy = strategy_from_params(state["family"], state["steps"], state["every"], state["params"])
-            self.plan = SampledStrategy(strategy, state["sampling"])
-        self.settle(self.plan)
+            self.sampled_strategy = SampledStrategy(strategy, state["sampling"])
+        self.settle(self.sampled_strategy)
 
     def secret_state_dict(self) -> dict[str, Any]:
         """Secret: the permutation (whoever knows it knows every partition / batch) and the sampler generator's
