@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from dpl.api import (ConfigError, GradientSum, PluginError, PrivateGradient, RunSetup, SecureNormal, StepContext,
-                     hookimpl, noisy_mean_, normals_like)
+                     hookimpl, noisy_mean_, noisy_means_, normals_like)
 from dpl_plugins.ftrl.choice import band_range, choose
 from dpl_plugins.ftrl.mechanism import CyclicPoissonSampler, FTRLMechanism, SampledStrategy, ShuffledBatchSampler
 from dpl_plugins.ftrl.strategies import Strategy, make_strategy
@@ -187,9 +187,7 @@ class FTRLPlugin:
         elif len(strategy.c) == 1 or not strategy.c[1:].any():
             # C = I (independent; banded with b = 1): exactly the default Gaussian step with noise multiplier
             # sigma * sens (with amplification when the sampling is cyclic_poisson with b = 1: DP-SGD itself)
-            noise = normals_like(totals, ctx.noise_source)
-            for key, total in totals.items():
-                values[key] = noisy_mean_(noise.pop(key), scale, total, batch)
+            values = noisy_means_(totals, scale, batch, ctx.noise_source)  # into the sum, as the default does
             noise_std = scale / batch
         else:
             if self.stream is None:
