@@ -1,6 +1,6 @@
 """What a bare GPU machine needs to run benchmarks/gpu.py, packed into parts small enough to send one at a time.
 
-    python benchmarks/gpu_payload.py              # here, before a GPU machine is asked for: .gpu/p0, .gpu/p1, ... (~5 min)
+    python benchmarks/gpu_payload.py    # before a GPU machine is asked for: .gpu/p0, .gpu/p1, ... (~5 min)
 
 A bare GPU machine of the kind this targets has Python 3.12 with CUDA PyTorch, transformers, Lightning, peft and
 pytest, but reaches no package index and takes at most 64 MiB of files per command. The payload holds what else

@@ -29,4 +29,5 @@ __all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource",
            "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "Segment", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
            "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "noisy_mean_", "noisy_means_", "normal", "normals",
-           "normals_like", "poisson_mask", "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling", "unit_sizes"]
+           "normals_like", "poisson_mask", "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling",
+           "unit_sizes"]

@@ -69,8 +69,9 @@ def privatize(ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient | 
 
     Called exactly once per logical batch. This is the only hook that reads ``gradient_sum``; dpl wipes it
     right after. It may write the release into the sum's tensors (the default does: no noise buffer of the
-    model's size beside them), so a wrapper that reads the clean sum (non-private diagnostics) copies it first. The returned :class:`~dpl.core.gradients.PrivateGradient` must carry the per-coordinate standard
-    deviation of the noise it contains (``noise_std``) so that later hooks can use it.
+    model's size beside them), so a wrapper that reads the clean sum (non-private diagnostics) copies it first.
+    The returned :class:`~dpl.core.gradients.PrivateGradient` must carry the per-coordinate standard deviation of
+    the noise it contains (``noise_std``) so that later hooks can use it.
 
     Privacy contract: the noise is drawn from ``ctx.noise_source`` through :func:`dpl.core.noise.normal` (a
     secret ChaCha20 key from OS entropy unless the user set ``privacy.seed``; identical on every DDP rank, so the
