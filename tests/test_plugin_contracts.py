@@ -102,6 +102,15 @@ def test_every_installed_plugin_keeps_the_state_contract(name):
             pass
 
 
+@pytest.mark.parametrize("name", sorted(installed_plugins()))
+def test_every_attribute_of_a_fresh_plugin_can_be_read(name):
+    """pluggy < 1.7 registers a plugin by reading every name in ``dir(plugin)``: a property that raises before
+    the run is set up would make ``create_plugin_manager`` fail."""
+    plugin = load_plugin(name)
+    for attribute in dir(plugin):
+        getattr(plugin, attribute)
+
+
 @pytest.mark.parametrize("name", sorted(n for n in installed_plugins() if n not in ("clip", "gaussian")))
 def test_every_installed_plugin_has_typed_options(name):
     target = installed_plugins()[name].load()

@@ -149,13 +149,15 @@ class FTRLPlugin:
         return self.mechanism
 
     @property
-    def strategy(self) -> Strategy:
-        if self.mechanism is None:
-            raise PluginError("ftrl: configure_mechanism has not run")
-        return self.mechanism.strategy
+    def strategy(self) -> Strategy | None:
+        """The sampled strategy; None before ``configure_mechanism`` (a property that raised would break
+        plugin registration under pluggy < 1.7, which reads every attribute of a plugin)."""
+        return None if self.mechanism is None else self.mechanism.strategy
 
     def _new_stream(self) -> Any:
         strategy = self.strategy
+        if strategy is None:
+            raise PluginError("ftrl: configure_mechanism has not run")
         if strategy.family == "banded":
             return BandedStream(strategy.c[:int(strategy.params["bands"])])
         if strategy.family == "blt":
