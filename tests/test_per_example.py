@@ -10,6 +10,7 @@ from torch import nn
 
 from dpl.errors import ConfigError
 from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+from dpl.core.layer_gradients import LayerRecord, prepare
 from dpl.core.per_example import PerExampleClipper
 
 
@@ -83,6 +84,24 @@ def test_every_contribution_bounded_under_bf16_autocast(build):
         total = torch.sqrt(sum(t.double().pow(2).sum() for t in sums.values()))
         excess.append(float(total / max_norm - 1))
     assert max(excess) <= 1e-5, excess
+
+
+@pytest.mark.parametrize("steps,d_in,d_out", [(4, 8, 8), (1, 8, 8), (40, 3, 2), (40, 2, 3)])
+def test_prepared_linear_holds_bf16_recordings_without_float32_copies(steps, d_in, d_out):
+    """Every layer's activations and output gradients are held until the clipping factors are known: float32 copies
+    of them under bf16-mixed would double or triple the step's memory. The results equal float32 recordings'."""
+    torch.manual_seed(0)
+    layer = nn.Linear(d_in, d_out)
+    x, g = torch.randn(4, steps, d_in).bfloat16(), torch.randn(4, steps, d_out).bfloat16()
+    names = {"weight": "weight", "bias": "bias"}
+    state = prepare(LayerRecord(layer, "linear", names, [x]), [g], {}, None)
+    held = [c.cell_contents for c in state.weighted_sum.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+    assert not [t for t in held if t.dtype == torch.float32 and t.shape in (x.shape, g.shape)]
+    upcast = prepare(LayerRecord(layer, "linear", names, [x.float()]), [g.float()], {}, None)
+    factors = torch.tensor([1.0, 0.5, 0.25, 0.0])
+    assert torch.equal(state.sq_norms, upcast.sq_norms)
+    for name, tensor in state.weighted_sum(factors).items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, upcast.weighted_sum(factors)[name])
 
 
 @pytest.mark.parametrize("dot_chunk", [1 << 21, 5])

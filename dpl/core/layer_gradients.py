@@ -68,8 +68,12 @@ def _as_3d(t: Tensor) -> Tensor:
 
 
 def _cat_steps(tensors: list[Tensor]) -> Tensor:
-    """Concatenate the recorded calls of one module along the sequence axis (no copy for a single call)."""
-    parts = [_as_3d(t).float() for t in tensors]
+    """Concatenate the recorded calls of one module along the sequence axis (no copy for a single call), in their
+    own precision: a float32 copy of every layer's activations and output gradients, held until the clipping
+    factors are known, would double or triple the step's memory under bf16. The products upcast a layer at a time."""
+    parts = [_as_3d(t) for t in tensors]
+    if len({t.dtype for t in parts}) > 1:
+        parts = [t.float() for t in parts]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
@@ -92,6 +96,7 @@ def _input_gram(a: Tensor, source: list[Tensor], grams: dict[tuple, Tensor]) -> 
     """a a^T per example, computed once per distinct input tensor."""
     key = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in source)
     if key not in grams:
+        a = a.float()
         grams[key] = torch.bmm(a, a.transpose(1, 2))
     return grams[key]
 
@@ -108,17 +113,19 @@ def _prepare_linear(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Te
     if has_weight:
         if steps * steps * (d_in + d_out) < d_in * d_out * steps or steps == 1:
             if steps == 1:
-                sq = sq + (a.squeeze(1).pow(2).sum(1) * g.squeeze(1).pow(2).sum(1))
+                sq = sq + (a.squeeze(1).float().pow(2).sum(1) * g.squeeze(1).float().pow(2).sum(1))
             else:
-                sq = sq + _batched_dot(_input_gram(a, rec.inputs, grams), torch.bmm(g, g.transpose(1, 2)))
+                gf = g.float()
+                sq = sq + _batched_dot(_input_gram(a, rec.inputs, grams), torch.bmm(gf, gf.transpose(1, 2)))
+                del gf
         elif d_out <= d_in:  # the narrower operand first, made contiguous: (B, small, T) x (B, T, large) is the
             # faster orientation on CPU (LoRA's A and B matrices)
-            per_example_weight = torch.bmm(g.transpose(1, 2).contiguous(), a)  # (B, d_out, d_in)
+            per_example_weight = torch.bmm(g.transpose(1, 2).float().contiguous(), a.float())  # (B, d_out, d_in)
             sq = sq + per_example_weight.pow(2).sum((1, 2))
         else:
-            per_example_weight = torch.bmm(a.transpose(1, 2).contiguous(), g)  # (B, d_in, d_out): transposed
+            per_example_weight = torch.bmm(a.transpose(1, 2).float().contiguous(), g.float())  # (B, d_in, d_out)
             sq = sq + per_example_weight.pow(2).sum((1, 2))
-    bias_grad = g.sum(1) if has_bias else None
+    bias_grad = g.float().sum(1) if has_bias else None
     if has_bias:
         sq = sq + bias_grad.pow(2).sum(1)
 
@@ -134,11 +141,11 @@ def _prepare_linear(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Te
                 summed = (factors @ per_example_weight.reshape(batch, -1)).view(per_example_weight.shape[1:])
                 out["weight"] = summed if d_out <= d_in else summed.t().contiguous()
             elif d_out <= d_in:  # scale the smaller of the two operands by the clipping factors
-                gw = g * factors[:, None, None]
-                out["weight"] = gw.reshape(-1, d_out).t() @ a.reshape(-1, d_in)
+                gw = g.float() * factors[:, None, None]
+                out["weight"] = gw.reshape(-1, d_out).t() @ a.reshape(-1, d_in).float()
             else:
-                aw = a * factors[:, None, None]
-                out["weight"] = g.reshape(-1, d_out).t() @ aw.reshape(-1, d_in)
+                aw = a.float() * factors[:, None, None]
+                out["weight"] = g.reshape(-1, d_out).float().t() @ aw.reshape(-1, d_in)
         if has_bias:
             out["bias"] = factors @ bias_grad
         return out
@@ -150,7 +157,7 @@ def _prepare_embedding(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple,
     module: nn.Embedding = rec.module
     ids = [x.reshape(x.shape[0], -1) for x in rec.inputs]
     ids = ids[0] if len(ids) == 1 else torch.cat(ids, dim=1)
-    g = _cat_steps(grads)
+    g = _cat_steps(grads).float()
     if module.padding_idx is not None:
         g = g * (ids != module.padding_idx).unsqueeze(-1)
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)).float()
