@@ -112,7 +112,7 @@ def test_third_party_plugin_from_the_tutorial(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(TINY_RUN.format(model=model, data=Path(train).parent, root=tmp_path / "runs"))
     result = subprocess.run([sys.executable, "-m", "dpl.cli", "fit", "--config", str(config), "--config",
-                             str(tmp_path / "gradnorm.yaml")], env=env, capture_output=True, text=True)
+                             str(tmp_path / "gradnorm.yaml")], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = next((tmp_path / "runs").rglob("metrics.csv")).read_text()
     assert "private_grad_norm" in metrics.splitlines()[0]
@@ -123,6 +123,7 @@ seed_everything: 0
 trainer:
   accelerator: cpu
   max_steps: 4
+  default_root_dir: {root}
   logger: {{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {root}}}}}
   log_every_n_steps: 1
   enable_progress_bar: false
