@@ -45,6 +45,21 @@ def scores(n: int, batch: int, epochs: int, epsilon: float, max_bands: int) -> d
             "best_amplified": best, "chosen": chosen}
 
 
+def table(results: list[dict]) -> str:
+    """The markdown table of plugins/ftrl/README.md (a test keeps the two equal)."""
+    lines = ["| ε | epochs | T | amplified DP-SGD | amplified BandMF (best b) | BLT (shuffled, fitted buffers) | "
+             "independent (shuffled) | chosen |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        p = r["plans"]
+        best = p[r["best_amplified"]]
+        blt_label = next(k for k in p if k.startswith("blt"))  # names the buffer count the fit kept
+        blt = f"{p[blt_label]['error']:.2f} ({blt_label.split('(')[1].split(',')[0]})"
+        lines.append(f"| {r['epsilon']:g} | {r['epochs']} | {r['steps']} | {p['amplified DP-SGD (b=1)']['error']:.2f} | "
+                     f"{best['error']:.2f} (b = {best['bands']}) | {blt} | "
+                     f"{p['independent (shuffled, no amplification)']['error']:.2f} | {r['chosen']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=8192)
@@ -55,14 +70,7 @@ def main() -> None:
     max_bands = args.max_bands or args.n // args.batch
     results = [scores(args.n, args.batch, epochs, eps, max_bands) for eps in (1.0, 4.0, 16.0) for epochs in (3, 20)]
     print(f"N = {args.n}, B = {args.batch}, delta = 0.1/N; expected prefix-sum error in units of C/B (lower is better)")
-    print(f"{'eps':>4s} {'epochs':>6s} {'T':>5s} {'amp. DP-SGD':>11s} {'amp. BandMF (b)':>17s} {'BLT':>7s} "
-          f"{'independent':>11s}  chosen")
-    for r in results:
-        p = r["plans"]
-        best = p[r["best_amplified"]]
-        print(f"{r['epsilon']:4g} {r['epochs']:6d} {r['steps']:5d} {p['amplified DP-SGD (b=1)']['error']:11.3f} "
-              f"{best['error']:11.3f} ({best['bands']:>3d}) {p['blt (nbuf=4, shuffled)']['error']:7.3f} "
-              f"{p['independent (shuffled, no amplification)']['error']:11.3f}  {r['chosen']}")
+    print(table(results))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"n": args.n, "batch": args.batch, "max_bands": max_bands, "results": results}, fh, indent=1)

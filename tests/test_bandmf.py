@@ -4,7 +4,12 @@ released noise covariance, planted bugs caught, the automatic choices, adjacency
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -299,3 +304,21 @@ def test_two_processes_equal_one(tmp_path):
     for rank in two:
         assert rank["epsilon"] == one["epsilon"] and rank["sigma"] == one["sigma"]
         assert_same_params(rank["params"], one["params"], atol=summation_tolerance(one, steps=4, lr=0.5))
+
+
+def test_the_readmes_error_table_is_what_bandmf_error_py_computes(tmp_path):
+    """plugins/ftrl/README.md's prefix-sum error table: the committed results as the script computes them now."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bandmf_error.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "bandmf_error.py"), "--json", str(out)], check=True,
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    committed = json.loads((root / "benchmarks" / "results" / "bandmf_error.json").read_text())["results"]
+    fresh = json.loads(out.read_text())["results"]
+    assert [sorted(r["plans"]) for r in fresh] == [sorted(r["plans"]) for r in committed]
+    for now, then in zip(fresh, committed):
+        for label, plan in now["plans"].items():
+            assert plan["error"] == pytest.approx(then["plans"][label]["error"], rel=1e-6), label
+    sys.path.insert(0, str(root / "benchmarks"))
+    from bandmf_error import table
+
+    assert table(committed) in (root / "plugins" / "ftrl" / "README.md").read_text()
