@@ -17,7 +17,9 @@ is recorded as skipped, and so is what remains):
 1. ``tests``: ``pytest -m gpu`` (tests/test_gpu.py, the CUDA noise source, FSDP on GPUs), pass/fail per test from
    its junit XML; failures are recorded, not fatal.
 2. ``speed_memory``: benchmarks/dp_step_vs_opacus.py on MiniLM and SmolLM2-135M, full fine-tuning and LoRA, fp32
-   and bf16 autocast, batch x tokens 32 x 128 and 64 x 256: examples/s and peak memory (each run's JSON).
+   and bf16 autocast, batch x tokens 32 x 128 and 64 x 256: examples/s and peak memory (each run's JSON). A run
+   that passed earlier on this GPU is skipped only if dpl's sources (dpl/, plugins/) are the same as now: after a
+   change to the private step the first runs measure it again.
 3. ``finetune``: the rows of benchmarks/studies/finetune.py as resumable chunks (one denoise seed, or one ftrl arm
    at one epsilon, at most ``--chunk-seconds``), highest value first: denoise at steps 25 and 50 (seeds 0, 1, 2),
    ftrl at epsilon 4, then at 1 and 16. Results go to ``<out>/finetune/`` after every cell; chunks whose cells are
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -160,11 +163,22 @@ def speed_key(run: dict[str, Any]) -> tuple:
     return tuple(run.get(k, False) for k in ("model", "lora", "precision", "batch", "tokens", "profile"))
 
 
+def source_hash() -> str:
+    """A short hash of dpl's sources (dpl/ and plugins/ Python files): the code the speed runs measure."""
+    digest = hashlib.sha256()
+    for path in sorted([*(ROOT / "dpl").rglob("*.py"), *(ROOT / "plugins").rglob("*.py")]):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def earlier_speed_runs(args: argparse.Namespace) -> set[tuple]:
-    """The speed runs that passed in earlier result files of this GPU (in ``--out``)."""
+    """The speed runs that passed in earlier result files of this GPU (in ``--out``) on the same dpl sources."""
     done = set()
     for path in args.out.glob(f"*_{args.slug}*.json"):
-        stage = json.loads(path.read_text()).get("stages", {}).get("speed_memory") or {}
+        report = json.loads(path.read_text())
+        if report.get("source") != args.source:
+            continue
+        stage = report.get("stages", {}).get("speed_memory") or {}
         done |= {speed_key(r) for r in stage.get("results") or [] if r["status"] == "passed"}
     return done
 
@@ -355,11 +369,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = gpu_name(args.device)
     if args.device == "cuda" and name.startswith("CPU"):
         sys.exit("no CUDA GPU here: run with --dry-run to check the stages on CPU")
-    args.slug = slug(name)
+    args.slug, args.source = slug(name), source_hash()
     path = new_path(args.out, f"{datetime.date.today()}_{args.slug}")
     print(f"{name}; budget {args.budget_seconds:.0f} s; results: {path}", flush=True)
     report = {"gpu": name, "date": str(datetime.date.today()), "dry_run": args.dry_run,
-              "budget_seconds": args.budget_seconds, "stages": {}}
+              "budget_seconds": args.budget_seconds, "source": args.source, "stages": {}}
     run_stages(args, report, path)
     print(f"wrote {path}")
     return report

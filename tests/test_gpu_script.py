@@ -125,3 +125,19 @@ def test_outcomes_of_a_test_run_stopped_at_its_timeout():
     assert gpu.verbose_results(output) == {"tests.test_noise::test_a": "passed",
                                            "tests.test_gpu::test_b[bf16-mixed]": "failed",
                                            "tests.test_fsdp::test_c": "skipped"}
+
+
+def test_a_speed_run_counts_as_done_only_on_the_same_sources(tmp_path):
+    """After a change to dpl's sources the speed runs measure it again; the same sources skip what passed."""
+    import argparse
+
+    import gpu
+
+    run = {"model": "minilm", "lora": False, "precision": "fp32", "batch": 32, "tokens": 128, "status": "passed"}
+    for name, source in (("2026-01-01_h100.json", "old"), ("2026-01-02_h100.json", gpu.source_hash())):
+        failed = {**run, "precision": "bf16", "status": "timed out"}
+        (tmp_path / name).write_text(json.dumps({"source": source, "stages": {"speed_memory": {
+            "results": [{**run, "batch": 64 if source == "old" else 32}, failed]}}}))
+    done = gpu.earlier_speed_runs(argparse.Namespace(out=tmp_path, slug="h100", source=gpu.source_hash()))
+    assert done == {gpu.speed_key(run)}
+    assert gpu.earlier_speed_runs(argparse.Namespace(out=tmp_path, slug="h100", source="new")) == set()
