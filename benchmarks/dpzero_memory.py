@@ -254,6 +254,7 @@ def main() -> None:
                         help="time the phases of a Rademacher step, embedding tables row-wise and dense")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="the modes of the memory run (default: all)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the memory run's JSON (updated in place)")
     args = parser.parse_args()
     from dpl.allocator import keep_freed_memory
 
@@ -277,7 +278,7 @@ def main() -> None:
             f"{mode} {t:.3f} s ({t / best['two_forwards']:.2f}x two forwards)" for mode, t in best.items()))
         return
     tasks = ("classification", "generation") if args.task == "both" else (args.task,)
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
+    results = json.loads(args.results.read_text()) if args.results.exists() else {"runs": []}
     results["machine"] = f"{platform.machine()}, {os.cpu_count()} cores (shared), one torch thread, no GPU"
     for task in tasks:
         batch = args.batch_size or (32 if task == "classification" else 8)
@@ -296,8 +297,8 @@ def main() -> None:
             print(f"{task:14s} {mode:12s} peak {run['peak_rss'] / 2**20:8.1f} MiB  above loaded "
                   f"{run['extra'] / 2**20:7.1f} MiB (steady {run['steady_extra'] / 2**20:7.1f})  time min {run['time_min']:.3f} s  grad={run['grad_allocated']}",
                   flush=True)
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(results, indent=1))
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(results, indent=1))
     report(results)
 
 

@@ -3,6 +3,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/dpzero_quadratic.py            # ~50 min on one core
     python benchmarks/dpzero_quadratic.py --report-only                # table + plot from the JSON
+    python benchmarks/dpzero_quadratic.py --quick --results q.json --figure q.png   # a few seconds: d = 20 only
 
 Per-example loss l_i(theta) = 1/2 (theta - xi_i)^T A (theta - xi_i), xi_i ~ N(0, I_d), N = 1000 examples,
 A = diag(1, a, ..., a) with a = (r - 1) / (d - 1), so ||A|| = 1 and the effective rank tr(A) / ||A|| = r, for
@@ -71,7 +72,7 @@ def rank_value(name: str, d: int) -> float:
     return {"1": 1.0, "sqrt(d)": math.sqrt(d), "d": float(d)}[name]
 
 
-def run(method: str, d: int, rank: str, lr: float, clip: float, sigma: float, seed: int) -> float:
+def run(method: str, d: int, rank: str, lr: float, clip: float, sigma: float, seed: int, steps: int = T) -> float:
     from dpl import PrivacyConfig, PrivateTraining
 
     gen = torch.Generator().manual_seed(1000 * seed + d)
@@ -81,7 +82,7 @@ def run(method: str, d: int, rank: str, lr: float, clip: float, sigma: float, se
                             batch_size=B, physical_batch_size=N, seed=777 + seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrivacyWarning)  # privacy.seed: a reproducible experiment
-        training = PrivateTraining(model, model.per_example_loss, privacy, num_examples=N, steps=T,
+        training = PrivateTraining(model, model.per_example_loss, privacy, num_examples=N, steps=steps,
                                    collate=lambda rows: {"index": torch.as_tensor(rows, dtype=torch.long)},
                                    optimizer=torch.optim.SGD(model.parameters(), lr=lr),
                                    plugins={"dpzero": {"mu": 1e-3,
@@ -96,38 +97,44 @@ def run(method: str, d: int, rank: str, lr: float, clip: float, sigma: float, se
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smoke test: d = 20, one lr and C, 20 steps, one seed")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--figure", type=Path, default=FIGURE)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    dims, lrs, clips, steps, seeds = (((20,), (1e-2,), (2.0,), 20, (1,)) if args.quick
+                                      else (DIMS, LRS, CLIPS, T, (1, 2, 3)))
     if not args.report_only:
         from dpl.core import accounting
 
-        sigma = accounting.calibrate_noise_multiplier(EPS, DELTA, B / N, T, method="prv")
-        results = {"settings": {"N": N, "B": B, "T": T, "epsilon": EPS, "delta": DELTA, "sigma": sigma,
-                                "lrs": LRS, "clips": CLIPS, "dims": DIMS, "machine": platform.processor() or
+        sigma = accounting.calibrate_noise_multiplier(EPS, DELTA, B / N, steps, method="prv")
+        results = {"settings": {"N": N, "B": B, "T": steps, "epsilon": EPS, "delta": DELTA, "sigma": sigma,
+                                "lrs": lrs, "clips": clips, "dims": dims, "machine": platform.processor() or
                                 platform.machine(), "threads": 1}, "cells": []}
         start = time.time()
         for method in ("dpzero", "dpgd0"):
             for rank in RANKS:
-                for d in DIMS:
-                    grid = {(lr, c): run(method, d, rank, lr, c, sigma, seed=0) for lr in LRS for c in CLIPS}
+                for d in dims:
+                    grid = {(lr, c): run(method, d, rank, lr, c, sigma, seed=0, steps=steps)
+                            for lr in lrs for c in clips}
                     (lr, c), tuned = min(grid.items(), key=lambda kv: kv[1])
-                    finals = [run(method, d, rank, lr, c, sigma, seed=s) for s in (1, 2, 3)]
+                    finals = [run(method, d, rank, lr, c, sigma, seed=s, steps=steps) for s in seeds]
                     cell = {"method": method, "rank": rank, "d": d, "lr": lr, "C": c, "tuning": tuned,
                             "finals": finals}
                     results["cells"].append(cell)
                     print(f"{method:7s} r={rank:8s} d={d:5d} lr={lr:g} C={c:g} excess ratio "
-                          f"{sum(finals) / 3:.4f} ({time.time() - start:.0f}s)", flush=True)
+                          f"{sum(finals) / len(finals):.4f} ({time.time() - start:.0f}s)", flush=True)
         results["wall_s"] = time.time() - start
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(results, indent=1))
-    report(json.loads(RESULTS.read_text()))
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(results, indent=1))
+    report(json.loads(args.results.read_text()), args.figure)
 
 
-def report(results: dict) -> None:
-    cells = results["cells"]
+def report(results: dict, figure: Path = FIGURE) -> None:
+    cells, dims = results["cells"], results["settings"]["dims"]
     print(f"sigma = {results['settings']['sigma']:.4f}; wall {results.get('wall_s', 0):.0f} s")
-    print("| method | effective rank | " + " | ".join(f"d = {d}" for d in DIMS) + " |")
-    print("|---|---|" + "---|" * len(DIMS))
+    print("| method | effective rank | " + " | ".join(f"d = {d}" for d in dims) + " |")
+    print("|---|---|" + "---|" * len(dims))
     for method in ("dpzero", "dpgd0"):
         for rank in RANKS:
             row = [c for c in cells if c["method"] == method and c["rank"] == rank]
@@ -159,9 +166,9 @@ def report(results: dict) -> None:
     fig.suptitle(f"Quadratics, eps = {s['epsilon']:g}, T = {s['T']}, q = {s['B'] / s['N']:g} "
                  "(lr and C tuned per cell; mean and range of 3 seeds)")
     fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=120)
-    print(f"figure: {FIGURE.relative_to(ROOT)}")
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figure, dpi=120)
+    print(f"figure: {figure.relative_to(ROOT) if figure.is_relative_to(ROOT) else figure}")
 
 
 if __name__ == "__main__":

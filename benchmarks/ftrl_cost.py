@@ -1,7 +1,7 @@
 """Cost per step of ftrl's correlated noise on MiniLM full fine-tuning (22.7M parameters), side by side in one run.
 
     OMP_NUM_THREADS=1 nice -n 5 python benchmarks/ftrl_cost.py [--repeats 8] [--batch 32] [--tokens 64] \
-        [--steps 1000] [--full] [--json out.json]
+        [--steps 1000] [--full] [--json out.json] [--method full|lora]
 
 Variants (same model, same batch): the default Gaussian mechanism, ftrl independent, ftrl banded (shuffled,
 bands=4: 3 stored vectors), ftrl BLT (nbuf <= 4: the fit keeps the fewest buffers within 1% of the best), amplified banded (cyclic Poisson, bands=4 and 16), and, for
@@ -118,12 +118,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="planned run length (for the fits)")
     parser.add_argument("--full", action="store_true", help="time the full step of every variant, not only the default")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--method", choices=("full", "lora"), default="full",
+                        help="lora: LoRA r 8 (0.3M trainable), a quick check")
     args = parser.parse_args()
     from dpl.allocator import keep_freed_memory
 
     keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     torch.manual_seed(0)
-    model = load("full")
+    model = load(args.method)
     d = sum(p.numel() for p in model.parameters() if p.requires_grad)
     batch = make_batch(args.batch, args.tokens)
     configs = {
@@ -164,7 +166,7 @@ def main() -> None:
     base = statistics.median(times["gaussian (default)"])
     base_noise = statistics.median(noise_times["gaussian (default)"])
     rows = []
-    print(f"MiniLM full fine-tuning, d = {d:,} trainable parameters, batch {args.batch} x {args.tokens} tokens, "
+    print(f"MiniLM {args.method} fine-tuning, d = {d:,} trainable parameters, batch {args.batch} x {args.tokens} tokens, "
           f"{args.repeats} interleaved repeats, torch threads {torch.get_num_threads()}; the denominator: the default's "
           f"full step, {len(times['gaussian (default)'])} repeats")
     print(f"{'variant':28s} {'median s':>9s} {'vs default':>10s} {'held floats':>14s} {'goal floats':>12s} "

