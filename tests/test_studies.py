@@ -338,6 +338,57 @@ def test_finetune_resume_keeps_finished_cells(finetune_quick):
     assert json.loads((out / "finetune_ftrl_quick.json").read_text())["cells"] == finetune_quick["ftrl"]["cells"]
 
 
+def test_the_docs_cpu_denoise_tables_are_what_finetune_py_prints(capsys):
+    """docs/studies.md's CPU step-50 tables are ``finetune.py denoise --table`` of the committed results."""
+    import finetune
+
+    results = ROOT / "benchmarks" / "results" / "studies" / "finetune_denoise.json"
+    finetune.main(["denoise", "--table", str(results)])
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("| seed | arm | step |") and "denoise wins" in printed
+    assert printed == finetune.denoise_tables(json.loads(results.read_text()))
+    assert printed in (ROOT / "docs" / "studies.md").read_text()
+
+
+def test_part_runs_in_parallel_processes_share_one_results_file(tmp_path):
+    """Under --resume a part run keeps the cells another process saved to the file since it started."""
+    import argparse
+
+    import finetune
+
+    settings = {"batch_size": 64}
+    cell = lambda arm, seed: {"arm": arm, "seed": seed, "curve": {}}  # noqa: E731
+    other = {"settings": settings, "cells": [cell("DP-SGD", 0), cell("DP-SGD", 2)]}
+    (tmp_path / "finetune_denoise.json").write_text(json.dumps(other))
+    mine = {"settings": settings, "cells": [cell("DP-SGD", 0), cell("DP-SGD + denoise", 1)]}
+    args = argparse.Namespace(resume=True, out=tmp_path)
+    merged = finetune.results_on_disk(args, "finetune_denoise", mine)
+    assert [(c["arm"], c["seed"]) for c in merged["cells"]] == [("DP-SGD", 0), ("DP-SGD + denoise", 1), ("DP-SGD", 2)]
+    other["settings"] = {"batch_size": 32}  # another study's file: nothing taken
+    (tmp_path / "finetune_denoise.json").write_text(json.dumps(other))
+    mine = {"settings": settings, "cells": [cell("DP-SGD", 1)]}
+    assert finetune.results_on_disk(args, "finetune_denoise", mine)["cells"] == [cell("DP-SGD", 1)]
+    args.resume = False  # a fresh study replaces the file
+    other["settings"] = settings
+    (tmp_path / "finetune_denoise.json").write_text(json.dumps(other))
+    assert finetune.results_on_disk(args, "finetune_denoise", mine)["cells"] == [cell("DP-SGD", 1)]
+
+
+def test_private_training_reports_progress_when_asked(capsys):
+    import torch
+    from common import Head, Split, train_private
+
+    torch.manual_seed(0)
+    data = Split(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    train_private(data, 2, lr=0.1, batch_size=16, steps=3, noise_multiplier=1.0, eval_steps=[2],
+                  evaluate_on={"train": data}, progress=True)
+    import re
+
+    assert re.findall(r"step (\d)/3 \(\d+ s\)", capsys.readouterr().err) == ["1", "2", "3"]
+    train_private(data, 2, lr=0.1, batch_size=16, steps=2, noise_multiplier=1.0)
+    assert capsys.readouterr().err == ""  # off by default
+
+
 def test_finetune_plots(finetune_quick, tmp_path, monkeypatch):
     """The figures of the full runs (not drawn by --quick), drawn from the quick results."""
     import common

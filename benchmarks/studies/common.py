@@ -18,6 +18,7 @@ import csv
 import json
 import math
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -208,7 +209,7 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
                      physical_batch_size: int = 4096, evaluate: Callable[[], dict[str, Any]] | None = None,
                      eval_steps: Sequence[int] = (), stop_after: int | None = None, device: str = "cpu",
                      autocast: bool = False, user_keys: Sequence[Any] | None = None, max_rows_per_user: int = 1,
-                     user_sampling: str = "users") -> dict[str, Any]:
+                     user_sampling: str = "users", progress: bool = False) -> dict[str, Any]:
     """Train ``trainable`` (parameters of ``model``) privately for ``steps`` steps with :class:`dpl.PrivateTraining`
     (dpl's private engine, the one ``dpl fit`` and ``dpl audit`` drive: its plugins, mechanism, calibration, batch
     sampler and private step): the one training loop of the studies.
@@ -227,7 +228,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     delta (default 1 / (10 users)) and ``batch_size`` (under ``users``) are then per user. Returns sigma, epsilon
     (planned) and ``epsilon_spent`` (at the
     stop), the mechanism (and ftrl's bands), the plugins' logged values (means over the steps taken) and the wall
-    time. A run whose parameters become non-finite stops early with ``diverged: True``.
+    time. A run whose parameters become non-finite stops early with ``diverged: True``. ``progress``: a line on
+    stderr after every step (and the scores of every evaluation), for runs of minutes a step.
     """
     from contextlib import nullcontext
 
@@ -283,8 +285,14 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
         if not all(bool(torch.isfinite(p).all()) for p in trainable.values()):
             diverged = True
             break
+        if progress:
+            print(f"  step {done}/{stop_after or steps} ({time.perf_counter() - start:.0f} s)", file=sys.stderr,
+                  flush=True)
         if done in eval_steps:
             curve.append({"step": done, **evaluated()})
+            if progress:
+                print(f"  step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in curve[-1].items()
+                                                    if isinstance(v, float)), file=sys.stderr, flush=True)
         if done == stop_after:
             break
     if diverged:

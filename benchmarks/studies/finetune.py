@@ -235,7 +235,8 @@ def ftrl_setup(args: Any, s: dict[str, Any]) -> Setup:
                   args.device)
     settings = {"optimizer": "sgd", "momentum": 0.9, "batch_size": s["batch_size"],
                 "steps": s["epochs"] * (len(train) // s["batch_size"]),
-                "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"]}
+                "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"],
+                "progress": not s["quick"]}
     return Setup(model, train.batch, len(train), lambda: classify(model, test), settings,
                  {"train": len(train), "tune": len(held), "test": len(test), "trainable_parameters": model.size},
                  tune_on=lambda: classify(model, held))
@@ -273,7 +274,7 @@ def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, se
                 "diverged": len(runs) - len(ok), "seconds_per_run": statistics.fmean(r["seconds"] for r in runs),
                 "logged": runs[0]["logged"]}
         results["cells"].append(cell)
-        save(out, results, args.out)  # so far
+        save(out, results_on_disk(args, out, results), args.out)  # so far
         print(f"[{time.perf_counter() - start:6.0f} s] eps={eps:g} {arm['name']}: lr {tuned['best']:.3g}"
               f"{' (AT EDGE)' if tuned['at_edge'] else ''} acc {fmt(cell['acc']) if ok else 'diverged'} "
               f"({cell['seconds_per_run']:.1f} s per run)", flush=True)
@@ -364,7 +365,8 @@ def denoise_setup(args: Any, s: dict[str, Any]) -> Setup:
     model = Model(module, args.device)
     settings = {"optimizer": "adam", "lr": s["lr"], "epsilon": s["epsilon"], "batch_size": s["batch_size"],
                 "steps": s["planned_steps"], "stop_after": s["scored_steps"][-1], "eval_steps": s["scored_steps"],
-                "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"]}
+                "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"],
+                "progress": not s["quick"]}
     return Setup(model, lambda rows: data.collate([data.train_set[i] for i in rows]), len(data.train_set),
                  lambda: generate_scores(model, data, s["metrics"], s["meteor_backend"]), settings,
                  {"train": len(data.train_set), "eval_sources": len(data.val_set), "trainable_parameters": model.size})
@@ -379,10 +381,11 @@ def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str,
                 "epsilon_planned": r["epsilon"], "epsilon_spent": r["epsilon_spent"], "delta": r["delta"],
                 "diverged": r["diverged"], "fraction_denoised": r["logged"].get("denoise/fraction_denoised"),
                 "logged": r["logged"], "seconds": r["seconds"],
+                "physical_batch_size": setup.settings["physical_batch_size"], "threads": torch.get_num_threads(),
                 "curve": {str(p["step"]): {m: p[m] for m in s["metrics"]} for p in r["curve"]},
                 "predictions": {str(p["step"]): p["predictions"] for p in r["curve"]}}
         results["cells"].append(cell)
-        save(out, results, args.out)  # so far
+        save(out, results_on_disk(args, out, results), args.out)  # so far
         last = cell["curve"].get(str(s["scored_steps"][-1]), {})
         print(f"[{time.perf_counter() - start:6.0f} s] seed {seed} {arm['name']}: " + ", ".join(
             f"{m} {v:.4f}" for m, v in last.items()) + f" @ {s['scored_steps'][-1]}; denoised "
@@ -428,6 +431,29 @@ def denoise_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def denoise_seed_table(results: dict[str, Any]) -> str:
+    """Every finished run, seed by seed: its scores at each scored step and the share of matrices it denoised."""
+    s = results["settings"]
+    metrics, names = s["metrics"], {"bleu": "BLEU", "rouge_l": "ROUGE-L", "meteor": "METEOR", "nist": "NIST",
+                                    "cider": "CIDEr"}
+    lines = ["| seed | arm | step | " + " | ".join(names.get(m, m) for m in metrics) + " | matrices denoised |",
+             "|---|---|---|" + "---|" * (len(metrics) + 1)]
+    order = {a["name"]: i for i, a in enumerate(DENOISE_ARMS)}
+    for step in map(str, s["scored_steps"]):
+        for c in sorted(results["cells"], key=lambda c: (c["seed"], order[c["arm"]])):
+            if c["diverged"]:
+                continue
+            frac = "-" if c["fraction_denoised"] is None else f"{100 * c['fraction_denoised']:.1f}%"
+            lines.append(f"| {c['seed']} | {c['arm']} | {step} | " + " | ".join(
+                f"{c['curve'][step][m]:.{2 if m == 'nist' else 3}f}" for m in metrics) + f" | {frac} |")
+    return "\n".join(lines)
+
+
+def denoise_tables(results: dict[str, Any]) -> str:
+    """The study's tables in the docs: run by run, then the means and the paired comparisons."""
+    return denoise_seed_table(results) + "\n\n" + denoise_table({**results, "paired": paired(results)})
+
+
 def denoise_plot(results: dict[str, Any]) -> None:
     plt = pyplot()
     s = results["settings"]
@@ -467,8 +493,23 @@ def resumed(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     return old["cells"]
 
 
+def cell_key(cell: dict[str, Any]) -> tuple[str, float]:
+    """What a cell is: its arm and seed (denoise: one run) or epsilon (ftrl: every seed)."""
+    return cell["arm"], cell["seed"] if "seed" in cell else cell["epsilon"]
+
+
+def results_on_disk(args: Any, name: str, results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with, under ``--resume``, the cells another part run of the same study has saved to the file
+    since this one started (so part runs in parallel processes share one file)."""
+    if args.resume:
+        mine = {cell_key(c) for c in results["cells"]}
+        results["cells"] += [c for c in resumed(args.out / f"{name}.json", results["settings"])
+                             if cell_key(c) not in mine]
+    return results
+
+
 STUDIES = {"ftrl": (FTRL_ARMS, ftrl_setup, run_ftrl, ftrl_size, ftrl_table, ftrl_plot),
-           "denoise": (DENOISE_ARMS, denoise_setup, run_denoise, denoise_size, denoise_table, denoise_plot)}
+           "denoise": (DENOISE_ARMS, denoise_setup, run_denoise, denoise_size, denoise_tables, denoise_plot)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -486,12 +527,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="denoise: steps scored by generation; the last ends each run (default 25 50 100)")
     parser.add_argument("--meteor-backend", default="python", choices=("python", "java", "auto"))
     parser.add_argument("--physical-batch-size", type=int, help="micro-batch of the per-example gradients (default B)")
-    parser.add_argument("--resume", action="store_true", help="keep the finished cells of the results file")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the finished cells of the results file (and those that part runs in other "
+                             "processes save to it meanwhile)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--time-steps", type=int, metavar="K",
                         help="only time K private steps of the first (selected) arm at the study's scale, and one "
                              "evaluation (results: finetune_<study>_timing.json)")
+    parser.add_argument("--table", type=Path, metavar="RESULTS",
+                        help="only print the tables of a results file (as in docs/studies.md); no training")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     arms, setup_of, run, size_of, table, plot = STUDIES[args.study]
+    if args.table:
+        results = json.loads(args.table.read_text())
+        print(table(results))
+        return results
     choose(args.arms, [a["name"] for a in arms])
     arms = [a for a in arms if not args.arms or a["name"] in args.arms]
     s = {**DEFAULTS[args.study], **(QUICK[args.study] if args.quick else {})}
@@ -521,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     run(args, s, results, name, setup)
     results["seconds"] = time.perf_counter() - start
+    results = results_on_disk(args, name, results)
     if args.study == "denoise":
         results["paired"] = paired(results)
     save(name, results, args.out)
