@@ -348,6 +348,8 @@ def test_the_docs_cpu_denoise_tables_are_what_finetune_py_prints(capsys):
     assert printed.startswith("| seed | arm | step |") and "denoise wins" in printed
     assert printed == finetune.denoise_tables(json.loads(results.read_text()))
     assert printed in (ROOT / "docs" / "studies.md").read_text()
+    summary = printed[printed.index("| arm | seeds |"):]  # the means and the paired wins
+    assert summary in (ROOT / "docs" / "benchmarks.md").read_text()
 
 
 def test_part_runs_in_parallel_processes_share_one_results_file(tmp_path):
