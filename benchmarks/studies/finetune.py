@@ -35,14 +35,17 @@ autocast off. On CPU everything is float32.
 
 Results: ``<out>/finetune_<study>.json`` (every tuning score, per-seed values; ``--quick``: ``..._quick.json``),
 written after every cell; ``--resume`` keeps the finished cells of a file written with the same settings (run the
-study in parts: ``--epsilons 1``, then ``--epsilons 4 16 --resume``). The full runs print their size (runs x steps)
-first; figures ``docs/figures/studies_finetune_<study>.png`` (full runs only).
+study in parts: ``--epsilons 1``, then ``--epsilons 4 16 --resume``; parts may run at once in separate processes, each
+save keeping the cells the others saved). The full runs print their size (runs x steps) first and a progress line
+per step on stderr; figures ``docs/figures/studies_finetune_<study>.png`` (full runs only); ``--table RESULTS``
+prints a results file's tables (the docs' tables) without training.
 
     python benchmarks/studies/finetune.py ftrl --device cuda       # full study (GPU)
     python benchmarks/studies/finetune.py denoise --device cuda    # full study (GPU)
     python benchmarks/studies/finetune.py ftrl --quick             # 3 steps on tiny data, CPU (the test)
     python benchmarks/studies/finetune.py denoise --time-steps 3   # only time 3 real-scale steps and one evaluation
     python benchmarks/studies/finetune.py denoise --scored-steps 25 50 --seeds 0 1 2 --resume   # the CPU step-50 rows
+    python benchmarks/studies/finetune.py denoise --table benchmarks/results/studies/finetune_denoise.json
 """
 
 from __future__ import annotations
