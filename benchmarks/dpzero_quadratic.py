@@ -164,7 +164,7 @@ def report(results: dict, figure: Path = FIGURE) -> None:
     axes[0].legend()
     s = results["settings"]
     fig.suptitle(f"Quadratics, eps = {s['epsilon']:g}, T = {s['T']}, q = {s['B'] / s['N']:g} "
-                 "(lr and C tuned per cell; mean and range of 3 seeds)")
+                 f"(lr and C tuned per cell; mean and range of {len(cells[0]['finals'])} seeds)")
     fig.tight_layout()
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=120)
