@@ -4,7 +4,8 @@
 
 "before": one PRV evaluation per step (``accounting.epsilon_for(sigma, q, t, delta)``: every t is a new
 composition), timed on ``--samples`` step counts spread over the plan and extrapolated to all steps. "after":
-``PoissonGaussian.epsilon``, i.e. an :class:`~dpl.core.accounting.EpsilonSchedule` over ``epsilon_for``, asked at
+``PrivacyLedger.epsilon``, i.e. an :class:`~dpl.core.accounting.EpsilonSchedule` over the composition of the run's
+events (:func:`dpl.core.accounting.events.epsilon`), asked at
 every step of the plan after the setup's ask for the total, with ``--step-time`` seconds of idle CPU between
 steps (a GPU step waits on the device); reports the time the training loop spends in it and the time its
 background thread computes. Side by side in one run.
@@ -19,7 +20,10 @@ import threading
 import time
 
 from dpl.core import accounting
+from dpl.core.accounting import events
+from dpl.core.ledger import PrivacyLedger, make_plan
 from dpl.core.mechanism import PoissonGaussian
+from dpl.core.privacy import PrivacyConfig
 
 
 def main() -> None:
@@ -42,7 +46,7 @@ def main() -> None:
 
     spent = {"loop": 0.0, "thread": 0.0, "evaluations": 0}
 
-    def timed_epsilon_for(*a, **k):  # PoissonGaussian.epsilon's evaluations, timed by thread
+    def timed_epsilon(*a, **k):  # the ledger's evaluations, timed by thread
         start = time.perf_counter()
         try:
             return original(*a, **k)
@@ -51,20 +55,21 @@ def main() -> None:
                 spent["thread"] += time.perf_counter() - start
             spent["evaluations"] += 1
 
-    original, accounting.epsilon_for = accounting.epsilon_for, timed_epsilon_for
+    original, events.epsilon = events.epsilon, timed_epsilon
     try:
-        mechanism = PoissonGaussian(q)
+        privacy = PrivacyConfig(noise_multiplier=sigma, batch_size=64, target_delta=delta)
+        ledger = PrivacyLedger(privacy, make_plan(privacy, population=round(64 / q), steps=steps), PoissonGaussian(q))
         setup = time.perf_counter()
-        mechanism.epsilon(sigma, delta, steps)  # setup: the plan's epsilon
+        ledger.epsilon(steps)  # setup: the plan's epsilon
         setup = time.perf_counter() - setup
         per_step = []
         for t in range(1, steps + 1):
             time.sleep(args.step_time)
             start = time.perf_counter()
-            mechanism.epsilon(sigma, delta, t)
+            ledger.epsilon(t)
             per_step.append(time.perf_counter() - start)
     finally:
-        accounting.epsilon_for = original
+        events.epsilon = original
     row = {"steps": steps, "sample_rate": q, "delta": delta, "sigma": sigma, "step_time_s": args.step_time,
            "before_mean_s": statistics.mean(before), "before_max_s": max(before),
            "before_total_s": statistics.mean(before) * steps,

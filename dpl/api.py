@@ -13,7 +13,8 @@ from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_m
                                  epsilon_for, gaussian_mechanism_epsilon)
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
-from dpl.core.mechanism import Mechanism, PoissonGaussian, Segment, UserLevelExampleSampling
+from dpl.core.accounting import events
+from dpl.core.mechanism import Mechanism, PoissonGaussian, UserLevelExampleSampling, steps_event
 from dpl.core.noise import (NoiseSource, SecureNormal, noisy_mean_, noisy_means_, normal, normals, normals_like,
                             replay_source)
 from dpl.core.per_example import PerExampleClipper
@@ -26,8 +27,8 @@ from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarnin
 
 __all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PADDING_KEY", "PerExampleClipper",
            "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
-           "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "Segment", "StepContext",
+           "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
-           "epsilon_for", "gaussian_mechanism_epsilon", "hookimpl", "noisy_mean_", "noisy_means_", "normal", "normals",
-           "normals_like", "poisson_mask", "replay_source", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling",
+           "epsilon_for", "events", "gaussian_mechanism_epsilon", "hookimpl", "noisy_mean_", "noisy_means_", "normal", "normals",
+           "normals_like", "poisson_mask", "replay_source", "steps_event", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling",
            "unit_sizes"]

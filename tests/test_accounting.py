@@ -375,24 +375,32 @@ def test_epsilon_schedule_bounds_and_costs():
     assert values == sorted(values)
 
 
-def test_mechanism_epsilon_is_exact_when_first_asked_and_an_upper_bound_per_step():
+def _ledger(sigma: float, rate: float, steps: int):
+    from dpl.core.ledger import PrivacyLedger, make_plan
     from dpl.core.mechanism import PoissonGaussian
+    from dpl.core.privacy import PrivacyConfig
 
-    mechanism = PoissonGaussian(0.03)
-    assert mechanism.epsilon(1.1, DELTA, 300) == epsilon_for(1.1, 0.03, 300, DELTA)
+    population = round(64 / rate)
+    privacy = PrivacyConfig(noise_multiplier=sigma, batch_size=64, target_delta=DELTA)
+    return PrivacyLedger(privacy, make_plan(privacy, population=population, steps=steps), PoissonGaussian(rate))
+
+
+def test_ledger_epsilon_is_exact_when_first_asked_and_an_upper_bound_per_step():
+    ledger = _ledger(1.1, 0.03, 300)
+    assert ledger.epsilon(300) == epsilon_for(1.1, 0.03, 300, DELTA)
     for t in (1, 2, 120, 121, 250, 300):
         exact = epsilon_for(1.1, 0.03, t, DELTA)
-        assert exact <= mechanism.epsilon(1.1, DELTA, t) <= 1.026 * exact  # grid 5% apart
+        assert exact <= ledger.epsilon(t) <= 1.026 * exact  # grid 5% apart
     import copy
 
-    assert copy.deepcopy(mechanism).epsilon(1.1, DELTA, 300) == epsilon_for(1.1, 0.03, 300, DELTA)
+    assert copy.deepcopy(ledger).epsilon(300) == epsilon_for(1.1, 0.03, 300, DELTA)
 
 
-def test_epsilon_of_segments_exact_when_first_asked_and_bounded_per_step():
-    from dpl.core.mechanism import PoissonGaussian, Segment
+def test_ledger_epsilon_of_parts_exact_when_first_asked_and_bounded_per_step():
+    from dpl.core.accounting import events
 
-    mechanism = PoissonGaussian(0.03)
-    before = [Segment(1.0, 0.03, 100)]
+    ledger = _ledger(1.3, 0.05, 300)
+    ledger.history = [(events.SelfComposed(events.PoissonGaussian(1.0, 0.03), 100), 100)]
 
     def exact(n: int) -> float:
         accountant = PoissonGaussianAccountant()
@@ -400,8 +408,9 @@ def test_epsilon_of_segments_exact_when_first_asked_and_bounded_per_step():
         accountant.step(1.3, 0.05, n)
         return accountant.epsilon(DELTA)
 
-    assert mechanism.epsilon_of_segments([*before, Segment(1.3, 0.05, 200)], DELTA) == exact(200)
+    assert ledger.epsilon(300) == exact(200)
     for n in (1, 2, 60, 61, 150, 200):
-        assert exact(n) <= mechanism.epsilon_of_segments([*before, Segment(1.3, 0.05, n)], DELTA) <= 1.026 * exact(n)
-    assert mechanism.epsilon_of_segments([*before, Segment(1.3, 0.05, 0)], DELTA) == epsilon_for(1.0, 0.03, 100, DELTA)
-    assert mechanism.epsilon_of_segments([*before, Segment(0.0, 0.05, 3)], DELTA) == math.inf
+        assert exact(n) <= ledger.epsilon(100 + n) <= 1.026 * exact(n)
+    assert ledger.epsilon(100) == epsilon_for(1.0, 0.03, 100, DELTA)
+    ledger.noise_multiplier = 0.0
+    assert ledger.epsilon(103) == math.inf

@@ -20,7 +20,7 @@ from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMec
 from test_ftrl import _ctx, _dense, _setup
 
 from dpl.core.gradients import GradientSum
-from dpl.core.mechanism import PoissonGaussian, apply_adjacency
+from dpl.core.mechanism import PoissonGaussian, apply_adjacency, calibrate, epsilon_of
 from dpl.core.sampling import PoissonBatchSampler
 from dpl.errors import ConfigError
 from dpl_plugins.ftrl import FTRLPlugin
@@ -54,8 +54,8 @@ def test_one_band_is_dp_sgd_exactly():
         assert ours.noise_std == theirs.noise_std
     # epsilon and sigma: the same accountant calls
     for t in (1, 5, T):
-        assert mech.epsilon(1.3, 1e-5, t) == default.epsilon(1.3, 1e-5, t)
-    assert mech.calibrate(2.0, 1e-5, T) == default.calibrate(2.0, 1e-5, T)
+        assert epsilon_of(mech, 1.3, 1e-5, t) == epsilon_of(default, 1.3, 1e-5, t)
+    assert calibrate(mech, 2.0, 1e-5, T) == calibrate(default, 2.0, 1e-5, T)
     # the batches: the same draws as the default Poisson sampler from the same generator state
     ours = list(mech.batch_sampler(n, n // batch, torch.Generator().manual_seed(4)))
     theirs = list(PoissonBatchSampler(n, batch / n, n // batch, torch.Generator().manual_seed(4)))
@@ -151,7 +151,7 @@ def test_epsilon_equals_prv_accountant_and_is_below_rdp(bands, n, batch, steps, 
     _, mech = _amplified(n, batch, steps, bands=bands)
     delta = 1e-5
     q, rounds = batch / (n // bands), math.ceil(steps / bands)  # computed here from first principles
-    ours = mech.epsilon(sigma, delta, steps)
+    ours = epsilon_of(mech, sigma, delta, steps)
     prv = PRVAccountant([PoissonSubsampledGaussianMechanism(q, sigma)], eps_error=1e-2, delta_error=delta / 1000,
                         max_self_compositions=[rounds])
     low, est, up = prv.compute_epsilon(delta, [rounds])
@@ -160,11 +160,11 @@ def test_epsilon_equals_prv_accountant_and_is_below_rdp(bands, n, batch, steps, 
     rdp = opacus_rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=rounds, orders=orders)
     assert ours <= opacus_rdp.get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0]
     # the wrong compositions are far off: T steps, or DP-SGD's rate B / N
-    assert mech.epsilon(sigma, delta, steps) < PoissonGaussian(q).epsilon(sigma, delta, steps) / 1.2
+    assert epsilon_of(mech, sigma, delta, steps) < epsilon_of(PoissonGaussian(q), sigma, delta, steps) / 1.2
     # calibration: the target exactly from below; epsilon after t steps counts ceil(t / b) rounds
-    sigma_cal = mech.calibrate(2.0, delta, steps)
-    assert 1.97 <= mech.epsilon(sigma_cal, delta, steps) <= 2.0
-    assert mech.epsilon(sigma, delta, bands + 1) == PoissonGaussian(q).epsilon(sigma, delta, 2)
+    sigma_cal = calibrate(mech, 2.0, delta, steps)
+    assert 1.97 <= epsilon_of(mech, sigma_cal, delta, steps) <= 2.0
+    assert epsilon_of(mech, sigma, delta, bands + 1) == epsilon_of(PoissonGaussian(q), sigma, delta, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,15 +224,15 @@ def test_automatic_choice_minimises_the_expected_error(caplog):
     for p in candidates:
         errors[p.label()] = mech.calibrate_strategy(p, 1.0, 1e-5, T) * p.strategy.expected_error
     with caplog.at_level("INFO", logger="dpl"):
-        sigma = mech.calibrate(1.0, 1e-5, T)
+        sigma = calibrate(mech, 1.0, 1e-5, T)
     assert mech.sampled_strategy.label() == min(errors, key=errors.get) and not mech.candidates
     assert "ftrl chose" in caplog.text and "amplified DP-SGD (b=1)" in caplog.text
-    assert mech.epsilon(sigma, 1e-5, T) <= 1.0
+    assert epsilon_of(mech, sigma, 1e-5, T) <= 1.0
     # the amplified strategies beat independent (shuffled) noise at small epsilon
     assert errors["amplified DP-SGD (b=1)"] < errors["independent (shuffled, no amplification)"]
     # without a target epsilon (fixed sigma): amplified banded with the largest b tried
     fixed = FTRLPlugin().configure_mechanism(setup=_setup(n=n, batch=batch, steps=T))
-    fixed.epsilon(1.0, 1e-5, T)
+    epsilon_of(fixed, 1.0, 1e-5, T)
     assert fixed.sampled_strategy.label() == "amplified banded (b=16)"
     # shuffled only: sigma does not depend on the strategy, the least strategy error wins (BLT over independent)
     shuffled = FTRLPlugin(sampling="shuffle").configure_mechanism(setup=_setup(n=n, batch=batch, steps=T))
@@ -242,7 +242,7 @@ def test_automatic_choice_minimises_the_expected_error(caplog):
 def test_chosen_strategy_survives_a_checkpoint():
     plugin = FTRLPlugin(noise="banded")
     mech = plugin.configure_mechanism(setup=_setup(n=2048, batch=64, steps=96))
-    mech.calibrate(8.0, 1e-5, 96)
+    calibrate(mech, 8.0, 1e-5, 96)
     state = mech.state_dict()
     other = FTRLPlugin(noise="banded").configure_mechanism(setup=_setup(n=2048, batch=64, steps=96))
     other.load_state_dict(state)
@@ -276,8 +276,8 @@ def test_replace_one_doubles_the_noise_at_the_same_epsilon():
     assert m0.adjacency == "zero_out"
     apply_adjacency(m1, "replace_one")
     assert m1.adjacency == "replace_one" and m1.state_dict()["adjacency"] == "replace_one"
-    sigma = m1.calibrate(3.0, 1e-5, 40)
-    assert sigma == m0.calibrate(3.0, 1e-5, 40) and m1.epsilon(sigma, 1e-5, 40) == m0.epsilon(sigma, 1e-5, 40)
+    sigma = calibrate(m1, 3.0, 1e-5, 40)
+    assert sigma == calibrate(m0, 3.0, 1e-5, 40) and epsilon_of(m1, sigma, 1e-5, 40) == epsilon_of(m0, sigma, 1e-5, 40)
     g0, g1 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     a = zero.privatize(ctx=_ctx(0, g0, sigma=sigma), gradient_sum=GradientSum({"g": torch.zeros(50)}, 8))
     b = replace.privatize(ctx=_ctx(0, g1, sigma=sigma), gradient_sum=GradientSum({"g": torch.zeros(50)}, 8))

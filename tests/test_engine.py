@@ -11,6 +11,7 @@ from torch import nn
 import pytest
 from dpl.api import ConfigError, GradientSum, PrivateGradient, hookimpl
 from dpl.core.engine import PrivateEngine
+from dpl.core.mechanism import epsilon_of
 from dpl.core.plugin_manager import create_plugin_manager, installed_plugins, implemented_hooks
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.step import StepContext, private_step
@@ -56,7 +57,7 @@ def test_engine_trains_and_accounts_without_lightning():
     _train(engine, model, STEPS)
     assert engine.steps_done == STEPS
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert engine.epsilon() == pytest.approx(engine.mechanism.epsilon(engine.noise_multiplier, engine.plan.delta, STEPS))
+    assert engine.epsilon() == pytest.approx(epsilon_of(engine.mechanism, engine.noise_multiplier, engine.plan.delta, STEPS))
     assert engine.epsilon() <= 4.0 * (1 + 1e-6)
     summary = engine.summary(deltas=(1e-2,))  # the run's delta is 0.1 / 64
     assert summary["steps_taken"] == STEPS and summary["epsilon"] == engine.epsilon()

@@ -21,7 +21,7 @@ from torch import nn
 
 from dpl.errors import ConfigError
 from dpl.core.gradients import GradientSum
-from dpl.core.mechanism import Segment
+from dpl.core.mechanism import calibrate, epsilon_of
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.step import RunSetup, StepContext, private_step
@@ -259,7 +259,7 @@ def test_independent_reproduces_the_default_gaussian_step_exactly():
             assert torch.equal(ours.values[key], theirs.values[key])
         assert ours.noise_std == theirs.noise_std
     # and its accounting is DP-SGD without amplification: k compositions of the Gaussian mechanism
-    assert mech.epsilon(sigma, 1e-5, T) == pytest.approx(_analytic_epsilon(sigma * sens / math.sqrt(2), 1e-5), rel=1e-9)
+    assert epsilon_of(mech, sigma, 1e-5, T) == pytest.approx(_analytic_epsilon(sigma * sens / math.sqrt(2), 1e-5), rel=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -279,24 +279,22 @@ def test_calibrated_sigma_gives_the_target_epsilon(family):
     T = 40
     mech = FTRLPlugin(noise=family, sampling="shuffle").configure_mechanism(setup=_setup(n=80, batch=8, steps=T))  # b = 10, k = 4
     for eps, delta in [(0.5, 1e-5), (3.0, 1e-6), (8.0, 1e-3)]:
-        sigma = mech.calibrate(eps, delta, T)
+        sigma = calibrate(mech, eps, delta, T)
         assert _analytic_delta(sigma, eps) == pytest.approx(delta, rel=1e-6)  # the whole run: one Gaussian mechanism
-        assert mech.epsilon(sigma, delta, T) == pytest.approx(eps, rel=1e-8)
-        assert mech.epsilon(sigma, delta, T) <= eps * (1 + 1e-12)
-    sigma = mech.calibrate(2.0, 1e-5, T)
-    partial = [mech.epsilon(sigma, 1e-5, t) for t in range(1, T + 1)]
+        assert epsilon_of(mech, sigma, delta, T) == pytest.approx(eps, rel=1e-8)
+        assert epsilon_of(mech, sigma, delta, T) <= eps * (1 + 1e-12)
+    sigma = calibrate(mech, 2.0, 1e-5, T)
+    partial = [epsilon_of(mech, sigma, 1e-5, t) for t in range(1, T + 1)]
     assert partial == sorted(partial) and partial[0] < partial[-1]
     t = 15  # after t steps: the Gaussian mechanism on the first t releases, with sensitivity sens_t
     s_eff = sigma * mech.strategy.sensitivity / mech.strategy.sens_prefix[t - 1]
     assert partial[t - 1] == pytest.approx(_analytic_epsilon(s_eff, 1e-5), rel=1e-8)
-    assert mech.epsilon(sigma, 1e-5, T + 1) == math.inf
+    assert epsilon_of(mech, sigma, 1e-5, T + 1) == math.inf
 
 
 def test_sigma_change_on_resume_is_refused():
     mech = FTRLPlugin(noise="blt").configure_mechanism(setup=_setup(steps=12))
-    assert mech.epsilon_of_segments([Segment(1.0, 0.1, 5), Segment(1.0, 0.1, 7)], 1e-5) == mech.epsilon(1.0, 1e-5, 12)
-    with pytest.raises(ConfigError, match="sigma cannot change"):
-        mech.epsilon_of_segments([Segment(1.0, 0.1, 5), Segment(2.0, 0.1, 7)], 1e-5)
+    assert mech.resumable_with_changes is False  # one analysis over the stream: the ledger refuses a changed sigma
     other = FTRLPlugin(noise="blt").configure_mechanism(setup=_setup(steps=20))
     with pytest.raises(ConfigError, match="steps"):
         mech.load_state_dict(other.state_dict())

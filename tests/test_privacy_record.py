@@ -231,7 +231,7 @@ def test_dpl_ledger_composes_the_runs_on_one_data_set(world, monkeypatch):
 
     code, text, _ = _ledger(str(world["root"]))
     assert code == 0 and "sequential composition" in text and "PRV accountant" in text
-    assert (f"composed over 3 runs: epsilon = {composed['epsilon']:.3f}, delta = {3 * delta:.3g} (PRV; if a run's "
+    assert (f"composed over 3 runs: epsilon = {composed['epsilon']:.3f}, delta = {3 * delta:.3g} (composed events; if a run's "
             f"settings were chosen after seeing an earlier run's results: the sum, {composed['epsilon_sum']:.3f})"
             in text)
     assert f"continued by {entries[3]['run_id']}" in text and "(removed)" in text
@@ -258,11 +258,17 @@ def test_dpl_ledger_bad_input_is_one_line(world, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ composition rules, on entries
 
 
+def _pg_events(sigma: float, rate: float, steps: int) -> list:
+    from dpl.core.accounting import events
+
+    return events.history_to_json([(events.SelfComposed(events.PoissonGaussian(sigma, rate), steps), steps)])
+
+
 def _entry(run_id: str, steps: int, epsilon: float, **extra) -> dict:
     return {"run_id": run_id, "started": f"2025-01-0{len(run_id)}T00:00:00Z", "status": "finished",
             "data_id": "blake2b-256:aa", "data": "train.tsv", "data_files": ["aa"], "epsilon": epsilon, "delta": 1e-5,
             "steps": steps, "unit": "example", "adjacency": "add_remove", "mechanism": "gaussian",
-            "sampling": "poisson", "accountant": "prv", "segments": [[1.0, 0.01, steps]], "continues": None,
+            "sampling": "poisson", "accountant": "prv", "events": _pg_events(1.0, 0.01, steps), "continues": None,
             "run_folder": None, **extra}
 
 
@@ -282,14 +288,21 @@ def test_a_continuation_from_an_earlier_step_leaves_the_original_counted():
 def test_other_mechanisms_units_and_unknown_data_are_summed_or_kept_apart():
     from dpl.trained.spending import data_sets
 
+    from dpl.core.accounting import events
+
     ftrl = _entry("bb", 5, 2.0, mechanism="ftrl", sampling="shuffle", accountant="exact Gaussian mechanism",
-                  adjacency="zero_out")
+                  adjacency="zero_out", events=events.history_to_json([(events.Gaussian(3.0), 5)]))
+    older = _entry("ffffff", 5, 1.0, adjacency="zero_out", events=None)  # a line that records no events
     groups = data_sets([_entry("a", 5, 1.0), ftrl, _entry("ccc", 5, 1.0, adjacency="zero_out"),
-                        _entry("dddd", 5, 1.0, data_id=None), _entry("eeeee", 5, 1.0, data_id=None)])
+                        _entry("dddd", 5, 1.0, data_id=None), _entry("eeeee", 5, 1.0, data_id=None), older])
     by_key = {(g["data_id"], g["adjacency"]): g for g in groups}
     zero_out = by_key[("blake2b-256:aa", "zero_out")]["composed"]
-    assert zero_out["runs"] == 2 and zero_out["epsilon"] == zero_out["epsilon_sum"] == pytest.approx(3.0)
-    assert zero_out["epsilon_prv"] is None and "ftrl" in zero_out["prv_not_used"]
+    assert zero_out["runs"] == 3 and zero_out["epsilon"] == zero_out["epsilon_sum"] == pytest.approx(4.0)
+    assert zero_out["epsilon_prv"] is None and "ffffff records no events" in zero_out["prv_not_used"]
+    [tight] = [g for g in data_sets([ftrl, _entry("ccc", 5, 1.0, adjacency="zero_out")])]
+    expected = events.epsilon(events.Composed((events.Gaussian(3.0),
+                                               events.SelfComposed(events.PoissonGaussian(1.0, 0.01), 5))), 2e-5)
+    assert tight["composed"]["epsilon_prv"] == expected
     assert by_key[("blake2b-256:aa", "add_remove")]["composed"]["runs"] == 1
     assert by_key[(None, "add_remove")]["composed"] is None  # unidentified data: not composed
 

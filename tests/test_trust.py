@@ -361,11 +361,13 @@ def test_resume_that_would_end_above_the_budget_is_refused(tmp_path):
     trainer.fit(first, datamodule=VectorDataModule())
     path = tmp_path / "four.ckpt"
     trainer.save_checkpoint(path)
-    from dpl.core.mechanism import PoissonGaussian, Segment
+    from dpl.core.accounting import events
 
-    mech = PoissonGaussian(8 / 64)
-    budget = mech.epsilon_of_segments([Segment(0.6, 8 / 64, 4), Segment(1.5, 8 / 64, 2)], first.delta) * 1.001
-    assert mech.epsilon(1.5, first.delta, 12) < budget  # a fresh plan of 12 steps at 1.5 passes the setup check
+    def pg(sigma: float, steps: int) -> events.Event:
+        return events.SelfComposed(events.PoissonGaussian(sigma, 8 / 64), steps)
+
+    budget = events.epsilon(events.Composed((pg(0.6, 4), pg(1.5, 2))), first.delta) * 1.001
+    assert events.epsilon(pg(1.5, 12), first.delta) < budget  # a fresh plan of 12 steps at 1.5 passes the setup check
     resumed = _vector_module(noise_multiplier=1.5, seed=None, force_resume=True, max_epsilon=budget)
     with pytest.raises(ConfigError, match="resuming would end at epsilon") as info:
         _trainer(tmp_path, 12).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))

@@ -304,7 +304,7 @@ class PrivateEngine:
             "epsilon": None, "epsilon_planned": None, "epsilon_at_delta": {}, "delta": None,
             "noise_multiplier": None, "max_grad_norm": cfg.max_grad_norm, "batch_size": cfg.batch_size,
             "sampling_rate": None, "sampling": None, "steps_per_epoch": 0, "steps_planned": 0, "steps_taken": 0,
-            "resumed_segments": [], "accountant": cfg.accountant, "adjacency": None, "mechanism": None,
+            "resumed_parts": 0, "events": [], "scope": None, "accountant": cfg.accountant, "adjacency": None, "mechanism": None,
             "unit": cfg.unit, "num_examples": 0, "num_units": 0, "target_epsilon": cfg.target_epsilon,
             "max_epsilon": cfg.effective_max_epsilon}
         users, per_row = None, {}
@@ -364,12 +364,14 @@ class PrivateEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a checkpoint's public state: the ledger checks the plan and the budget (refusing changed
         privacy settings unless ``privacy.force_resume``), then the plugins' states are restored."""
+        named = dict(self._named_stateful())
+        if "mechanism" in state["states"]:  # first: the mechanism settles what its events are (ftrl's strategy)
+            named["mechanism"].load_state_dict(state["states"]["mechanism"])
         self._configured_ledger().load_state_dict(state)
         if state.get("public_rng") is not None:
             self._public_generator.set_state(state["public_rng"])
-        named = dict(self._named_stateful())
         for name, sub in state["states"].items():
-            if name in named and callable(getattr(named[name], "load_state_dict", None)):
+            if name != "mechanism" and name in named and callable(getattr(named[name], "load_state_dict", None)):
                 named[name].load_state_dict(sub)
 
     def load_secret_state_dict(self, secret: dict[str, Any] | None, *, replay: bool | None = None) -> None:

@@ -15,15 +15,15 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from dpl.core.accounting.calibration import smallest_noise_multiplier
-from dpl.core.mechanism import Mechanism, Segment
+from dpl.core.accounting import EpsilonSchedule, events
+from dpl.core.mechanism import Mechanism
 from dpl.core.privacy import PrivacyConfig
 from dpl.errors import ConfigError, PrivacyWarning
 
 log = logging.getLogger("dpl")
 
-#: version of the ledger's checkpoint state; 2 stored the history as (sigma, steps, rate) triples, 3 had no target
-STATE_VERSION = 4
+#: version of the ledger's checkpoint state (5: the history as declared events)
+STATE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -99,31 +99,74 @@ def make_plan(privacy: PrivacyConfig, *, population: int, steps: int, num_rows: 
 
 
 class PrivacyLedger:
-    """Sigma, the steps taken and epsilon for one run of ``mechanism`` under ``plan`` (see the module docstring)."""
+    """Sigma, the steps taken and epsilon for one run of ``mechanism`` under ``plan`` (see the module docstring).
+
+    ``history`` holds the ``(event, steps)`` of earlier parts of a run resumed with changed settings; the current part
+    is ``mechanism.event(sigma, steps)``. Epsilon is the composition of those events
+    (:func:`dpl.core.accounting.events.epsilon`)."""
 
     def __init__(self, privacy: PrivacyConfig, plan: Plan, mechanism: Mechanism) -> None:
         self.privacy, self.plan, self.mechanism = privacy, plan, mechanism
+        self.history: list[tuple[events.Event, int]] = []  # earlier parts of a run resumed with changed settings
+        self.steps_done = 0
+        self._schedules: dict[tuple, EpsilonSchedule] = {}
+        mechanism.settle_choices(privacy.target_epsilon if privacy.noise_multiplier is None else None, plan.delta,
+                                 plan.steps)
         if privacy.noise_multiplier is not None:
             self.noise_multiplier = float(privacy.noise_multiplier)
         else:
-            self.noise_multiplier = float(mechanism.calibrate(privacy.target_epsilon, plan.delta, plan.steps))
-        self.history: list[Segment] = []  # earlier parts of a run resumed with changed settings
-        self.steps_done = 0
+            self.noise_multiplier = self._calibrate(privacy.target_epsilon, plan.steps)
         self.check_max_epsilon()
+
+    def __getstate__(self) -> dict[str, Any]:  # schedules hold a thread: copies start without them
+        return {**self.__dict__, "_schedules": {}}
+
+    # --- events -------------------------------------------------------------------------------------------
+    @property
+    def steps_before(self) -> int:
+        """Steps of the earlier parts (a resume with changed settings)."""
+        return sum(steps for _, steps in self.history)
+
+    def event(self, steps: int | None = None, noise_multiplier: float | None = None) -> events.Event:
+        """The event of the first ``steps`` steps in total (default: the steps done): the earlier parts, then the
+        current one at ``noise_multiplier`` (default: the run's sigma)."""
+        steps = self.steps_done if steps is None else int(steps)
+        sigma = self.noise_multiplier if noise_multiplier is None else float(noise_multiplier)
+        current = max(0, steps - self.steps_before)
+        return events.history_event([*self.history, (self.mechanism.event(sigma, current), current)])
+
+    def history_of_steps(self) -> list[tuple[events.Event, int]]:
+        """``(event, steps)`` of every part of the steps done, the current part last."""
+        current = self.steps_done - self.steps_before
+        return [*self.history, *([(self.mechanism.event(self.noise_multiplier, current), current)] if current else [])]
+
+    def _calibrate(self, target: float, steps: int, guess: float = 1.0) -> float:
+        """Smallest sigma for the steps left of ``steps`` whose composition with the history is within ``target``."""
+        try:
+            return events.calibrate(lambda sigma: self.event(steps, sigma), target, self.plan.delta,
+                                    self.privacy.accountant, guess=guess)
+        except ValueError as exc:
+            raise ConfigError(f"cannot calibrate sigma ({exc})") from None
 
     # --- epsilon ------------------------------------------------------------------------------------------
     def epsilon(self, steps: int | None = None, delta: float | None = None) -> float:
         """Epsilon spent after ``steps`` steps in total (default: the steps done), earlier parts included, at
-        ``delta`` (default: the run's)."""
+        ``delta`` (default: the run's). Read from an :class:`~dpl.core.accounting.EpsilonSchedule` of the current
+        part: exact on a grid 5% apart and at counts first asked beyond it (the plan's total, asked at setup),
+        otherwise the next grid point's value (at most ~2.5% above), computed ahead by a background thread."""
         steps = self.steps_done if steps is None else steps
         delta = self.plan.delta if delta is None else float(delta)
-        if self.noise_multiplier == 0 and steps > 0:
-            return math.inf
-        if not self.history:
-            return self.mechanism.epsilon(self.noise_multiplier, delta, steps) if steps > 0 else 0.0
-        done_before = sum(s.steps for s in self.history)
-        current = Segment(self.noise_multiplier, self.plan.sampling_rate, max(0, steps - done_before))
-        return self.mechanism.epsilon_of_segments([*self.history, current], delta)
+        if steps <= 0 and not self.history:
+            return 0.0
+        before = self.steps_before
+        if steps <= before:  # the earlier parts only
+            return events.epsilon(events.history_event(self.history), delta, self.privacy.accountant)
+        key = (tuple(self.history), self.noise_multiplier, delta)
+        if key not in self._schedules:
+            sigma, method = self.noise_multiplier, self.privacy.accountant
+            self._schedules[key] = EpsilonSchedule(lambda n: events.epsilon(self.event(before + n, sigma), delta,
+                                                                            method))
+        return self._schedules[key](steps - before)
 
     def final_epsilon(self) -> float:
         """Epsilon after the planned steps."""
@@ -156,26 +199,6 @@ class PrivacyLedger:
         raise ConfigError(f"the plan spends epsilon = {planned:.3f} > privacy.max_epsilon = {max_epsilon:g} "
                           f"(sigma = {self.noise_multiplier:.4f}, {self.plan.steps} steps)")
 
-    def _calibrate_remaining(self, target: float) -> float:
-        """Smallest sigma for the remaining steps whose composition with the history stays within ``target``."""
-        plan = self.plan
-        remaining = plan.steps - sum(s.steps for s in self.history)
-        if remaining <= 0:
-            return self.history[-1].noise_multiplier
-        spent = self.mechanism.epsilon_of_segments(list(self.history), plan.delta)
-        if spent >= target:
-            raise ConfigError(f"the checkpoint already spent epsilon = {spent:.3f} >= privacy.target_epsilon = "
-                              f"{target:g}: nothing left to train with")
-
-        def eps(sigma: float) -> float:
-            return self.mechanism.epsilon_of_segments(
-                [*self.history, Segment(sigma, plan.sampling_rate, remaining)], plan.delta)
-
-        try:
-            return smallest_noise_multiplier(eps, target, guess=self.noise_multiplier or 1.0)
-        except ValueError as exc:
-            raise ConfigError(f"cannot calibrate sigma for the remaining steps ({exc})") from None
-
     # --- checkpoints --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         plan, cfg = self.plan, self.privacy
@@ -183,38 +206,46 @@ class PrivacyLedger:
             "version": STATE_VERSION, "noise_multiplier": self.noise_multiplier, "delta": plan.delta,
             "max_grad_norm": cfg.max_grad_norm, "expected_batch_size": plan.expected_batch_size,
             "num_examples": plan.num_examples, "steps_done": self.steps_done, "planned_steps": plan.steps,
-            "history": [list(s) for s in self.history], "mechanism_name": self.mechanism.name,
+            "history": events.history_to_json(self.history_of_steps()), "scope": self.mechanism.scope,
+            "mechanism_name": self.mechanism.name,
             "target_epsilon": cfg.target_epsilon if cfg.noise_multiplier is None else None,
             "sampling_rate": plan.sampling_rate, "unit": plan.unit,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from a checkpoint's state: refuse (unless ``privacy.force_resume``) changed privacy settings,
-        account the whole history either way, and refuse a resume with nothing left or one that would end above
-        the budget."""
+        """Resume from a checkpoint's state: refuse, in one line naming both, a change the accounting cannot compose
+        (the mechanism's scope: mechanism, sampling, unit, k, adjacency), with or without ``privacy.force_resume``;
+        refuse other changed privacy settings unless ``privacy.force_resume``, then compose the checkpoint's events
+        with this run's; refuse a resume with nothing left or one that would end above the budget."""
         version = state.get("version")
-        if version not in (2, 3, STATE_VERSION):
-            raise ConfigError("this checkpoint was written by an older dpl whose checkpoints carried secrets; "
-                              "it cannot be resumed safely")
+        if version != STATE_VERSION:
+            raise ConfigError("this checkpoint was written by an older dpl whose accounting state does not declare its "
+                              "events (sampling mode, k, unit): it cannot be resumed with exact accounting; resume it "
+                              "with the dpl that wrote it, or start a new run")
         done = int(state["steps_done"])
         if done >= self.plan.steps:
             raise ConfigError(f"nothing left to train: the checkpoint took {done} steps and this run plans "
                               f"{self.plan.steps} in all (trainer.max_steps / trainer.max_epochs count from the start "
                               "of the run: raise them to train on)")
-        if state.get("unit", "example") != self.plan.unit:
-            raise ConfigError(f"the checkpoint's guarantee is per {state.get('unit', 'example')}, this run's per "
-                              f"{self.plan.unit}: a resume cannot change the privacy unit")
-        self._check_resume_plan(state, version)
+        scope, mine = state["scope"], self.mechanism.scope
+        if scope != mine:
+            differ = sorted(k for k in set(scope) | set(mine) if scope.get(k) != mine.get(k))
+            raise ConfigError("a resume cannot change how the privacy is accounted: the checkpoint's steps are "
+                              + ", ".join(f"{k} {scope.get(k)}" for k in differ) + "; this run's "
+                              + ", ".join(f"{k} {mine.get(k)}" for k in differ)
+                              + " (with or without privacy.force_resume); start a new run")
+        self._check_resume_plan(state)
         self.steps_done = done
         self.check_max_epsilon()
 
-    def _check_resume_plan(self, state: dict[str, Any], version: int) -> None:
+    def _check_resume_plan(self, state: dict[str, Any]) -> None:
         cfg, plan = self.privacy, self.plan
         old_sigma = float(state["noise_multiplier"])
         done = int(state["steps_done"])
+        stored = events.history_from_json(state["history"])
+        if sum(steps for _, steps in stored) != done:
+            raise ConfigError("the checkpoint's accounting history does not cover its steps: it cannot be resumed")
         changes = []
-        if state["mechanism_name"] != self.mechanism.name:
-            changes.append(f"mechanism {state['mechanism_name']} -> {self.mechanism.name}")
         if state["max_grad_norm"] != cfg.max_grad_norm:
             changes.append(f"C {state['max_grad_norm']:g} -> {cfg.max_grad_norm:g}")
         if state["expected_batch_size"] != cfg.batch_size or state["num_examples"] != plan.num_examples:
@@ -223,7 +254,7 @@ class PrivacyLedger:
         if not math.isclose(state["delta"], plan.delta, rel_tol=1e-12):
             changes.append(f"delta {state['delta']:.3g} -> {plan.delta:.3g}")
         same_plan = int(state["planned_steps"]) == plan.steps
-        old_target = state.get("target_epsilon", cfg.target_epsilon if version < 4 else None)
+        old_target = state.get("target_epsilon")
         calibrated = cfg.noise_multiplier is None
         if calibrated and old_target != cfg.target_epsilon:
             changes.append(f"target epsilon {old_target} -> {cfg.target_epsilon:g}" if old_target is not None else
@@ -233,32 +264,36 @@ class PrivacyLedger:
         if not math.isclose(old_sigma, self.noise_multiplier, rel_tol=1e-12):
             changes.append(f"sigma {old_sigma:.4f} -> {self.noise_multiplier:.4f}"
                            + ("" if same_plan else f" (plan {state['planned_steps']} -> {plan.steps} steps)"))
-        stored = state.get("history", [])
-        history = [Segment(float(h[0]), float(h[2]), int(h[1])) if version == 2 else Segment(float(h[0]), float(h[1]),
-                                                                                               int(h[2]))
-                   for h in stored]
-        history.append(Segment(old_sigma, float(state["sampling_rate"]), done - sum(s.steps for s in history)))
+        # whatever the settings say, the events decide: the last part continues only if this run's mechanism
+        # declares the same event for it
+        earlier, (last_event, last_steps) = stored[:-1], stored[-1]
+        if not changes and self.mechanism.event(self.noise_multiplier, last_steps) != last_event:
+            changes.append("the accounting event of a step")
         if changes and not cfg.force_resume:
             raise ConfigError("resuming would change the privacy settings (" + "; ".join(changes) + "); set "
                               "privacy.force_resume=true to resume anyway (epsilon is then composed over both parts)")
-        if state["mechanism_name"] != self.mechanism.name:
-            raise ConfigError("a resume cannot change the privacy mechanism: there is no accounting for the "
-                              "composition; start a new run")
-        history = [s for s in history if s.steps > 0]
+        if changes and not self.mechanism.resumable_with_changes:
+            raise ConfigError(f"mechanism {self.mechanism.name} is accounted as one analysis over the whole run: a "
+                              "resume cannot change its settings (" + "; ".join(changes) + "); resume with the "
+                              "checkpoint's settings or start a new run")
         if changes:
-            self.history = history
+            self.history = stored
             if cfg.noise_multiplier is None:  # recalibrate sigma for what is left of the budget
-                self.noise_multiplier = self._calibrate_remaining(cfg.target_epsilon)
+                spent = events.epsilon(events.history_event(stored), plan.delta, cfg.accountant)
+                if spent >= cfg.target_epsilon:
+                    raise ConfigError(f"the checkpoint already spent epsilon = {spent:.3f} >= privacy.target_epsilon "
+                                      f"= {cfg.target_epsilon:g}: nothing left to train with")
+                self.noise_multiplier = self._calibrate(cfg.target_epsilon, plan.steps, self.noise_multiplier or 1.0)
             log.warning("dpl: resuming with changed privacy settings (%s); epsilon is composed over both parts: "
                         "%.3f after %d steps, %.3f planned", "; ".join(changes), self.epsilon(done), done,
                         self.final_epsilon())
         else:
-            self.history = history[:-1]  # unchanged settings: the last segment continues
+            self.history = earlier  # unchanged settings: the last part continues
 
     # --- the report ---------------------------------------------------------------------------------------
     def summary(self, deltas: tuple[float, ...] = ()) -> dict[str, Any]:
         """The accounting as plain values: epsilon spent (at the run's delta and at each of ``deltas``), sigma,
-        the plan, the unit, the mechanism's declared sampling and accounting."""
+        the plan, the unit, the mechanism's declared sampling and accounting, and the history of events."""
         cfg, plan, mechanism = self.privacy, self.plan, self.mechanism
         return {
             "epsilon": self.epsilon(), "epsilon_planned": self.final_epsilon(),
@@ -266,7 +301,8 @@ class PrivacyLedger:
             "delta": plan.delta, "noise_multiplier": self.noise_multiplier, "max_grad_norm": cfg.max_grad_norm,
             "batch_size": cfg.batch_size, "sampling_rate": float(mechanism.sample_rate),
             "sampling": mechanism.sampling, "steps_per_epoch": plan.steps_per_epoch, "steps_planned": plan.steps,
-            "steps_taken": self.steps_done, "resumed_segments": [list(s) for s in self.history],
+            "steps_taken": self.steps_done, "resumed_parts": len(self.history),
+            "events": events.history_to_json(self.history_of_steps()), "scope": mechanism.scope,
             "accountant": mechanism.accounting, "adjacency": mechanism.adjacency, "mechanism": mechanism.name,
             "unit": mechanism.unit, "num_examples": plan.num_rows, "num_units": plan.num_units,
             "target_epsilon": cfg.target_epsilon, "max_epsilon": cfg.effective_max_epsilon,

@@ -10,11 +10,10 @@ which ones it can be calibrated for (``adjacencies``); :func:`apply_adjacency` a
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from dpl.core.accounting.common import Segment
+from dpl.core.accounting import events
+from dpl.core.accounting.events import Event
 from dpl.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where batches are drawn, not for planning (dpl plan loads no torch)
@@ -40,6 +39,12 @@ class Mechanism(Protocol):
         sampling: how batches are drawn (``poisson``, ``shuffle``, ``cyclic_poisson``): the report states it.
         sample_rate: the rate at which a unit is sampled in a step it can be sampled in.
         accounting: how epsilon is computed (the report states it).
+        accountant: ``prv`` or ``rdp``, for its Poisson-subsampled Gaussian steps.
+        resumable_with_changes: whether a resume may change sigma or the sampling rate (``privacy.force_resume``):
+            true where its segments compose as independent events; false for one analysis over the whole stream.
+
+    Everything else about its privacy is the *event* it declares (:meth:`event`): calibration, composition, resume and
+    the data ledger are generic over events (:mod:`dpl.core.accounting.events`).
     """
 
     name: str
@@ -49,22 +54,26 @@ class Mechanism(Protocol):
     sampling: str
     sample_rate: float
     accounting: str
+    accountant: str
+    resumable_with_changes: bool
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
         """The training batch sampler its privacy analysis assumes. ``start_step`` is the global index of the
         first step the run will take (non-zero on resume); ``generator`` is secret."""
 
-    def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
-        """Smallest noise multiplier whose (epsilon, delta) after ``steps`` is within the target."""
+    def settle_choices(self, target_epsilon: float | None, delta: float, steps: int) -> None:
+        """Fix whatever the mechanism chooses by its accounting (ftrl: the strategy with the least error at the target)
+        before sigma is calibrated; ``target_epsilon`` is None where sigma is given."""
 
-    def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        """Epsilon spent after ``steps`` steps."""
+    def event(self, noise_multiplier: float, steps: int) -> Event:
+        """The accounting event of ``steps`` consecutive steps with noise multiplier sigma, from the start of a run
+        (or of a part of a resumed run)."""
 
-    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
-        """Epsilon of consecutive :class:`Segment` s (a run resumed with changed settings under
-        ``privacy.force_resume``). May raise :class:`~dpl.errors.ConfigError` if the mechanism has no analysis
-        for it."""
+    @property
+    def scope(self) -> dict[str, Any]:
+        """What its events mean beyond their numbers, which a resume can never change: the mechanism, the sampling,
+        the unit, the adjacency (and whatever else the mechanism's analysis fixes)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Public state (goes into the checkpoint)."""
@@ -73,10 +82,18 @@ class Mechanism(Protocol):
         """Restore; raise ConfigError on a mismatch that would break the accounting."""
 
 
+def steps_event(step: Event, noise_multiplier: float, steps: int) -> Event:
+    """``steps`` compositions of ``step`` (whose noise multiplier is ``noise_multiplier``): non-private where sigma is
+    0 and there is a step."""
+    if steps > 0 and noise_multiplier == 0:
+        return events.NonPrivate()
+    return events.SelfComposed(step, int(steps))
+
+
 class PoissonGaussian:
     """Poisson-subsampled Gaussian mechanism (DP-SGD, DPZero): rate ``sample_rate``, PRV accounting. With
     ``unit="user"`` it samples users (user-level sampling: each sampled user's clipped mean gradient is one unit of
-    sensitivity C), accounted exactly as DP-SGD over users."""
+    sensitivity C), accounted exactly as DP-SGD over users. Its event: ``PoissonGaussian(sigma, q)`` per step."""
 
     name = "gaussian"
     adjacency = "add_remove"
@@ -84,16 +101,22 @@ class PoissonGaussian:
     # sum without it (the divisor is the public expected batch size)
     adjacencies = ("add_remove", "zero_out")
     sampling = "poisson"
+    resumable_with_changes = True
 
     def __init__(self, sample_rate: float, accountant: str = "prv", unit: str = "example") -> None:
         self.sample_rate = sample_rate
         self.accountant = accountant
         self.unit = unit
-        self._schedules: dict[tuple, Any] = {}  # epsilon schedules by mechanism settings
 
     @property
     def accounting(self) -> str:
         return self.accountant
+
+    @property
+    def scope(self) -> dict[str, Any]:
+        sampled = {"example": "rows", "user": "users"}[self.unit]
+        return {"mechanism": self.name, "sampling": f"{self.sampling} ({sampled})", "unit": self.unit,
+                "adjacency": self.adjacency}
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
@@ -102,50 +125,12 @@ class PoissonGaussian:
         # Every Poisson batch is a fresh draw: where the run resumes does not matter.
         return PoissonBatchSampler(num_examples, self.sample_rate, steps_per_epoch, generator)
 
-    def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
-        from dpl.core import accounting
+    def settle_choices(self, target_epsilon: float | None, delta: float, steps: int) -> None:
+        """Nothing to choose."""
 
-        return accounting.calibrate_noise_multiplier(target_epsilon, delta, self.sample_rate, steps,
-                                                     method=self.accountant)
-
-    def _schedule(self, key: tuple, epsilon_of) -> Any:
-        from dpl.core.accounting import EpsilonSchedule
-
-        if key not in self._schedules:
-            self._schedules[key] = EpsilonSchedule(epsilon_of)
-        return self._schedules[key]
-
-    def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        """Epsilon after ``steps`` steps from an :class:`~dpl.core.accounting.EpsilonSchedule` computed ahead:
-        exact on a grid 5% apart and at counts first asked beyond it (the plan's total, asked at setup), otherwise
-        the next grid point's value (at most ~2.5% above), computed ahead by a background thread."""
-        from dpl.core import accounting
-
-        rate, method = self.sample_rate, self.accountant
-        return self._schedule((float(noise_multiplier), float(delta), method), lambda n: accounting.epsilon_for(
-            noise_multiplier, rate, n, delta, method=method))(steps)
-
-    def __getstate__(self) -> dict[str, Any]:  # schedules hold a thread: copies start without them
-        return {**self.__dict__, "_schedules": {}}
-
-    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
-        """Epsilon of the segments; the steps of the last one read from a schedule as :meth:`epsilon` does."""
-        plain = [Segment(float(s.noise_multiplier), float(s.sample_rate), int(s.steps)) for s in segments]
-        if any(s.noise_multiplier == 0 and s.steps > 0 for s in plain):
-            return math.inf
-        if not plain or plain[-1].steps == 0:
-            return self._composed(plain, delta)
-        *done, last = plain
-        return self._schedule((tuple(done), last.noise_multiplier, last.sample_rate, float(delta), self.accountant),
-                              lambda n: self._composed([*done, last._replace(steps=n)], delta))(last.steps)
-
-    def _composed(self, segments: Sequence[Segment], delta: float) -> float:
-        from dpl.core.accounting import PoissonGaussianAccountant
-
-        accountant = PoissonGaussianAccountant(self.accountant)
-        for segment in segments:
-            accountant.step(segment.noise_multiplier, segment.sample_rate, segment.steps)
-        return accountant.epsilon(delta)
+    def event(self, noise_multiplier: float, steps: int) -> Event:
+        return steps_event(events.PoissonGaussian(float(noise_multiplier), float(self.sample_rate)), noise_multiplier,
+                           steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"sample_rate": self.sample_rate, "accountant": self.accountant, "adjacency": self.adjacency,
@@ -165,8 +150,8 @@ class UserLevelExampleSampling(PoissonGaussian):
     """Example-level sampling with a user-level accountant (ELS; Charles et al., "Fine-tuning large language models
     with user-level differential privacy", SaTML 2025): every user bounded to ``max_rows`` (k) rows, rows
     Poisson-sampled at ``sample_rate`` and clipped one by one, noise sigma C. For one user the number of its rows in a
-    batch is Binomial(k, q), so a step compares a mixture of Gaussians with N(0, sigma^2) (in units of C):
-    :func:`dpl.core.accounting.els_epsilon` composes it with the PRV accountant."""
+    batch is Binomial(k, q), so a step is a ``MixtureOfGaussians(sigma, q, k)`` event, composed with the PRV
+    accountant."""
 
     def __init__(self, sample_rate: float, max_rows: int, accountant: str = "prv") -> None:
         super().__init__(sample_rate, accountant, unit="user")
@@ -176,35 +161,24 @@ class UserLevelExampleSampling(PoissonGaussian):
     def accounting(self) -> str:
         return f"prv (mixture of Gaussians: Binomial({self.max_rows}, q) rows of a user per step)"
 
-    def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
-        from dpl.core.accounting import els_calibrate
+    @property
+    def scope(self) -> dict[str, Any]:
+        return {**super().scope, "sampling": f"{self.sampling} (rows, at most {self.max_rows} per user)",
+                "max_rows": self.max_rows}
 
-        return els_calibrate(target_epsilon, delta, self.sample_rate, self.max_rows, steps)
-
-    def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
-        from dpl.core.accounting import els_epsilon
-
-        rate, k = self.sample_rate, self.max_rows
-        return self._schedule(("els", float(noise_multiplier), float(delta), k), lambda n: els_epsilon(
-            noise_multiplier, rate, k, n, delta))(steps)
-
-    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
-        plain = [s for s in segments if int(s.steps) > 0]
-        if len({(float(s.noise_multiplier), float(s.sample_rate)) for s in plain}) > 1:
-            raise ConfigError("user_sampling: rows has no accounting for a resume with changed settings (sigma or "
-                              "the sampling rate): resume with the checkpoint's settings or start a new run")
-        if not plain:
-            return 0.0
-        return self.epsilon(plain[0].noise_multiplier, delta, sum(int(s.steps) for s in plain))
+    def event(self, noise_multiplier: float, steps: int) -> Event:
+        return steps_event(events.MixtureOfGaussians(float(noise_multiplier), float(self.sample_rate),
+                                                     self.max_rows), noise_multiplier, steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "max_rows": self.max_rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
         if state.get("max_rows") != self.max_rows:
-            raise ConfigError(f"the checkpoint bounded users to {state.get('max_rows')} rows, this run to "
-                              f"{self.max_rows}: a resume cannot change privacy.max_rows_per_user")
+            raise ConfigError(f"the checkpoint's steps were accounted with users bounded to {state.get('max_rows')} "
+                              f"rows sampled one by one, this run's with {self.max_rows}: a resume cannot change "
+                              "privacy.max_rows_per_user or privacy.user_sampling")
+        super().load_state_dict(state)
 
 
 def apply_adjacency(mechanism: Mechanism, requested: str | None) -> str:
@@ -217,3 +191,15 @@ def apply_adjacency(mechanism: Mechanism, requested: str | None) -> str:
                           f"{' or '.join(mechanism.adjacencies)} only")
     mechanism.adjacency = requested
     return requested
+
+
+def epsilon_of(mechanism: Mechanism, noise_multiplier: float, delta: float, steps: int) -> float:
+    """Epsilon of ``steps`` steps of ``mechanism`` at sigma: its declared event, composed generically."""
+    return events.epsilon(mechanism.event(noise_multiplier, steps), delta, mechanism.accountant)
+
+
+def calibrate(mechanism: Mechanism, target_epsilon: float, delta: float, steps: int) -> float:
+    """The smallest sigma whose ``steps`` steps of ``mechanism`` spend at most ``target_epsilon`` (its choices settled
+    at that target first)."""
+    mechanism.settle_choices(target_epsilon, delta, steps)
+    return events.calibrate(lambda sigma: mechanism.event(sigma, steps), target_epsilon, delta, mechanism.accountant)

@@ -31,14 +31,6 @@ def data_label(training_data: dict[str, Any] | None) -> str:
     return ", ".join(names) or "data"
 
 
-def segments_of(report: dict[str, Any]) -> list[list[float]]:
-    """The run's ``[sigma, q, steps]`` segments: the earlier parts of a forced resume, then the current one."""
-    history = [list(s) for s in report.get("resumed_segments") or []]
-    rest = int(report["steps_taken"]) - sum(int(s[2]) for s in history)
-    current = [report["noise_multiplier"], report["sampling_rate"], rest] if rest > 0 else []
-    return [*history, *([current] if current else [])]
-
-
 def entry_of(report: dict[str, Any], run_folder: str | None, steps_this_run: int) -> dict[str, Any]:
     """The ledger line of a run, from its final privacy report."""
     run, data = report["run"], report.get("training_data") or {}
@@ -51,7 +43,7 @@ def entry_of(report: dict[str, Any], run_folder: str | None, steps_this_run: int
         "unit": report.get("unit") or "example", "adjacency": report["adjacency"], "mechanism": report["mechanism"],
         "sampling": report["sampling"], "accountant": report["accountant"],
         "noise_multiplier": report["noise_multiplier"], "sampling_rate": report["sampling_rate"],
-        "segments": segments_of(report), "continues": run.get("continues"),
+        "events": report["events"], "scope": report.get("scope"), "continues": run.get("continues"),
         "base_model_id": (report.get("base_model") or {}).get("id"),
         "run_folder": str(Path(run_folder).absolute()) if run_folder else None, "dpl_version": report["dpl_version"],
     }

@@ -11,7 +11,6 @@ noise is, else says what it would take (a larger batch at more compute, fewer tr
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +55,10 @@ def steps_text(steps: int) -> str:
 def planned_epsilon(engine: Any) -> float:
     """Epsilon after the engine's planned steps, asked of a copy of its mechanism (a one-off question: no
     background schedule)."""
+    from dpl.core.accounting import events
+
     ledger = engine.ledger
-    if ledger.history:
-        return ledger.final_epsilon()
-    return float(copy.copy(engine.mechanism).epsilon(ledger.noise_multiplier, ledger.plan.delta, ledger.plan.steps))
+    return float(events.epsilon(ledger.event(ledger.plan.steps), ledger.plan.delta, ledger.privacy.accountant))
 
 
 def row_of(engine: Any, current: bool = False) -> Row:

@@ -7,11 +7,13 @@ not compose into one) and composes their epsilons:
 
 * always by sequential composition: the epsilons add up and so do the deltas, whatever the mechanisms and however
   each run's settings were chosen (basic composition holds fully adaptively);
-* where every run is a Poisson-subsampled Gaussian mechanism at the example level with known sigma, sampling rate
-  and steps (DP-SGD, DPZero, with any post-processing plugin), also with the PRV accountant over all the runs' steps
-  at the same total delta, which is tighter. That bound is the composition of mechanisms whose settings are fixed in
-  advance: it holds when no run's settings (sigma, q, steps) were chosen after seeing an earlier run's results. The
-  composed epsilon is the smaller bound, shown with that condition; the sum is always shown beside it.
+* where every run records the events of its steps (:mod:`dpl.core.accounting.events`: DP-SGD and DPZero's
+  Poisson-subsampled Gaussian steps, user-level sampling, ELS's mixtures of Gaussians, ftrl's Gaussian or amplified
+  banded steps, a tuning's selection), also by composing those events at the same total delta: the PRV accountant over
+  every step of every run, tighter; a tuning's release (whose bound is its own, Papernot & Steinke's) is added to the
+  rest by sequential composition, and the method says so. That bound is the composition of mechanisms whose settings
+  are fixed in advance: it holds when no run's settings (sigma, q, steps) were chosen after seeing an earlier run's
+  results. The composed epsilon is the smaller bound, shown with that condition; the sum is always shown beside it.
 
 A run continued from another's checkpoint accounts for the steps before it: the run it continues is left out of the
 composition when the continuation covers all its steps, and counted as well (conservatively) when it took steps
@@ -34,9 +36,11 @@ from dpl.lightning.data_ledger import LEDGER_NAME, epsilon_value, read_entries
 SEARCH_DEPTH = 3
 SUM = ("sequential composition (the runs' epsilons add up and so do their deltas; valid for any mechanisms, however "
        "the runs' settings were chosen)")
-PRV = ("PRV accountant over all the runs' steps (every run is a Poisson-subsampled Gaussian mechanism with known "
-       "sigma, sampling rate and steps; valid when no run's settings were chosen after seeing an earlier run's "
-       "results)")
+PRV = ("the runs' events composed (PRV accountant over every step of every run; valid when no run's settings were "
+       "chosen after seeing an earlier run's results)")
+PRV_AND_TUNING = ("the runs' events composed (PRV accountant over every step; each tuning's release, bounded by its own "
+                  "theorem, added by sequential composition; valid when no run's settings were chosen after seeing an "
+                  "earlier run's results)")
 
 
 def find_ledgers(folder: Path, depth: int = SEARCH_DEPTH) -> list[Path]:
@@ -132,40 +136,34 @@ def superseded(entries: list[dict[str, Any]]) -> dict[str, str]:
     return covered
 
 
-def _prv_ready(entry: dict[str, Any]) -> str | None:
-    """Why the PRV accountant cannot compose this run (``None``: it can)."""
-    if entry.get("mechanism") != "gaussian" or entry.get("sampling") != "poisson":
-        return f"run {entry['run_id']} uses mechanism {entry.get('mechanism')} ({entry.get('sampling')} sampling)"
-    if entry.get("accountant") not in ("prv", "rdp"):
-        return f"run {entry['run_id']} is accounted by {entry.get('accountant')}"
-    if entry.get("unit") != "example":
-        return f"run {entry['run_id']} protects a {entry.get('unit')}"
-    if not entry.get("segments"):
-        return f"run {entry['run_id']} records no steps"
+def _composable(entry: dict[str, Any]) -> str | None:
+    """Why this run's events cannot be composed (``None``: they can)."""
+    if not entry.get("events"):
+        return f"run {entry['run_id']} records no events of its steps"
     return None
 
 
 def compose(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The composition of ``entries`` (runs on one data set, one unit and adjacency): by summing, and with the PRV
-    accountant where every run allows it (:func:`_prv_ready`); ``epsilon`` / ``delta`` / ``method``: the smaller."""
+    """The composition of ``entries`` (runs on one data set, one unit and adjacency): by summing, and by composing
+    their events where every run records them (:func:`_composable`); ``epsilon`` / ``delta`` / ``method``: the
+    smaller."""
+    from dpl.core.accounting import events
+
     eps_sum = sum(epsilon_value(e["epsilon"]) for e in entries)
     delta_sum = sum(float(e["delta"]) for e in entries)
     result: dict[str, Any] = {"runs": len(entries), "epsilon_sum": eps_sum, "delta": delta_sum, "epsilon": eps_sum,
                               "method": SUM, "epsilon_prv": None, "prv_not_used": None}
-    reasons = [r for r in map(_prv_ready, entries) if r is not None]
+    reasons = [r for r in map(_composable, entries) if r is not None]
     if reasons:
         result["prv_not_used"] = reasons[0]
     elif len(entries) > 1 and delta_sum < 1:
-        from dpl.core.accounting import PoissonGaussianAccountant
-
-        accountant = PoissonGaussianAccountant("prv")
-        for entry in entries:
-            for sigma, rate, steps in entry["segments"]:
-                accountant.step(float(sigma), float(rate), int(steps))
-        eps = accountant.epsilon(delta_sum)
+        history = [pair for entry in entries for pair in events.history_from_json(entry["events"])]
+        composed = events.history_event(history)
+        eps = events.epsilon(composed, delta_sum)
         result["epsilon_prv"] = eps
+        result["events_method"] = PRV if events.composition_method(composed) == events.TIGHT else PRV_AND_TUNING
         if eps < eps_sum:
-            result["epsilon"], result["method"] = eps, PRV
+            result["epsilon"], result["method"] = eps, result["events_method"]
     return result
 
 
@@ -229,12 +227,12 @@ def show(group: dict[str, Any]) -> list[str]:
     runs = f"{composed['runs']} run{'s' if composed['runs'] != 1 else ''}"
     lines.append(f"  {SUM}: epsilon = {_fmt_eps(composed['epsilon_sum'])}, delta = {composed['delta']:.3g}")
     if composed["epsilon_prv"] is not None:
-        lines.append(f"  {PRV}: epsilon = {_fmt_eps(composed['epsilon_prv'])} at delta = {composed['delta']:.3g}")
+        lines.append(f"  {composed['events_method']}: epsilon = {_fmt_eps(composed['epsilon_prv'])} at delta = {composed['delta']:.3g}")
     elif composed["prv_not_used"] and composed["runs"] > 1:
         lines.append(f"  no tighter composition: {composed['prv_not_used']}")
     condition = ""
-    if composed["method"] == PRV:
-        condition = (f" (PRV; if a run's settings were chosen after seeing an earlier run's results: the sum, "
+    if composed["method"] in (PRV, PRV_AND_TUNING):
+        condition = (f" (composed events; if a run's settings were chosen after seeing an earlier run's results: the sum, "
                      f"{_fmt_eps(composed['epsilon_sum'])})")
     lines.append(f"  composed over {runs}: epsilon = {_fmt_eps(composed['epsilon'])}, delta = "
                  f"{composed['delta']:.3g}{condition}")

@@ -136,10 +136,14 @@ def mismatch(plan: TrialPlan, summary: dict[str, Any]) -> str | None:
 def calibrated(plans: list[TrialPlan], target: float) -> list[TrialPlan]:
     """``plans`` with sigma calibrated to ``target`` by each configuration's mechanism, as ``dpl fit`` does
     (the Poisson-subsampled Gaussian, the only mechanism a trial may have)."""
+    from dpl.core.accounting import events
     from dpl.core.mechanism import PoissonGaussian
 
-    return [{**plan, "noise_multiplier": float(PoissonGaussian(plan["sampling_rate"], plan["accountant"]).calibrate(
-        target, plan["delta"], plan["steps"])), "epsilon": None} for plan in plans]
+    def sigma(plan: TrialPlan) -> float:
+        mechanism = PoissonGaussian(plan["sampling_rate"], plan["accountant"])
+        return events.calibrate(lambda s: mechanism.event(s, plan["steps"]), target, plan["delta"], plan["accountant"])
+
+    return [{**plan, "noise_multiplier": float(sigma(plan)), "epsilon": None} for plan in plans]
 
 
 def solve_total(fit_args: list[str], space: SearchSpace, dist: accounting.TrialDistribution,

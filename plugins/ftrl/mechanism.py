@@ -15,16 +15,14 @@
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-from dpl.api import (ConfigError, Segment, calibrate_gaussian_mechanism, calibrate_noise_multiplier, epsilon_for,
-                     gaussian_mechanism_epsilon, poisson_mask)
+from dpl.api import ConfigError, events, poisson_mask
 from dpl_plugins.ftrl.strategies import Strategy, strategy_from_params
 
 log = logging.getLogger("dpl")
@@ -254,50 +252,51 @@ class FTRLMechanism:
         return ShuffledBatchSampler(self, generator, start_step)
 
     # --- accounting -----------------------------------------------------------------------------------
-    def _check_steps(self, steps: int) -> None:
-        if steps > self.steps:
-            raise ConfigError(f"ftrl: its noise was fitted and accounted for {self.steps} steps, asked about {steps}")
+    resumable_with_changes = False  # one analysis over the whole stream: sigma cannot change within a run
 
-    def calibrate(self, target_epsilon: float, delta: float, steps: int) -> float:
-        if self.candidates and self.chooser is not None:
-            chosen = self.chooser(self, target_epsilon, delta, steps)
-            self.candidates = []
-            self.sampled_strategy = chosen
-        return self.calibrate_strategy(self.sampled_strategy, target_epsilon, delta, steps)
+    @property
+    def scope(self) -> dict[str, Any]:
+        return {"mechanism": self.name, "sampling": self.sampling, "unit": self.unit, "adjacency": self.adjacency,
+                "strategy": self.strategy.family, "bands": self.bands}
+
+    def event(self, noise_multiplier: float, steps: int) -> events.Event:
+        self.settle(self.sampled_strategy)
+        return self.strategy_event(self.sampled_strategy, noise_multiplier, steps)
+
+    def strategy_event(self, sampled: SampledStrategy, noise_multiplier: float, steps: int) -> events.Event:
+        """The event of the first ``steps`` steps of ``sampled`` (a candidate, or the one in use) at sigma.
+
+        ``cyclic_poisson``: ceil(steps / b) Poisson-subsampled Gaussian steps at rate B / floor(N / b). ``shuffle``:
+        one Gaussian mechanism on the sensitivity-normalised stream; the first t releases have sensitivity sens_t <=
+        sens_T, so their noise multiplier is sigma * sens_T / sens_t. Beyond the fitted steps there is no analysis:
+        non-private (the budget guard stops there)."""
+        steps = int(steps)
+        if steps <= 0:
+            return events.Composed(())
+        if noise_multiplier == 0 or steps > sampled.strategy.steps:
+            return events.NonPrivate()
+        if sampled.sampling == "cyclic_poisson":
+            b = sampled.bands
+            rate = self.batch_size / (self.num_examples // b)
+            return events.SelfComposed(events.PoissonGaussian(float(noise_multiplier), rate), -(-steps // b))
+        ratio = sampled.strategy.sensitivity / float(sampled.strategy.sens_prefix[steps - 1])
+        return events.Gaussian(float(noise_multiplier) * ratio)
 
     def calibrate_strategy(self, sampled: SampledStrategy, target_epsilon: float, delta: float, steps: int) -> float:
-        """sigma of ``sampled`` for (target_epsilon, delta) after ``steps`` steps (a candidate, or the one in use)."""
-
+        """sigma of ``sampled`` for (target_epsilon, delta) after ``steps`` steps (a candidate's, for the choice)."""
         if steps > sampled.strategy.steps:
             raise ConfigError(f"ftrl: its noise was fitted and accounted for {sampled.strategy.steps} steps, asked "
                               f"about {steps}")
-        if sampled.sampling == "cyclic_poisson":
-            b = sampled.bands
-            return calibrate_noise_multiplier(target_epsilon, delta,
-                                                         self.batch_size / (self.num_examples // b), -(-steps // b),
-                                                         method=self.accountant)
-        # epsilon(sigma, steps) = G(sigma * sens_T / sens_steps), G the exact Gaussian-mechanism epsilon
-        return calibrate_gaussian_mechanism(target_epsilon, delta) \
-            * float(sampled.strategy.sens_prefix[steps - 1]) / sampled.strategy.sensitivity
+        return events.calibrate(lambda sigma: self.strategy_event(sampled, sigma, steps), target_epsilon, delta,
+                                self.accountant)
 
-    def epsilon(self, noise_multiplier: float, delta: float, steps: int) -> float:
+    def settle_choices(self, target_epsilon: float | None, delta: float, steps: int) -> None:
+        """Choose the strategy among the candidates at (target_epsilon, delta) before sigma is calibrated; with a fixed
+        sigma (``target_epsilon`` None) the first candidate is kept."""
+        if self.candidates and self.chooser is not None and target_epsilon is not None:
+            self.sampled_strategy = self.chooser(self, target_epsilon, delta, steps)
+            self.candidates = []
         self.settle(self.sampled_strategy)
-        if steps <= 0:
-            return 0.0
-        if noise_multiplier == 0 or steps > self.steps:
-            return math.inf  # beyond the fitted steps there is no accounting (the budget guard stops there)
-        if self.sampling == "cyclic_poisson":
-            return epsilon_for(noise_multiplier, self.sample_rate, self.rounds(steps), delta,
-                                          method=self.accountant)
-        ratio = self.strategy.sensitivity / float(self.strategy.sens_prefix[steps - 1])
-        return gaussian_mechanism_epsilon(noise_multiplier * ratio, delta)
-
-    def epsilon_of_segments(self, segments: Sequence[Segment], delta: float) -> float:
-        sigmas = {float(s.noise_multiplier) for s in segments if s.steps > 0}
-        if len(sigmas) <= 1:
-            return self.epsilon(sigmas.pop() if sigmas else 1.0, delta, sum(int(s.steps) for s in segments))
-        raise ConfigError("ftrl: sigma cannot change within a correlated-noise run (its accounting is one analysis "
-                          "over the whole stream); resume with the same privacy settings")
 
     # --- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

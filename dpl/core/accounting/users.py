@@ -224,19 +224,24 @@ def _step_mgf(sigma: float, q: float, k: int, tail: float, add: bool, cells: int
     return log_mgf, t_cap
 
 
-def _chernoff_epsilon(sigma: float, q: float, k: int, steps: int, delta: float, tail: float,
+def _chernoff_epsilon(segments: tuple[tuple[float, float, int, int], ...], delta: float, tail: float,
                       cells: int = _MGF_CELLS) -> tuple[float, float]:
-    """(epsilon, largest per-step cap): an upper bound on the epsilon of ``steps`` ELS steps (both directions), and
-    the largest loss a step has with probability > ``tail``.
+    """(epsilon, largest per-step cap): an upper bound on the epsilon of the ``(sigma, q, k, steps)`` segments
+    composed (both directions), and the largest loss a step has with probability > ``tail``.
 
-    delta(eps) <= P(sum Y > eps) <= steps * tail + exp(steps log E[e^(lam Y); Y <= t_cap] - lam eps) (Chernoff on
-    the event that no step exceeds its cap), minimised over lam. Requires steps * tail < delta.
+    delta(eps) <= P(sum Y > eps) <= n * tail + exp(sum_i steps_i log E[e^(lam Y_i); Y_i <= t_cap,i] - lam eps)
+    (Chernoff on the event that no step exceeds its cap; n steps in all), minimised over lam. Requires
+    n * tail < delta.
     """
+    total = sum(n for *_, n in segments)
     eps = cap = 0.0
     for add in (False, True):
-        log_mgf, t_cap = _step_mgf(sigma, q, k, tail, add, cells)
-        eps = max(eps, float(np.min((steps * log_mgf - math.log(delta - steps * tail)) / _LAMBDAS)))
-        cap = max(cap, t_cap)
+        log_mgf = np.zeros(len(_LAMBDAS))
+        for sigma, q, k, n in segments:
+            step_mgf, t_cap = _step_mgf(sigma, q, k, tail, add, cells)
+            log_mgf = log_mgf + n * step_mgf
+            cap = max(cap, t_cap)
+        eps = max(eps, float(np.min((log_mgf - math.log(delta - total * tail)) / _LAMBDAS)))
     return max(eps, 0.0), cap
 
 
@@ -247,51 +252,76 @@ def _els_rdp_epsilon(sigma: float, q: float, k: int, steps: int, delta: float, c
         return math.inf
     if k == 1:
         return _int_rdp_epsilon(((sigma, q, steps),), delta)
-    return _chernoff_epsilon(sigma, q, k, steps, delta, delta * DELTA_ERROR_FRACTION / 16 / steps, cells)[0]
+    return _chernoff_epsilon(((sigma, q, k, steps),), delta, delta * DELTA_ERROR_FRACTION / 16 / steps, cells)[0]
+
+
+def _mixture_bound(segments: tuple[tuple[float, float, int, int], ...], delta: float) -> float:
+    """A cheap upper bound on the composition of mixture segments (RDP where every k is 1, else Chernoff)."""
+    if all(k == 1 for _, _, k, _ in segments):
+        return _int_rdp_epsilon(tuple((s, q, n) for s, q, _, n in segments), delta)
+    total = sum(n for *_, n in segments)
+    return _chernoff_epsilon(segments, delta, delta * DELTA_ERROR_FRACTION / 16 / total)[0]
 
 
 @functools.lru_cache(maxsize=256)
-def _els_bounds(sigma: float, q: float, k: int, steps: int, delta: float,
-                eps_error: float | None = None) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-    """(lower, estimate, upper) epsilon of ``steps`` ELS steps, for remove and for add (sigma > 0, steps > 0)."""
+def _mixture_bounds(segments: tuple[tuple[float, float, int, int], ...], delta: float,
+                    eps_error: float | None = None) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """(lower, estimate, upper) epsilon of the composition of the ``(sigma, q, k, steps)`` mixture segments (sigma
+    > 0, steps > 0 each), for remove and for add: every step's two directions discretised on one grid and composed
+    (heterogeneous composition)."""
     from prv_accountant import composers
 
     delta_error = DELTA_ERROR_FRACTION * delta
+    total = sum(n for *_, n in segments)
     if eps_error is None:
-        eps_error = prv_error_for(_els_rdp_epsilon(sigma, q, k, steps, delta))
-    if k == 1:  # safe domain size (remark 5.6 of Gopi et al.) from the RDP bound, as in prv._prv_bounds
-        L = max(_int_rdp_epsilon(((sigma, q, steps),), delta_error / 4),
-                _int_rdp_epsilon(((sigma, q, 1),), delta_error / 8 / steps))
+        eps_error = prv_error_for(_mixture_bound(segments, delta))
+    if all(k == 1 for _, _, k, _ in segments):  # safe domain size (remark 5.6 of Gopi et al.) from the RDP bound
+        plain = tuple((s, q, n) for s, q, _, n in segments)
+        L = _int_rdp_epsilon(plain, delta_error / 4)
+        for s, q, _ in plain:
+            L = max(L, _int_rdp_epsilon(((s, q, 1),), delta_error / 8 / total))
     else:  # the same from the Chernoff bound: mass beyond L at most delta_error / 16 + delta_error / 8
-        L = max(_chernoff_epsilon(sigma, q, k, steps, delta_error / 16 * 3, delta_error / 16 / steps))
-    domain, eps_error = grid_domain(L, eps_error, steps, delta_error)
-    mixture = _Mixture(sigma, q, k)
+        L = max(_chernoff_epsilon(segments, delta_error / 16 * 3, delta_error / 16 / total))
+    domain, eps_error = grid_domain(L, eps_error, total, delta_error)
     out = []
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for add in (False, True):
-            dprv = mixture.discretise(domain, add)
-            composed = composers.Heterogeneous([dprv]).compute_composition([steps])
+            dprvs = [_Mixture(s, q, k).discretise(domain, add) for s, q, k, _ in segments]
+            composed = composers.Heterogeneous(dprvs).compute_composition([n for *_, n in segments])
             lo, est, up = _epsilon_bounds(composed, delta, delta_error, eps_error)
             out.append((max(lo, 0.0), max(est, 0.0), max(up, 0.0)))
     return out[0], out[1]
 
 
-def _els_epsilon(sigma: float, q: float, k: int, steps: int, delta: float, on_fallback=_warn_once) -> float:
-    if steps == 0:
+def _els_bounds(sigma: float, q: float, k: int, steps: int, delta: float,
+                eps_error: float | None = None) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """(lower, estimate, upper) epsilon of ``steps`` ELS steps, for remove and for add (sigma > 0, steps > 0)."""
+    return _mixture_bounds(((sigma, q, k, steps),), delta, eps_error)
+
+
+def _mixture_epsilon(segments: tuple[tuple[float, float, int, int], ...], delta: float,
+                     on_fallback=_warn_once) -> float:
+    """Epsilon of the composed ``(sigma, q, k, steps)`` segments: the PRV upper bound (the larger direction); the
+    Chernoff / RDP bound, with a logged warning, where PRV fails."""
+    segments = tuple(s for s in segments if s[3] > 0)
+    if not segments:
         return 0.0
-    if sigma == 0:
+    if any(s[0] == 0 for s in segments):
         return math.inf
     try:
-        remove, add = _els_bounds(sigma, q, k, steps, delta)
+        remove, add = _mixture_bounds(segments, delta)
         eps = max(remove[2], add[2])
         if not math.isfinite(eps):
             raise FloatingPointError(f"PRV returned epsilon={eps}")
         return eps
     except (ArithmeticError, ValueError, RuntimeError, MemoryError) as err:
-        on_fallback(f"ELS PRV accounting failed ({type(err).__name__}: {err}); falling back to RDP (a looser upper "
-                    "bound)")
-        return _els_rdp_epsilon(sigma, q, k, steps, delta)
+        on_fallback(f"ELS PRV accounting failed ({type(err).__name__}: {err}); falling back to a looser upper bound")
+        return _mixture_bound(segments, delta)
+
+
+def _els_epsilon(sigma: float, q: float, k: int, steps: int, delta: float, on_fallback=_warn_once) -> float:
+    return _mixture_epsilon(((sigma, q, k, steps),), delta, on_fallback)
 
 
 def els_epsilon(noise_multiplier: float, sample_rate: float, max_rows: int, steps: int, delta: float) -> float:
