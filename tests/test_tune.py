@@ -372,3 +372,72 @@ def test_help_names_the_options(capsys):
     out = capsys.readouterr().out
     assert info.value.code == 0 and "--search" in out and "--trials-mean" in out and "--resume" in out
     assert "--total-epsilon" in out and "batch_size" in out
+
+
+# ------------------------------------------------------------------------------------------------ the data ledger
+
+
+def _ledger_json(target: Path) -> dict:
+    from dpl.trained.spending import ledger_command
+
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert ledger_command([str(target), "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_a_tuning_is_one_line_in_the_ledger_of_its_root_with_the_tuned_epsilon(world, capsys, monkeypatch, tmp_path):
+    """Two trials drawn, the loser's folder deleted: `dpl ledger ROOT` shows one run, the tuning, at the tuned
+    epsilon (its event composed), not the kept trial's epsilon; no trial line anywhere below the root."""
+    from dpl.core.accounting import events
+    from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
+
+    root = tmp_path / "runs"
+    _force_k(monkeypatch, 2)
+    assert _tune(world, "--search", "lr=0.01,0.1", "--trials-mean", "2", "--distribution", "geometric",
+                 "--trainer.default_root_dir", str(root)) == 0
+    (folder,) = _folders(root)
+    (run,) = [p.parent for p in folder.glob("trial_*/**/privacy.json")]
+    tuned = json.loads((run / "privacy.json").read_text())
+    assert sorted(p.relative_to(root) for p in root.glob("**/" + LEDGER_NAME)) == [Path(LEDGER_NAME)]
+    lines, _ = read_entries(root / LEDGER_NAME)
+    assert {line["run_id"] for line in lines} == {folder.name} and len(lines) >= 3  # started, 2 trials, released
+    shown = _ledger_json(root)
+    [group] = shown["data_sets"]
+    [tuning] = group["runs"]
+    assert tuning["status"] == "finished" and tuning["trials_finished"] == 2 and tuning["mechanism"] == "tuning"
+    assert tuning["epsilon"] == pytest.approx(tuned["epsilon"], rel=1e-12)
+    assert tuning["epsilon"] > tuned["tuning"]["epsilon_one_trial"]
+    [(event, _)] = events.history_from_json(tuning["events"])
+    assert isinstance(event, events.RepeatAndSelect) and event.shape == 1.0
+    assert events.epsilon(event, tuning["delta"]) == pytest.approx(tuned["epsilon"], rel=1e-9)
+
+
+def test_a_failed_tuning_keeps_its_line_and_its_folder(world, capsys, monkeypatch, tmp_path):
+    """The first trial trains, then its scoring fails: the tuning's line (written before its first private step)
+    stays in the root's ledger and the tuning folder is kept for a resume."""
+    from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
+
+    root = tmp_path / "runs"
+    _force_k(monkeypatch, 2)
+
+    def failing_score(run, metric):
+        raise trials.TrialFailed(2)
+
+    monkeypatch.setattr(trials, "score", failing_score)
+    assert _tune(world, "--search", "lr=0.01,0.1", "--trials-mean", "2", "--trainer.default_root_dir", str(root)) == 2
+    (folder,) = _folders(root)
+    lines, _ = read_entries(root / LEDGER_NAME)
+    assert lines[-1]["run_id"] == folder.name and lines[-1]["status"] == "failed" and lines[-1]["epsilon"] > 0
+
+
+def test_trial_requirements_are_checked_before_any_trial_trains(world, capsys, tmp_path):
+    root = tmp_path / "runs"
+    code = _tune(world, "--search", "lr=0.01,0.1", "--trials-mean", "2", "--trainer.default_root_dir", str(root),
+                 "--trainer.enable_checkpointing", "false")
+    err = capsys.readouterr().err
+    assert code == 2 and "needs checkpoints" in err and len(err.strip().splitlines()) == 1
+    assert not root.exists() or not list(root.iterdir())

@@ -95,16 +95,16 @@ def select(target: str, ledgers: list[str] | None = None) -> tuple[list[Path], l
             raise ConfigError(f"no privacy ledger ({LEDGER_NAME}) found in {Path.cwd()} or the {SEARCH_DEPTH - 1} "
                               f"folder levels below it: give the runs' root folder (trainer.default_root_dir) with "
                               f"--ledger")
-    entries, skipped, seen = [], 0, set()
+    latest: dict[str, dict[str, Any]] = {}  # a run written again (a tuning, as its trials finish): its last line
+    skipped = 0
     for file in files:
         found, bad = read_entries(file)
         skipped += bad
         for entry in found:
-            if entry["run_id"] in seen:
-                continue
             if wanted is None or wanted & set(entry.get("data_files") or []):
-                seen.add(entry["run_id"])
-                entries.append(entry)
+                latest.pop(entry["run_id"], None)
+                latest[entry["run_id"]] = entry
+    entries = list(latest.values())
     what = f"the runs on {target}" if wanted is not None else "every data set"
     return files, entries, skipped, what
 

@@ -23,7 +23,7 @@ import yaml
 
 from dpl.core.accounting import tuning as accounting
 from dpl.errors import ConfigError, DPLError
-from dpl.tune import plans, probe, release, trials
+from dpl.tune import ledger_line, plans, probe, release, trials
 from dpl.tune.probe import tunable
 from dpl.tune.search import SearchSpace, config_args, parse_search, short
 from dpl.tune.state import TuningState
@@ -146,8 +146,20 @@ def _preflight(fit_args: list[str], space: SearchSpace, total: bool) -> tuple[Pa
         raise ConfigError("dpl tune: --total-epsilon calibrates each trial's sigma to a target epsilon; the config "
                           "sets privacy.noise_multiplier: remove it")
     trainer = resolved.get("trainer") or {}
+    _check_trial_requirements(trainer)
     extra = _one_device(trainer)
     return Path(trainer.get("default_root_dir") or "."), extra
+
+
+def _check_trial_requirements(trainer: dict[str, Any]) -> None:
+    """What every trial needs, checked before any trial trains: a last checkpoint (the kept run is released from it)
+    and a validation run (the score)."""
+    if trainer.get("enable_checkpointing") is False:
+        raise ConfigError("dpl tune: a trial needs checkpoints (its last checkpoint is what is kept and scored); the "
+                          "config sets trainer.enable_checkpointing: false (configs/smoke.yaml does): drop it")
+    if trainer.get("limit_val_batches") in (0, 0.0):
+        raise ConfigError("dpl tune: trials are scored on the validation split; the config sets "
+                          "trainer.limit_val_batches: 0")
 
 
 def _yaml(text: str) -> dict[str, Any]:
@@ -184,7 +196,7 @@ def _start(args: argparse.Namespace, fit_args: list[str]) -> TuningState | None:
                         distribution=dict(dist.__dict__), metric=args.metric,
                         mode=args.mode or ("min" if args.metric and "loss" in args.metric else "max"), trials=k,
                         configurations=[space.draw() for _ in range(k)], plans=planned,
-                        total_epsilon=args.total_epsilon, target_epsilon=target)
+                        total_epsilon=args.total_epsilon, target_epsilon=target, ledger_root=str(root))
     folder.mkdir(parents=True, exist_ok=False)
     state.save()
     law = release.law_text({"distribution": dist.describe()})
@@ -256,6 +268,7 @@ def _run(state: TuningState) -> int:
             _forget_if_nothing_trained(state, 2)
             raise
         if code:
+            _ledger_update(state, status="failed")
             if not _forget_if_nothing_trained(state, code):
                 print(f"dpl: dpl tune stopped at trial {index + 1}/{state.trials}; fix the cause and continue with: "
                       f"dpl tune --resume {root}", file=sys.stderr)
@@ -265,9 +278,10 @@ def _run(state: TuningState) -> int:
 
 
 def _forget_if_nothing_trained(state: TuningState, code: int) -> bool:
-    """A setup error (exit 2) before any trial finished is bad input, not a tuning to resume: remove the tuning
-    folder (K was drawn from OS entropy alone, nothing was released) and say so; return whether it was removed."""
-    if code != 2 or state.finished:
+    """A setup error (exit 2) before any trial started training is bad input, not a tuning to resume: remove the
+    tuning folder (K was drawn from OS entropy alone, nothing was released) and say so; return whether it was removed.
+    Once a trial has trained, the tuning's line is in the data ledger and its folder is kept (resume it)."""
+    if code != 2 or state.finished or state.ledger_line is not None:
         return False
     shutil.rmtree(state.folder, ignore_errors=True)
     return True
@@ -282,13 +296,18 @@ def _trial(state: TuningState, index: int, config: dict[str, str]) -> int:
     print(f"{tag}: {short(config)}", flush=True)
     plan = plans.plan_for(state.plans, config)
     probe.EXPECTED = plan  # the trial is refused before training if its accounting is not the planned one
+    probe.TUNING = state  # the first trial to train writes the tuning's line in the data ledger
     try:
         run = trials.fit(state.fit_args, config, root / name, [])
         metric, value = trials.score(run, state.metric)
     except trials.TrialFailed as exc:
         return exc.code
+    except KeyboardInterrupt:
+        _ledger_update(state, status="interrupted")
+        raise
     finally:
         probe.EXPECTED = None
+        probe.TUNING = None
     report = json.loads((run / "privacy.json").read_text())
     _check_accounting(state, report, plan)
     state.metric = metric
@@ -300,6 +319,7 @@ def _trial(state: TuningState, index: int, config: dict[str, str]) -> int:
     if better:
         state.best = index
     state.running = None
+    _ledger_update(state)
     state.save()
     if loser is not None:
         shutil.rmtree(root / loser, ignore_errors=True)
@@ -359,8 +379,19 @@ def _release(state: TuningState) -> None:
     report = release.tuned_report(best["report"], tuning, privacy)
     release.write_release(_kept(state), report)
     state.released = True
+    _ledger_update(state, status="finished")
     state.save()
     _say_released(state)
+
+
+def _ledger_update(state: TuningState, **changes: Any) -> None:
+    """Write the tuning's line again (trials finished, status), if a trial has started training."""
+    if state.ledger_line is None or state.ledger_root is None:
+        return
+    steps = sum(int(t["report"].get("steps_taken") or 0) for t in state.finished)
+    state.ledger_line = ledger_line.write(state.ledger_root, state.ledger_line, trials_finished=len(state.finished),
+                                          steps=steps, **changes)
+    state.save()
 
 
 def _kept(state: TuningState) -> Path:

@@ -30,7 +30,8 @@ class TuningState:
     finished trial (``report``: its privacy.json); ``running``: ``{"index", "folder"}`` of the trial under way;
     ``best``: the index of the best finished trial; ``released``: whether the tuned model's report is written;
     ``plans``: the plan of every accounting-distinct configuration (:mod:`dpl.tune.plans`), made before any trial;
-    ``total_epsilon``: ``--total-epsilon``, and ``target_epsilon`` the per-trial target solved for it."""
+    ``total_epsilon``: ``--total-epsilon``, and ``target_epsilon`` the per-trial target solved for it; ``ledger_root``
+    and ``ledger_line``: the tuning's line in the data ledger (:mod:`dpl.tune.ledger_line`)."""
 
     folder: str
     fit_args: list[str]
@@ -48,6 +49,8 @@ class TuningState:
     plans: list[dict[str, Any]] = field(default_factory=list)
     total_epsilon: float | None = None
     target_epsilon: float | None = None
+    ledger_root: str | None = None  # where the tuning's line goes (the dpl tune call's trainer.default_root_dir)
+    ledger_line: dict[str, Any] | None = None  # the last line written (None: no trial has started training)
     version: int = VERSION
 
     @property
@@ -57,6 +60,20 @@ class TuningState:
     def save(self) -> None:
         """Write the sidecar atomically, owner-only from creation."""
         _write_atomic((json.dumps(asdict(self), indent=1) + "\n").encode(), self.path, stat.S_IRUSR | stat.S_IWUSR)
+
+    def event(self) -> Any:
+        """The event of the whole search (:func:`dpl.tune.ledger_line.tuning_event`)."""
+        from dpl.core.accounting.tuning import TrialDistribution
+        from dpl.tune.ledger_line import tuning_event
+
+        return tuning_event(self.plans, TrialDistribution(**self.distribution))
+
+    def epsilon(self, delta: float) -> float:
+        """The tuned release's epsilon at ``delta`` (as its report states it)."""
+        from dpl.core.accounting.tuning import TrialDistribution
+        from dpl.tune.plans import tuned_epsilon
+
+        return tuned_epsilon(self.plans, TrialDistribution(**self.distribution), delta)
 
     def result(self, index: int) -> dict[str, Any] | None:
         return next((t for t in self.finished if t["index"] == index), None)

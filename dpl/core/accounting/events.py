@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from dpl.core.accounting.common import _check_delta, _check_method
@@ -86,14 +86,25 @@ class RepeatAndSelect:
 
 
 @dataclass(frozen=True)
+class AnyOf:
+    """One of ``events``, chosen without looking at the data (a tuning trial's configuration drawn from a fixed search
+    space): bounded by the largest of their RDP curves (Rényi divergence is quasi-convex in the mechanism's output
+    distribution), and by the largest of their epsilons."""
+
+    events: tuple[Event, ...]
+
+
+@dataclass(frozen=True)
 class NonPrivate:
     """A release with no privacy guarantee (sigma = 0): epsilon is inf."""
 
 
-Event = Union[Gaussian, PoissonGaussian, MixtureOfGaussians, SelfComposed, Composed, RepeatAndSelect, NonPrivate]
+Event = Union[Gaussian, PoissonGaussian, MixtureOfGaussians, SelfComposed, Composed, RepeatAndSelect, AnyOf,
+              NonPrivate]
 _KINDS: dict[str, type] = {"gaussian": Gaussian, "poisson_gaussian": PoissonGaussian,
                            "mixture_of_gaussians": MixtureOfGaussians, "self_composed": SelfComposed,
-                           "composed": Composed, "repeat_and_select": RepeatAndSelect, "non_private": NonPrivate}
+                           "composed": Composed, "repeat_and_select": RepeatAndSelect, "any_of": AnyOf,
+                           "non_private": NonPrivate}
 _NAMES = {cls: name for name, cls in _KINDS.items()}
 
 #: how composed epsilons are combined (:func:`composition_method`)
@@ -110,7 +121,7 @@ def to_dict(event: Event) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": kind(event)}
     if isinstance(event, SelfComposed):
         return {**out, "event": to_dict(event.event), "count": event.count}
-    if isinstance(event, Composed):
+    if isinstance(event, (Composed, AnyOf)):
         return {**out, "events": [to_dict(e) for e in event.events]}
     if isinstance(event, RepeatAndSelect):
         return {**out, "event": to_dict(event.event), "mean": event.mean,
@@ -124,8 +135,8 @@ def from_dict(data: dict[str, Any]) -> Event:
         cls = _KINDS[data["kind"]]
         if cls is SelfComposed:
             return SelfComposed(from_dict(data["event"]), int(data["count"]))
-        if cls is Composed:
-            return Composed(tuple(from_dict(e) for e in data["events"]))
+        if cls in (Composed, AnyOf):
+            return cls(tuple(from_dict(e) for e in data["events"]))
         if cls is RepeatAndSelect:
             return RepeatAndSelect(from_dict(data["event"]), float(data["mean"]), float(data["shape"]))
         if cls is MixtureOfGaussians:
@@ -164,6 +175,7 @@ class _Atoms:
     steps: Counter
     selects: list[RepeatAndSelect]
     non_private: bool = False
+    choices: Counter = field(default_factory=Counter)  # AnyOf -> times
 
 
 def _flatten(event: Event, times: int = 1, into: _Atoms | None = None) -> _Atoms:
@@ -185,6 +197,8 @@ def _flatten(event: Event, times: int = 1, into: _Atoms | None = None) -> _Atoms
             _flatten(inner, times, atoms)
     elif isinstance(event, RepeatAndSelect):
         atoms.selects += [event] * times
+    elif isinstance(event, AnyOf):
+        atoms.choices[event] += times
     else:
         raise TypeError(f"not an accounting event: {event!r}")
     return atoms
@@ -201,8 +215,11 @@ def composition_method(event: Event) -> str:
     """``tight`` where one accountant composes every part of ``event`` (PRV, or the exact Gaussian), ``sequential``
     where a tuned release is added to other parts (or to another tuned release) by sequential composition."""
     atoms = _flatten(event)
-    parts = len(atoms.selects) + (1 if atoms.steps else 0)
-    return SEQUENTIAL if parts > 1 else TIGHT
+    return SEQUENTIAL if _parts(atoms) > 1 else TIGHT
+
+
+def _parts(atoms: _Atoms) -> int:
+    return len(atoms.selects) + len(atoms.choices) + (1 if atoms.steps else 0)
 
 
 # ------------------------------------------------------------------------------------------------ epsilon
@@ -216,13 +233,15 @@ def epsilon(event: Event, delta: float, method: str = "prv", on_fallback: Callab
     atoms = _flatten(event)
     if atoms.non_private:
         return math.inf
-    parts = len(atoms.selects) + (1 if atoms.steps else 0)
+    parts = _parts(atoms)
     if parts == 0:
         return 0.0
     share = delta / parts
     total = _steps_epsilon(atoms.steps, share, method, on_fallback) if atoms.steps else 0.0
     for select in atoms.selects:
         total += _select_epsilon(select, share)
+    for choice, times in atoms.choices.items():
+        total += _choice_epsilon(choice, times, share)
     return total
 
 
@@ -245,13 +264,27 @@ def trial_rdp(event: Event) -> Any:
     """The RDP curve (at :data:`~dpl.core.accounting.tuning.ORDERS`) of one trial's ``event``: its Gaussian and
     Poisson-subsampled Gaussian steps composed. ValueError for user-level ELS steps (their Rényi divergences grow
     like alpha k^2: no useful curve) and non-private ones."""
+    import numpy as np
+
     from dpl.core.accounting.tuning import subsampled_gaussian_rdp
 
+    if isinstance(event, AnyOf):
+        return np.max(np.stack([trial_rdp(e) for e in event.events]), axis=0)
     atoms = _flatten(event)
-    if atoms.non_private or atoms.selects or any(k > 1 for (_, _, k) in atoms.steps):
+    if len(atoms.choices) == 1 and not atoms.steps and not atoms.selects and not atoms.non_private:
+        ((choice, times),) = atoms.choices.items()
+        return times * trial_rdp(choice)
+    if atoms.non_private or atoms.selects or atoms.choices or any(k > 1 for (_, _, k) in atoms.steps):
         raise ValueError("a tuned trial must consist of Gaussian or Poisson-subsampled Gaussian steps (no ELS, "
                          "no nested tuning, sigma > 0)")
     return subsampled_gaussian_rdp([(s, q, n) for (s, q, _), n in atoms.steps.items()])
+
+
+def _choice_epsilon(choice: AnyOf, times: int, delta: float) -> float:
+    """``times`` compositions of one of ``choice``'s events: by RDP (``times`` x the largest curve)."""
+    from dpl.core.accounting import tuning
+
+    return tuning.fixed_trials_epsilon(tuning.ORDERS, trial_rdp(choice), times, delta)
 
 
 def _select_epsilon(select: RepeatAndSelect, delta: float) -> float:
@@ -276,7 +309,7 @@ def bound(event: Event, delta: float) -> float | None:
     from dpl.core.accounting.users import _els_rdp_epsilon
 
     atoms = _flatten(event)
-    if atoms.non_private or atoms.selects or not atoms.steps:
+    if atoms.non_private or atoms.selects or atoms.choices or not atoms.steps:
         return None
     if all(q == 1.0 and k == 1 for (_, q, k) in atoms.steps):
         return _steps_epsilon(atoms.steps, delta, "prv")
@@ -305,9 +338,9 @@ def calibrate(build: Callable[[float], Event], target_epsilon: float, delta: flo
 
     delta = _check_delta(delta)
     probe = _flatten(build(guess))
-    if not probe.steps and not probe.selects:
+    if not probe.steps and not probe.selects and not probe.choices:
         return 0.0
-    gaussians_only = not probe.selects and all(q == 1.0 and k == 1 for (_, q, k) in probe.steps)
+    gaussians_only = not probe.selects and not probe.choices and all(q == 1.0 and k == 1 for (_, q, k) in probe.steps)
     if tol is None:
         tol = 1e-9 if gaussians_only else 0.01
 
