@@ -27,7 +27,7 @@ from dpl_plugins.ftrl import FTRLPlugin
 def scores(n: int, batch: int, epochs: int, epsilon: float, max_bands: int) -> dict:
     steps = epochs * (n // batch)
     setup = RunSetup(model=nn.Linear(1, 1), trainable={"w": nn.Parameter(torch.zeros(1))}, plugin_names=["ftrl"],
-                     num_examples=n, expected_batch_size=batch, steps=steps, sampling_rate=batch / n,
+                     population=n, expected_batch_size=batch, steps=steps, sampling_rate=batch / n,
                      accountant="prv", optimizer_name="SGD")
     start = time.perf_counter()
     mech = FTRLPlugin(max_bands=max_bands).configure_mechanism(setup=setup)

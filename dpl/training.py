@@ -23,8 +23,7 @@ from torch.utils.data import Dataset, default_collate
 
 from dpl.core.engine import PrivateEngine
 from dpl.core.privacy import PrivacyConfig
-from dpl.core.step import UNITS_KEY
-from dpl.core.units import Users
+from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.update import apply_direction
 from dpl.errors import BudgetExceeded, ConfigError
 
@@ -79,18 +78,14 @@ class PrivateTraining:
         self.log_metric = log_metric
         self.engine = PrivateEngine(privacy, plugins, seed_namespace=seed_namespace)
         factory = optimizer if not isinstance(optimizer, torch.optim.Optimizer) else _answering(optimizer)
-        users_of = None
-        if users is not None:
-            users_of = Users.from_keys(users, privacy.max_rows_per_user or 1)
+        unit = PrivacyUnit.from_keys(self.engine.privacy, self.num_examples, users)
         self.engine.setup(model, num_examples=self.num_examples, steps=steps, trainable=self.trainable,
-                          sampling_rate=sampling_rate, optimizer_factory=factory, users=users_of)
+                          sampling_rate=sampling_rate, optimizer_factory=factory, users=unit.users)
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(
             list(self.trainable.values()))
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.device = next(iter(self.trainable.values())).device
         self.engine.start(self.device)
-        unit_of = self.engine.unit_of_row()
-        self._unit_of = None if unit_of is None else torch.as_tensor(unit_of, dtype=torch.long)
         self._sampler = self.engine.batch_sampler()
         self._batches: Iterator[list[int]] | None = None
 
@@ -131,9 +126,7 @@ class PrivateTraining:
         batch = self.collate(rows if self.data is None else [self.data[i] for i in rows])
         if not isinstance(batch, dict):
             raise ConfigError(f"collate must return a dict of per-example tensors, got {type(batch).__name__}")
-        if self._unit_of is not None:
-            batch[UNITS_KEY] = self._unit_of[torch.as_tensor(rows, dtype=torch.long)]
-        return _to_device(batch, self.device)
+        return _to_device(self.engine.tag(batch, rows), self.device)
 
     # --- training ---------------------------------------------------------------------------------------------
     def step(self, batch: dict[str, Any] | None = None) -> None:

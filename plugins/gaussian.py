@@ -14,9 +14,9 @@ class GaussianPlugin:
 
     @hookimpl(trylast=True)
     def configure_mechanism(self, setup: RunSetup) -> Mechanism:
-        if setup.unit == "user" and setup.user_sampling == "rows":
-            return UserLevelExampleSampling(setup.sampling_rate, setup.max_rows_per_user, accountant=setup.accountant)
-        return PoissonGaussian(setup.sampling_rate, accountant=setup.accountant, unit=setup.unit)
+        if setup.unit.bounds_rows:
+            return UserLevelExampleSampling(setup.sampling_rate, setup.unit.max_rows, accountant=setup.accountant)
+        return PoissonGaussian(setup.sampling_rate, accountant=setup.accountant, unit=setup.unit.kind)
 
     @hookimpl(trylast=True)
     def privatize(self, ctx: StepContext, gradient_sum: GradientSum) -> PrivateGradient:

@@ -31,7 +31,7 @@ def _release_ctx(params, optimizer=None, logs=None, noise_multiplier=1.0, batch=
 
 def _setup(model, names=("adambc",), optimizer=torch.optim.SGD):
     return RunSetup(model=model, trainable=dict(model.named_parameters()), plugin_names=list(names),
-                    num_examples=100, expected_batch_size=4, steps=10, sampling_rate=0.04, accountant="prv",
+                    population=100, expected_batch_size=4, steps=10, sampling_rate=0.04, accountant="prv",
                     optimizer_name=getattr(optimizer, "__name__", type(optimizer).__name__),
                     optimizer_factory=optimizer)
 

@@ -26,7 +26,7 @@ def _ctx(model, logs):
 
 
 def _setup(model, names):
-    return RunSetup(model=model, trainable=dict(model.named_parameters()), plugin_names=names, num_examples=100,
+    return RunSetup(model=model, trainable=dict(model.named_parameters()), plugin_names=names, population=100,
                     expected_batch_size=4, steps=10, sampling_rate=0.04, accountant="prv", optimizer_name="SGD")
 
 

@@ -74,7 +74,7 @@ def _bert_loss(model):
 
 def _setup(model, names, optimizer_factory=None, replaced=frozenset({"estimate_gradient", "precondition"})):
     return RunSetup(model=model, trainable={n: p for n, p in model.named_parameters() if p.requires_grad},
-                    plugin_names=names, num_examples=100, expected_batch_size=4, steps=10, sampling_rate=0.04,
+                    plugin_names=names, population=100, expected_batch_size=4, steps=10, sampling_rate=0.04,
                     accountant="prv", optimizer_name="SGD", replaced_hooks=replaced,
                     optimizer_factory=optimizer_factory)
 

@@ -327,7 +327,7 @@ def test_cli_with_the_fsdp_fragment(tmp_path):
 
 def _sharded_setup(model: nn.Module, **kwargs) -> RunSetup:
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    base = dict(model=model, trainable=trainable, plugin_names=[], num_examples=100, expected_batch_size=10,
+    base = dict(model=model, trainable=trainable, plugin_names=[], population=100, expected_batch_size=10,
                 steps=5, sampling_rate=0.1, accountant="prv", optimizer_name="SGD",
                 world_size=2, sharded=True)
     base.update(kwargs)

@@ -175,7 +175,7 @@ def test_streaming_equals_the_dense_matrix_product(family, memory, chunk, monkey
 
 def _setup(n=64, batch=8, steps=12, trainable=None, secure_noise=False, model=None, seed=None):
     trainable = trainable if trainable is not None else {"w": nn.Parameter(torch.zeros(3))}
-    return RunSetup(model=model if model is not None else nn.Linear(1, 1), trainable=trainable, plugin_names=["ftrl"], num_examples=n,
+    return RunSetup(model=model if model is not None else nn.Linear(1, 1), trainable=trainable, plugin_names=["ftrl"], population=n,
                     expected_batch_size=batch, steps=steps, sampling_rate=batch / n, accountant="prv",
                     optimizer_name="SGD", secure_noise=secure_noise, seed=seed)
 

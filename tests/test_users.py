@@ -161,7 +161,7 @@ def test_user_level_sampling_accounts_as_dp_sgd_over_users():
     privacy = PrivacyConfig(target_epsilon=2.0, batch_size=5, unit="user", max_rows_per_user=2, seed=0)
     engine, model = _engine(privacy)
     plan = engine.plan
-    assert (plan.num_examples, plan.num_units, plan.num_rows) == (20, 20, 60)
+    assert (plan.population, plan.num_units, plan.num_rows) == (20, 20, 60)
     assert plan.delta == pytest.approx(0.1 / 20) and engine.sampling_rate == pytest.approx(5 / 20)
     assert engine.mechanism.unit == "user"
     from dpl.core.accounting import epsilon_for
@@ -235,7 +235,7 @@ def test_every_plugin_trains_with_user_level_sampling(plugins):
     engine.setup(model, num_examples=48, steps=4, users=Users.from_keys(keys, 2),
                  optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
     engine.start()
-    assert engine.mechanism.unit == "user" and engine.plan.num_examples == 16
+    assert engine.mechanism.unit == "user" and engine.plan.population == 16
     x, y = torch.randn(48, 4), torch.randint(0, 2, (48,))
     unit_of = torch.tensor(engine.unit_of_row())
     trainable = dict(model.named_parameters())
@@ -280,7 +280,7 @@ def test_example_level_sampling_bounds_users_once_and_accounts_per_user():
                             seed=0)
     engine, model = _engine(privacy)  # 20 users of 3 rows: 40 bounded rows
     plan = engine.plan
-    assert (plan.num_examples, plan.num_units, plan.num_rows) == (40, 20, 60)
+    assert (plan.population, plan.num_units, plan.num_rows) == (40, 20, 60)
     assert engine.mechanism.unit == "user" and engine.unit_of_row() is None  # rows are clipped one by one
     sigma, q = engine.noise_multiplier, 6 / 40
     assert engine.final_epsilon() == pytest.approx(els_epsilon(sigma, q, 2, 6, 0.1 / 20), rel=1e-6)

@@ -50,8 +50,8 @@ from dpl.core.noise import replay_source
 from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_seed, secure_generator
-from dpl.core.step import UNITS_KEY, StepContext
-from dpl.core.units import Users
+from dpl.core.step import StepContext
+from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.update import apply_direction
 from dpl.errors import ConfigError
 
@@ -92,14 +92,12 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     privacy = PrivacyConfig(target_epsilon=cfg.target_epsilon, target_delta=cfg.target_delta,
                             noise_multiplier=cfg.noise_multiplier, max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
                             accountant=cfg.accountant, seed=cfg.seed, unit=cfg.unit,
-                            max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None)
-    users = Users.from_keys(data.user_keys, cfg.max_rows_per_user) if cfg.unit == "user" else None
+                            max_rows_per_user=cfg.max_rows_per_user)
+    unit = PrivacyUnit.from_keys(privacy, len(data), data.user_keys)
     engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm, seed_namespace="audit/")
     engine.setup(model, trainable=trainable, num_examples=len(data), steps=T, sampling_rate=q,
-                 optimizer_factory=optimizer_factory, users=users)
+                 optimizer_factory=optimizer_factory, users=unit.users)
     engine.start("cpu")
-    unit_of = engine.unit_of_row()
-    unit_of = None if unit_of is None else torch.as_tensor(unit_of, dtype=torch.long)
     sigma = float(engine.noise_multiplier)
     claimed = engine.final_epsilon()
 
@@ -112,9 +110,7 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     batches = engine.batches()
     for t in range(T):
         rows = next(batches)
-        batch = data.batch(rows)
-        if unit_of is not None:  # user-level sampling: the user of every row
-            batch[UNITS_KEY] = unit_of[torch.as_tensor(rows, dtype=torch.long)]
+        batch = engine.tag(data.batch(rows), rows)
         leaked_state = engine.secret_state_dict()["noise_rng"] if cfg.inject == "noise_leak" else None
         before = weight.detach().clone()
         direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=model.per_example_loss,

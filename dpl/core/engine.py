@@ -42,7 +42,8 @@ from dpl.core.privacy import PrivacyConfig, warn_if_seeded
 from dpl.core.regime import NoiseRegime
 from dpl.core.sampling import derive_key, derive_seed, secure_generator
 from dpl.core.step import RunSetup, StepContext, private_step
-from dpl.core.units import RowsSampler, Users, UserRowsSampler
+from dpl.core.privacy_unit import PrivacyUnit
+from dpl.core.units import Users
 from dpl.errors import ConfigError, PrivacyWarning
 
 log = logging.getLogger("dpl")
@@ -69,8 +70,8 @@ class PrivateEngine:
         self.plugin_manager = plugin_manager if plugin_manager is not None else create_plugin_manager(plugins)
         self.mechanism: Mechanism | None = None
         self.ledger: PrivacyLedger | None = None
-        self.users: Users | None = None  # privacy.unit: user
-        self._bounded_rows: list[int] | None = None  # user_sampling: rows (each user bounded to k rows)
+        self.unit = PrivacyUnit()  # the privacy unit (built at setup)
+        self._bounded_rows: list[int] | None = None  # ELS: each user bounded to k rows (secret choice)
         self.noise_source: NoiseSource | None = None
         self._sampler_generator: torch.Generator | None = None
         self._public_generator: torch.Generator | None = None
@@ -104,34 +105,26 @@ class PrivateEngine:
         model_is_per_example(model)
         self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
         self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
-        population, units = num_examples, num_examples
-        if cfg.unit == "user":
-            if users is None:
-                raise ConfigError("privacy.unit: user needs the user of every training row: set data.user_column")
-            if users.num_rows != num_examples:
-                raise ConfigError(f"the user column names {users.num_rows} rows, the training set has {num_examples}")
-            self.users, units = users, users.num_users
-            population = users.sampled(cfg.user_sampling)
-            if cfg.user_sampling == "rows":
-                self._bounded_rows = users.bounded_rows(self._sampler_generator)
-            log.info("dpl: privacy unit: user (%s sampling): %s", cfg.user_sampling, users.describe())
-        plan = make_plan(cfg, population=population, steps=steps, num_rows=num_examples, num_units=units,
-                         sampling_rate=sampling_rate)
+        unit = PrivacyUnit.of(cfg, num_examples, users)
+        self.unit, self._bounded_rows = unit, unit.bound(self._sampler_generator)
+        if unit.users is not None:
+            log.info("dpl: privacy unit: user (%s sampling): %s", unit.setup_fields()["user_sampling"],
+                     unit.users.describe())
+        plan = make_plan(cfg, population=unit.population, steps=steps, num_rows=num_examples, num_units=unit.num_units,
+                         sampling_rate=sampling_rate, population_name=unit.population_name)
         replaced = replaced_hooks(self.plugin_manager)
         if "privatize" in replaced and "configure_mechanism" not in replaced:
             raise ConfigError("a plugin replaces privatize without configure_mechanism: the default accounting "
                               "would not match its noise")
-        uls = cfg.unit == "user" and cfg.user_sampling == "users"
-        check_contracts(self.plugin_manager, sharded=sharded, user_units=uls)
+        check_contracts(self.plugin_manager, sharded=sharded, user_units=unit.samples_users)
         hook = self.plugin_manager.hook
         setup = RunSetup(model=model, trainable=trainable, plugin_names=active_plugin_names(self.plugin_manager),
-                         num_examples=population, expected_batch_size=cfg.batch_size, steps=steps,
+                         population=unit.population, expected_batch_size=cfg.batch_size, steps=steps,
                          sampling_rate=plan.sampling_rate, accountant=cfg.accountant,
                          optimizer_name=getattr(optimizer_factory, "__name__", type(optimizer_factory).__name__),
                          replaced_hooks=replaced, seed=cfg.seed, world_size=world_size,
                          optimizer_factory=optimizer_factory, secure_noise=cfg.secure_noise, sharded=sharded,
-                         unit=cfg.unit, user_sampling=cfg.user_sampling if cfg.unit == "user" else None,
-                         max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None)
+                         unit=unit)
         hook.validate_setup(setup=setup)
         mechanism = hook.configure_mechanism(setup=setup)
         if mechanism is None:
@@ -185,19 +178,18 @@ class PrivateEngine:
     def batch_sampler(self) -> Sampler:
         """The training batch sampler the mechanism's privacy analysis assumes, continuing at the current step."""
         plan = self._configured_plan()
-        sampler = self.mechanism.batch_sampler(plan.num_examples, plan.steps_per_epoch, self._sampler_generator,
+        sampler = self.mechanism.batch_sampler(plan.population, plan.steps_per_epoch, self._sampler_generator,
                                                start_step=self.steps_done)
-        if self._bounded_rows is not None:  # example-level sampling: positions in the bounded rows
-            return RowsSampler(sampler, self._bounded_rows)
-        if self.users is not None:  # user-level sampling: each sampled user's rows (at most k, secretly chosen)
-            return UserRowsSampler(sampler, self.users, self._sampler_generator)
-        return sampler
+        return self.unit.sampler(sampler, self._sampler_generator, self._bounded_rows)
 
     def unit_of_row(self) -> list[int] | None:
         """Under user-level sampling, the user of every training row (the batches' ``dpl_units``); else None."""
-        if self.users is None or self._bounded_rows is not None:
-            return None
-        return self.users.unit_of_row()
+        return self.unit.unit_of_row()
+
+    def tag(self, batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+        """``batch``, collated from the training ``rows``, tagged with each row's privacy unit where the step needs it
+        (:meth:`~dpl.core.privacy_unit.PrivacyUnit.tag`)."""
+        return self.unit.tag(batch, rows)
 
     def batches(self) -> Iterator[list[int]]:
         """The index lists of the remaining planned steps, epoch after epoch of :meth:`batch_sampler` (for drivers
@@ -238,7 +230,7 @@ class PrivateEngine:
                    f"{'the same noise stream (privacy.seed)' if self._replayed else 'fresh noise'}"
                    if self.steps_done else "")
         log.info("dpl: N=%d, B=%d (q=%.4g), %d steps, sigma=%.4f, C=%g -> (epsilon=%.3f, delta=%.3g) [%s, %s "
-                 "adjacency]%s", plan.num_examples, cfg.batch_size, self.sampling_rate, plan.steps,
+                 "adjacency]%s", plan.population, cfg.batch_size, self.sampling_rate, plan.steps,
                  self.noise_multiplier, cfg.max_grad_norm, self.final_epsilon(), plan.delta, mechanism.name,
                  mechanism.adjacency, resumed)
         regime = self.noise_regime()
@@ -308,10 +300,10 @@ class PrivateEngine:
             "unit": cfg.unit, "num_examples": 0, "num_units": 0, "target_epsilon": cfg.target_epsilon,
             "max_epsilon": cfg.effective_max_epsilon}
         users, per_row = None, {}
-        if self.users is not None:
+        if self.unit.users is not None:
             # the count and k only: rows per user describe single users (the largest), so they stay in the log
-            users = {"users": self.users.num_users, "max_rows_per_user": self.users.max_rows,
-                     "sampling": cfg.user_sampling}
+            users = {"users": self.unit.num_units, "max_rows_per_user": self.unit.max_rows,
+                     "sampling": self.unit.setup_fields()["user_sampling"]}
             if self.ledger is not None:
                 per_row = self._per_row_epsilon()
         return {
@@ -326,13 +318,13 @@ class PrivateEngine:
         """For a user-level run, the per-row epsilon for reference and (example-level sampling) the loose group-privacy
         conversion of that per-row guarantee to k rows, which the tight user-level accountant improves on."""
         ledger = self.ledger
-        if self._bounded_rows is None:  # user-level sampling: a row is in a step only if its user is: no more
+        if not self.unit.bounds_rows:  # user-level sampling: a row is in a step only if its user is: no more
             return {"epsilon_per_row": ledger.epsilon()}
         from dpl.core.accounting import epsilon_for, group_privacy
 
         done, delta = ledger.steps_done, ledger.plan.delta
         row = epsilon_for(ledger.noise_multiplier, self.mechanism.sample_rate, done, delta) if done else 0.0
-        group_eps, group_delta = group_privacy(row, delta, self.users.max_rows)
+        group_eps, group_delta = group_privacy(row, delta, self.unit.max_rows)
         return {"epsilon_per_row": row, "epsilon_group_privacy": group_eps, "delta_group_privacy": group_delta}
 
     # --- state --------------------------------------------------------------------------------------------

@@ -28,11 +28,11 @@ STATE_VERSION = 5
 
 @dataclass(frozen=True)
 class Plan:
-    """What a run is set up for. ``num_examples`` counts what the mechanism samples (rows; users under user-level
+    """What a run is set up for. ``population`` counts what the mechanism samples (rows; users under user-level
     sampling; the bounded rows under example-level sampling), ``num_rows`` the training rows, ``num_units`` the
     privacy units (rows or users: delta's N)."""
 
-    num_examples: int
+    population: int
     expected_batch_size: int
     sampling_rate: float
     steps: int
@@ -77,16 +77,17 @@ def planned_steps(steps_per_epoch: int, *, max_steps: int | None, max_epochs: in
 
 
 def make_plan(privacy: PrivacyConfig, *, population: int, steps: int, num_rows: int | None = None,
-              num_units: int | None = None, sampling_rate: float | None = None) -> Plan:
+              num_units: int | None = None, sampling_rate: float | None = None,
+              population_name: str = "examples") -> Plan:
     """The plan of ``steps`` steps drawing expected batches of ``privacy.batch_size`` out of ``population``; delta
     defaults to 0.1 / (number of privacy units), with a warning if N delta > 0.1."""
     if privacy.batch_size > population:
         raise ConfigError(f"privacy.batch_size ({privacy.batch_size}) is larger than the training set "
-                          f"({population} {'users' if privacy.unit == 'user' and privacy.user_sampling == 'users' else 'examples'})")
+                          f"({population} {population_name})")
     if steps < 1:
         raise ConfigError("the plan has no training step")
     units = population if num_units is None else num_units
-    plan = Plan(num_examples=population, expected_batch_size=privacy.batch_size,
+    plan = Plan(population=population, expected_batch_size=privacy.batch_size,
                 sampling_rate=sampling_rate if sampling_rate is not None else privacy.batch_size / population,
                 steps=steps, steps_per_epoch=steps_per_epoch(population, privacy.batch_size),
                 delta=privacy.delta_for(units), num_rows=population if num_rows is None else num_rows,
@@ -205,7 +206,7 @@ class PrivacyLedger:
         return {
             "version": STATE_VERSION, "noise_multiplier": self.noise_multiplier, "delta": plan.delta,
             "max_grad_norm": cfg.max_grad_norm, "expected_batch_size": plan.expected_batch_size,
-            "num_examples": plan.num_examples, "steps_done": self.steps_done, "planned_steps": plan.steps,
+            "population": plan.population, "steps_done": self.steps_done, "planned_steps": plan.steps,
             "history": events.history_to_json(self.history_of_steps()), "scope": self.mechanism.scope,
             "mechanism_name": self.mechanism.name,
             "target_epsilon": cfg.target_epsilon if cfg.noise_multiplier is None else None,
@@ -248,9 +249,9 @@ class PrivacyLedger:
         changes = []
         if state["max_grad_norm"] != cfg.max_grad_norm:
             changes.append(f"C {state['max_grad_norm']:g} -> {cfg.max_grad_norm:g}")
-        if state["expected_batch_size"] != cfg.batch_size or state["num_examples"] != plan.num_examples:
-            changes.append(f"q = {state['expected_batch_size']}/{state['num_examples']} -> "
-                           f"{cfg.batch_size}/{plan.num_examples}")
+        if state["expected_batch_size"] != cfg.batch_size or state["population"] != plan.population:
+            changes.append(f"q = {state['expected_batch_size']}/{state['population']} -> "
+                           f"{cfg.batch_size}/{plan.population}")
         if not math.isclose(state["delta"], plan.delta, rel_tol=1e-12):
             changes.append(f"delta {state['delta']:.3g} -> {plan.delta:.3g}")
         same_plan = int(state["planned_steps"]) == plan.steps

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from dpl.errors import PluginError
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.noise import NoiseSource
+from dpl.core.privacy_unit import PrivacyUnit
 
 #: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
 PADDING_KEY = "dpl_padding"
@@ -29,7 +30,7 @@ class RunSetup:
     model: nn.Module
     trainable: dict[str, nn.Parameter]
     plugin_names: list[str]
-    num_examples: int
+    population: int  # what the mechanism samples: rows, or users (user-level sampling), or ELS's bounded rows
     expected_batch_size: int
     steps: int
     sampling_rate: float
@@ -41,9 +42,8 @@ class RunSetup:
     optimizer_factory: Any = None  # the configured optimizer callable (plugins may refuse some optimizers)
     secure_noise: bool = False  # noise from the OS CSPRNG (dpl.core.noise.SecureNormal): it cannot be replayed
     sharded: bool = False  # parameters sharded over the ranks (FSDP, dpl.lightning.fsdp): hooks see full-size tensors
-    unit: str = "example"  # the privacy unit: "example" or "user" (num_examples then counts what is sampled)
-    user_sampling: str | None = None  # unit "user": "users" (ULS: batches carry UNITS_KEY) or "rows" (ELS)
-    max_rows_per_user: int | None = None  # unit "user": k
+    unit: PrivacyUnit = field(default_factory=PrivacyUnit)  # the privacy unit: its flags (samples_users: batches
+    # carry UNITS_KEY; bounds_rows: ELS), k (max_rows) and the users
 
 
 @dataclass

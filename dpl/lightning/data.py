@@ -26,9 +26,9 @@ class DPDataModule(L.LightningDataModule):
     test_set: Dataset | None = None
     #: ``num_examples -> batch sampler`` of the training set, set by the DP module at setup
     train_batch_sampler: Callable[[int], Sampler] | None = None
-    #: under user-level sampling the user of every training row (set by the DP module at setup): training batches
-    #: then carry it under ``dpl.core.step.UNITS_KEY``
-    train_units: list[int] | None = None
+    #: the run's privacy unit (set by the DP module at setup): training batches are tagged by it
+    #: (:meth:`dpl.core.privacy_unit.PrivacyUnit.tag`: under user-level sampling, each row's user)
+    train_unit: Any = None
 
     def __init__(self, eval_batch_size: int = 64, num_workers: int = 0) -> None:
         super().__init__()
@@ -94,9 +94,9 @@ class DPDataModule(L.LightningDataModule):
 
             return DataLoader(PaddedDataset(self.train_set), batch_sampler=batch_sampler,
                               collate_fn=PaddedCollate(self.collate), num_workers=self.num_workers)
-        if self.train_units is not None:  # user-level sampling: every row tagged with its user
-            return DataLoader(UnitTagged(self.train_set, self.train_units), batch_sampler=batch_sampler,
-                              collate_fn=UnitCollate(self.collate), num_workers=self.num_workers)
+        if self.train_unit is not None and self.train_unit.samples_users:  # every batch tagged with its units
+            return DataLoader(RowTagged(self.train_set), batch_sampler=batch_sampler,
+                              collate_fn=UnitCollate(self.collate, self.train_unit), num_workers=self.num_workers)
         return DataLoader(self.train_set, batch_sampler=batch_sampler, collate_fn=self.collate,
                           num_workers=self.num_workers)
 
@@ -119,30 +119,24 @@ class DPDataModule(L.LightningDataModule):
         return self._eval_loader(self.test_set if self.test_set is not None else self.val_set)
 
 
-class UnitTagged(Dataset):
-    """``dataset`` with the privacy unit of each example: items are ``(example, unit)``."""
+class RowTagged(Dataset):
+    """``dataset`` with the row index of each example: items are ``(example, row)``."""
 
-    def __init__(self, dataset: Dataset, units: list[int]) -> None:
-        self.dataset, self.units = dataset, units
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
-        return self.dataset[i], self.units[i]
+        return self.dataset[i], int(i)
 
 
 class UnitCollate:
-    """Collates ``(example, unit)`` items with ``collate`` and adds the units under ``UNITS_KEY`` (int64)."""
+    """Collates ``(example, row)`` items with ``collate``; the privacy unit tags the batch with its rows' units."""
 
-    def __init__(self, collate: Callable[[list[Any]], dict[str, Any]]) -> None:
-        self.collate = collate
+    def __init__(self, collate: Callable[[list[Any]], dict[str, Any]], unit: Any) -> None:
+        self.collate, self.unit = collate, unit
 
     def __call__(self, items: list[tuple[Any, int]]) -> dict[str, Any]:
-        import torch
-
-        from dpl.core.step import UNITS_KEY
-
-        batch = self.collate([example for example, _ in items])
-        batch[UNITS_KEY] = torch.tensor([unit for _, unit in items], dtype=torch.int64)
-        return batch
+        return self.unit.tag(self.collate([example for example, _ in items]), [row for _, row in items])

@@ -11,7 +11,6 @@ and FSDP strategies) and its checkpoints.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import lightning as L
@@ -25,9 +24,9 @@ from dpl.core.ledger import planned_steps, steps_per_epoch
 from dpl.core.plugin_manager import plugin_options_type
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sharding import full_parameters
-from dpl.core.units import Users
+from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.update import apply_direction
-from dpl.errors import ConfigError, PrivacyWarning
+from dpl.errors import ConfigError
 from dpl.lightning import checkpoint as ckpt_io
 from dpl.lightning.strategy import DPStrategy, dp_strategy
 
@@ -197,40 +196,21 @@ class DPModule(L.LightningModule):
         dp = dp_strategy(trainer)  # refuses strategies dpl does not run
         self._check_precision(trainer)
         cfg = self.privacy
-        users = self._users(num_examples)
-        population = num_examples if users is None else users.sampled(cfg.user_sampling)
-        if cfg.batch_size > population:
+        datamodule = self.datamodule
+        unit = PrivacyUnit.from_keys(cfg, num_examples, datamodule.train_user_keys() if datamodule is not None else None)
+        if cfg.batch_size > unit.population:
             raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
-                              f"({population} {'users' if users is not None and cfg.user_sampling == 'users' else 'examples'})")
-        steps = self.planned_total_steps(trainer, steps_per_epoch(population, cfg.batch_size))
-        if users is not None and cfg.user_sampling == "users" and dp.shards_parameters:
+                              f"({unit.population} {unit.population_name})")
+        steps = self.planned_total_steps(trainer, steps_per_epoch(unit.population, cfg.batch_size))
+        if unit.samples_users and dp.shards_parameters:
             raise ConfigError("privacy.unit: user with user_sampling: users is not supported under FSDP yet (its "
                               "filler rows would split users); use strategy ddp or one process")
         self.engine.setup(self.ensure_model(), trainable=self.trainable, num_examples=num_examples, steps=steps,
                           optimizer_factory=self.optimizer_factory, world_size=trainer.world_size,
-                          sharded=dp.shards_parameters, users=users)
+                          sharded=dp.shards_parameters, users=unit.users)
         datamodule = self.datamodule
         if datamodule is not None:
-            datamodule.train_units = self.engine.unit_of_row()
-
-    def _users(self, num_examples: int) -> Users | None:
-        """The rows of each user from the data's ``user_column`` (``privacy.unit: user``); with ``unit: example``, a
-        warning when users own several rows (the per-row epsilon then protects a user only by group privacy)."""
-        cfg = self.privacy
-        datamodule = self.datamodule
-        keys = datamodule.train_user_keys() if datamodule is not None else None
-        if cfg.unit == "user":
-            if keys is None:
-                raise ConfigError("privacy.unit: user needs the user of every training row: set data.user_column")
-            return Users.from_keys(keys, cfg.max_rows_per_user)
-        if keys is not None:
-            users = Users.from_keys(keys, 1)
-            most = users.summary()["rows_per_user_max"]
-            if most > 1:
-                warnings.warn(f"data.user_column is set but privacy.unit is example: a user with {most} rows is "
-                              f"protected only by group privacy (about {most} x epsilon, delta x {most} e^(({most} - "
-                              "1) epsilon)); set privacy.unit: user to protect users", PrivacyWarning, stacklevel=2)
-        return None
+            datamodule.train_unit = self.engine.unit
 
     def _train_batch_sampler(self, num_examples: int) -> Sampler:
         """The training batch sampler, handed to the data module at setup: the mechanism's own; under DDP this

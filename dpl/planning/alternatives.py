@@ -65,7 +65,7 @@ def row_of(engine: Any, current: bool = False) -> Row:
     """The :class:`Row` of a set-up engine."""
     plan = engine.plan
     return Row(batch_size=plan.expected_batch_size, steps=plan.steps,
-               epochs=plan.steps * plan.expected_batch_size / plan.num_examples,
+               epochs=plan.steps * plan.expected_batch_size / plan.population,
                noise_multiplier=float(engine.noise_multiplier), epsilon=planned_epsilon(engine),
                regime=engine.noise_regime(), current=current,
                noise_scale=float(getattr(engine.mechanism, "noise_scale", 1.0)))
@@ -88,7 +88,7 @@ def alternatives(replan: Replan, current: Any) -> tuple[list[Row], list[str]]:
     alternative the mechanism refused."""
     plan = current.plan
     rows, refused = [], []
-    for batch, steps in same_compute(plan.expected_batch_size, plan.steps, plan.num_examples):
+    for batch, steps in same_compute(plan.expected_batch_size, plan.steps, plan.population):
         if batch == plan.expected_batch_size:
             rows.append(row_of(current, current=True))
             continue

@@ -159,9 +159,8 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
     target = cfg.target_epsilon if cfg.noise_multiplier is None else current.epsilon
     trainable = module.trainable
     report = PlanReport(
-        configs=[], rows_in_data=num_rows, population=plan.num_examples, num_units=plan.num_units, unit=plan.unit,
-        user_sampling=cfg.user_sampling if cfg.unit == "user" else None,
-        max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None,
+        configs=[], rows_in_data=num_rows, population=plan.population, num_units=plan.num_units, unit=plan.unit,
+        user_sampling=engine.unit.setup_fields()["user_sampling"], max_rows_per_user=engine.unit.max_rows,
         sampling_rate=float(mechanism.sample_rate),
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
@@ -179,7 +178,7 @@ def finish_report(report: PlanReport, engine: Any, replan: Any) -> PlanReport:
         report.why = "no alternatives: the run adds no noise (not private)"
         return report
     report.rows, report.refused = alternatives(replan, engine)
-    report.recommended, report.why = recommend(report.rows, replan, engine.plan.num_examples, report.lora)
+    report.recommended, report.why = recommend(report.rows, replan, engine.plan.population, report.lora)
     return report
 
 
@@ -195,7 +194,7 @@ def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: i
         warnings.simplefilter("ignore")
         engine.setup(module.model, trainable=module.trainable, num_examples=base.plan.num_rows, steps=steps,
                      optimizer_factory=module.optimizer_factory, world_size=trainer.world_size,
-                     sharded=dp_strategy(trainer).shards_parameters, users=base.users)
+                     sharded=dp_strategy(trainer).shards_parameters, users=base.unit.users)
     return engine
 
 

@@ -101,11 +101,11 @@ class FTRLPlugin:
         if self.noise == "nu_ftrl" and self.memory == "regenerate" and setup.secure_noise:
             raise ConfigError("ftrl: memory: regenerate replays past noise from generator states, which "
                               "privacy.secure_noise (OS CSPRNG) cannot do; use memory: keep or another noise family")
-        if setup.unit == "user" and setup.user_sampling == "rows":
+        if setup.unit.bounds_rows:
             raise ConfigError("ftrl: privacy.user_sampling: rows has no correlated-noise accounting (the user-level "
                               "accountant is the independent Gaussian's); use user_sampling: users, where every "
                               "participation is a user's")
-        n, batch = setup.num_examples, setup.expected_batch_size
+        n, batch = setup.population, setup.expected_batch_size
         if self.sampling == "shuffle" and n % batch and not self.drop_remainder:
             raise ConfigError(f"ftrl: batch size {batch} does not divide the {n} training examples into equal "
                               "batches; set drop_remainder: true or a batch size that divides N")
@@ -120,7 +120,7 @@ class FTRLPlugin:
 
     @hookimpl
     def configure_mechanism(self, setup: RunSetup) -> FTRLMechanism:
-        n, batch, steps = setup.num_examples, setup.expected_batch_size, setup.steps
+        n, batch, steps = setup.population, setup.expected_batch_size, setup.steps
         every = max(1, n // batch)
         bands = [self.bands] if self.bands is not None else band_range(every, steps, self.max_bands)
         if self.sampling == "cyclic_poisson":
@@ -144,7 +144,7 @@ class FTRLPlugin:
             log.info("dpl: ftrl nu_ftrl memory: keep stores every step's noise: %d x d floats", steps)
         self.mechanism = FTRLMechanism(candidates[0], n, batch, accountant=setup.accountant,
                                        candidates=candidates[1:], chooser=choose, replay_batches=setup.seed is not None)
-        self.mechanism.unit = setup.unit  # user-level sampling: the examples it orders and samples are users
+        self.mechanism.unit = setup.unit.kind  # user-level sampling: the examples it orders and samples are users
         self.stream = None
         return self.mechanism
 

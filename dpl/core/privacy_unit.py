@@ -1,0 +1,156 @@
+"""The privacy unit of a run as one object: what one unit is, what the mechanism samples, how sampled indices become
+rows and how batches are tagged with their units. Built once (:meth:`PrivacyUnit.of`) from ``PrivacyConfig`` and the
+users; the engine, the mechanisms and the drivers ask it, and nothing else tests the unit's name.
+
+Names: the *rows* are the training set's items; the *population* is what the mechanism samples (rows; users under
+user-level sampling; the rows left after bounding each user to k under example-level sampling); the *units* are what
+the guarantee protects (rows or users: delta's N).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from dpl.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where batches are drawn, not for planning (dpl plan loads no torch)
+    import torch
+    from torch.utils.data import Sampler
+
+    from dpl.core.privacy import PrivacyConfig
+    from dpl.core.units import Users
+
+Sampling = Literal["rows", "users", "bounded_rows"]
+
+
+@dataclass(frozen=True)
+class PrivacyUnit:
+    """``kind``: ``example`` (one row) or ``user`` (all the rows of one user); ``sampling``: what the mechanism
+    samples, ``rows`` (example-level DP), ``users`` (user-level sampling: each sampled user's rows are one unit,
+    clipped together) or ``bounded_rows`` (example-level sampling with user-level accounting: each user bounded once
+    to k rows, rows clipped one by one); ``users``: the rows of each user (``kind`` user)."""
+
+    kind: Literal["example", "user"] = "example"
+    sampling: Sampling = "rows"
+    num_rows: int = 0
+    users: Users | None = None
+
+    @classmethod
+    def of(cls, privacy: PrivacyConfig, num_rows: int, users: Users | None = None) -> PrivacyUnit:
+        """The unit of ``privacy`` over ``num_rows`` training rows; ``users`` is required for ``privacy.unit: user``
+        (one-line ConfigError otherwise)."""
+        if privacy.unit != "user":
+            return cls("example", "rows", int(num_rows))
+        if users is None:
+            raise ConfigError("privacy.unit: user needs the user of every training row: set data.user_column")
+        if users.num_rows != num_rows:
+            raise ConfigError(f"the user column names {users.num_rows} rows, the training set has {num_rows}")
+        return cls("user", "users" if privacy.user_sampling == "users" else "bounded_rows", int(num_rows), users)
+
+    @classmethod
+    def from_keys(cls, privacy: PrivacyConfig, num_rows: int, keys: list[Any] | None) -> PrivacyUnit:
+        """The unit of ``privacy`` from the user key of every row (``None``: the data names no user). With
+        ``privacy.unit: example``, a warning when users own several rows (the per-row epsilon then protects a user
+        only by group privacy)."""
+        from dpl.core.units import Users
+
+        if privacy.unit == "user":
+            return cls.of(privacy, num_rows, None if keys is None else Users.from_keys(keys, privacy.max_rows_per_user))
+        if keys is not None:
+            most = Users.from_keys(keys, 1).summary()["rows_per_user_max"]
+            if most > 1:
+                import warnings
+
+                from dpl.errors import PrivacyWarning
+
+                warnings.warn(f"data.user_column is set but privacy.unit is example: a user with {most} rows is "
+                              f"protected only by group privacy (about {most} x epsilon, delta x {most} e^(({most} - "
+                              "1) epsilon)); set privacy.unit: user to protect users", PrivacyWarning, stacklevel=3)
+        return cls.of(privacy, num_rows)
+
+    # --- flags -------------------------------------------------------------------------------------------------
+    @property
+    def per_user(self) -> bool:
+        """The guarantee covers all the rows of one user."""
+        return self.kind == "user"
+
+    @property
+    def samples_users(self) -> bool:
+        """User-level sampling: batches carry each row's user (``dpl.core.step.UNITS_KEY``), clipped per user."""
+        return self.sampling == "users"
+
+    @property
+    def bounds_rows(self) -> bool:
+        """Example-level sampling with a user-level accountant (ELS): rows clipped one by one, k per user."""
+        return self.sampling == "bounded_rows"
+
+    @property
+    def max_rows(self) -> int | None:
+        """k, the most rows one user contributes (``None`` for examples)."""
+        return self.users.max_rows if self.users is not None else None
+
+    # --- counts ------------------------------------------------------------------------------------------------
+    @property
+    def population(self) -> int:
+        """How many things the mechanism samples."""
+        if self.users is None:
+            return self.num_rows
+        return self.users.sampled("users" if self.samples_users else "rows")
+
+    @property
+    def population_name(self) -> str:
+        return "users" if self.samples_users else "examples"
+
+    @property
+    def num_units(self) -> int:
+        """How many units the guarantee protects (delta's N)."""
+        return self.users.num_users if self.users is not None else self.num_rows
+
+    def setup_fields(self) -> dict[str, Any]:
+        """The unit as the privacy report and ``RunSetup`` state it."""
+        return {"unit": self.kind, "user_sampling": None if self.users is None else
+                ("users" if self.samples_users else "rows"), "max_rows_per_user": self.max_rows}
+
+    # --- batches -----------------------------------------------------------------------------------------------
+    def bound(self, generator: torch.Generator) -> list[int] | None:
+        """ELS: every user bounded to k rows, chosen once with the secret ``generator`` (the rows the mechanism
+        samples from); ``None`` otherwise."""
+        return self.users.bounded_rows(generator) if self.bounds_rows else None
+
+    def sampler(self, sampler: Sampler, generator: torch.Generator, bounded_rows: list[int] | None) -> Sampler:
+        """The mechanism's ``sampler`` of population indices, as rows: each sampled user's rows (at most k, chosen
+        with the secret ``generator``), or positions in the ``bounded_rows``, or the rows themselves."""
+        from dpl.core.units import RowsSampler, UserRowsSampler
+
+        if self.bounds_rows:
+            return RowsSampler(sampler, bounded_rows)
+        if self.samples_users:
+            return UserRowsSampler(sampler, self.users, generator)
+        return sampler
+
+    def unit_of_row(self) -> list[int] | None:
+        """Under user-level sampling the user of every row (what :meth:`tag` adds); else ``None``."""
+        return self.users.unit_of_row() if self.samples_users else None
+
+    def tag(self, batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+        """``batch`` (collated from ``rows``) with each row's unit under ``UNITS_KEY`` where units are sampled whole
+        (user-level sampling); unchanged otherwise."""
+        if not self.samples_users:
+            return batch
+        import torch
+
+        from dpl.core.step import UNITS_KEY
+
+        unit_of = self._unit_of_tensor()
+        batch[UNITS_KEY] = unit_of[torch.as_tensor(list(rows), dtype=torch.long)]
+        return batch
+
+    def _unit_of_tensor(self) -> torch.Tensor:
+        import torch
+
+        cached = self.__dict__.get("_unit_of")
+        if cached is None:
+            cached = torch.as_tensor(self.unit_of_row(), dtype=torch.long)
+            object.__setattr__(self, "_unit_of", cached)
+        return cached
