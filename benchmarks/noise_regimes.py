@@ -68,7 +68,7 @@ def step_sigma(sigma: float, plugins: dict[str, Any] | None, n: int, b: int, ste
     engine = PrivateEngine(PrivacyConfig(target_epsilon=epsilon, target_delta=1 / (10 * n), batch_size=b), plugins)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine.setup(nn.Linear(FEATURES, 2), num_examples=n, steps=steps)
+        engine.setup(nn.Linear(FEATURES, 2), num_rows=n, steps=steps)
     if not math.isclose(engine.noise_multiplier, sigma, rel_tol=1e-6):
         raise ValueError(f"the run recorded sigma {sigma}, its mechanism set up again gives {engine.noise_multiplier}")
     return engine.noise_regime().noise_multiplier

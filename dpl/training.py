@@ -79,7 +79,7 @@ class PrivateTraining:
         self.engine = PrivateEngine(privacy, plugins, seed_namespace=seed_namespace)
         factory = optimizer if not isinstance(optimizer, torch.optim.Optimizer) else _answering(optimizer)
         unit = PrivacyUnit.from_keys(self.engine.privacy, self.num_examples, users)
-        self.engine.setup(model, num_examples=self.num_examples, steps=steps, trainable=self.trainable,
+        self.engine.setup(model, num_rows=self.num_examples, steps=steps, trainable=self.trainable,
                           sampling_rate=sampling_rate, optimizer_factory=factory, users=unit.users)
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(
             list(self.trainable.values()))

@@ -28,7 +28,7 @@ def _model() -> nn.Module:
 def _engine(model: nn.Module, plugins=None, seed: int | None = 3, **privacy) -> PrivateEngine:
     cfg = PrivacyConfig(**{"target_epsilon": 4.0, "batch_size": B, "physical_batch_size": 8, "seed": seed, **privacy})
     engine = PrivateEngine(cfg, plugins)
-    engine.setup(model, num_examples=N, steps=STEPS, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine.setup(model, num_rows=N, steps=STEPS, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
     return engine
 
 
@@ -70,7 +70,7 @@ def test_lifecycle_is_enforced():
     with pytest.raises(RuntimeError, match="not started"):
         engine.step({}, model=model, trainable={}, per_example_loss=None)
     with pytest.raises(RuntimeError, match="once"):
-        engine.setup(model, num_examples=N, steps=STEPS)
+        engine.setup(model, num_rows=N, steps=STEPS)
 
 
 def test_public_state_holds_no_secret_and_a_resume_is_exact():
@@ -105,7 +105,7 @@ def _linear_engine(seed, model):
     cfg = PrivacyConfig(target_epsilon=None, noise_multiplier=1.3, max_grad_norm=0.5, batch_size=4,
                         physical_batch_size=4, seed=seed)
     engine = PrivateEngine(cfg)
-    engine.setup(model, num_examples=40, steps=5)
+    engine.setup(model, num_rows=40, steps=5)
     return engine
 
 
@@ -173,7 +173,7 @@ def test_poisson_batch_sizes_have_the_binomial_mean_and_variance():
     5 standard errors (0.53), the variance within 10% (its standard error is 2.2%)."""
     cfg = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, batch_size=20, seed=123)
     engine = PrivateEngine(cfg)
-    engine.setup(_model(), num_examples=400, steps=4000)
+    engine.setup(_model(), num_rows=400, steps=4000)
     sizes = torch.tensor([len(b) for b in engine.batches()], dtype=torch.float64)
     assert len(sizes) == 4000
     q = 20 / 400

@@ -173,7 +173,7 @@ def test_user_sampling_is_drawn_from_a_secret_generator():
         engine = PrivateEngine(privacy)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 2))
-        engine.setup(model, num_examples=60, steps=6, users=Users.from_keys([r // 3 for r in range(60)], 2))
+        engine.setup(model, num_rows=60, steps=6, users=Users.from_keys([r // 3 for r in range(60)], 2))
         torch.manual_seed(0)
         return [list(b) for b in engine.batches()]
 

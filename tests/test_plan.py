@@ -54,7 +54,7 @@ def test_regime_is_a_function_of_sigma_batch_dimension_and_clip():
 
 def _engine(model: nn.Module, n: int, batch: int, steps: int, epsilon: float) -> PrivateEngine:
     engine = PrivateEngine(PrivacyConfig(target_epsilon=epsilon, batch_size=batch, physical_batch_size=batch))
-    engine.setup(model, num_examples=n, steps=steps)
+    engine.setup(model, num_rows=n, steps=steps)
     return engine
 
 
@@ -83,7 +83,7 @@ def test_engine_start_does_not_warn_below_the_threshold(caplog):
 def test_a_replaced_gradient_estimate_is_not_assessed():
     engine = PrivateEngine(PrivacyConfig(target_epsilon=4.0, batch_size=8, physical_batch_size=8),
                            plugins={"dpzero": {}})
-    engine.setup(nn.Linear(1000, 400), num_examples=64, steps=4)
+    engine.setup(nn.Linear(1000, 400), num_rows=64, steps=4)
     assert engine.release_dimension is None and engine.noise_regime() is None
 
 

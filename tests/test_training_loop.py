@@ -87,7 +87,7 @@ def test_batches_come_from_the_mechanisms_sampler():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrivacyWarning)
         reference = PrivateEngine(privacy())
-        reference.setup(Classifier(), num_examples=N, steps=12)
+        reference.setup(Classifier(), num_rows=N, steps=12)
     assert drawn == list(reference.batches())
     assert len({len(rows) for rows in drawn}) > 1  # Poisson: the batch size varies
 

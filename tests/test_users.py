@@ -153,7 +153,7 @@ def _engine(privacy, n_rows=60):
     engine = PrivateEngine(privacy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    engine.setup(model, num_examples=n_rows, steps=6, users=Users.from_keys(keys, privacy.max_rows_per_user or 1))
+    engine.setup(model, num_rows=n_rows, steps=6, users=Users.from_keys(keys, privacy.max_rows_per_user or 1))
     return engine, model
 
 
@@ -207,11 +207,11 @@ def test_refusals_are_one_line():
         PrivacyConfig(unit="user").validate()
     engine = PrivateEngine(PrivacyConfig(unit="user", max_rows_per_user=2))
     with pytest.raises(ConfigError, match="user_column"):
-        engine.setup(nn.Linear(2, 2), num_examples=10, steps=2)
+        engine.setup(nn.Linear(2, 2), num_rows=10, steps=2)
     engine = PrivateEngine(PrivacyConfig(unit="user", max_rows_per_user=2, user_sampling="rows", batch_size=4),
                            plugins={"ftrl": {}})
     with pytest.raises(ConfigError, match="user_sampling: rows"):
-        engine.setup(nn.Linear(2, 2), num_examples=40, steps=2, users=Users.from_keys(list(range(40)), 2))
+        engine.setup(nn.Linear(2, 2), num_rows=40, steps=2, users=Users.from_keys(list(range(40)), 2))
 
 
 @pytest.mark.parametrize("plugins", [{"adambc": {}}, {"denoise": {}}, {"ftrl": {}}, {"dpzero": {"mu": 0.05}}],
@@ -232,7 +232,7 @@ def test_every_plugin_trains_with_user_level_sampling(plugins):
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     engine = PrivateEngine(privacy, plugins)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine.setup(model, num_examples=48, steps=4, users=Users.from_keys(keys, 2),
+    engine.setup(model, num_rows=48, steps=4, users=Users.from_keys(keys, 2),
                  optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
     engine.start()
     assert engine.mechanism.unit == "user" and engine.plan.population == 16
@@ -267,7 +267,7 @@ def test_an_estimator_that_does_not_clip_users_is_refused(monkeypatch):
     fake_entry_points(monkeypatch, {"rowclip": RowClipper})
     engine = PrivateEngine(PrivacyConfig(unit="user", max_rows_per_user=2, batch_size=4), {"rowclip": {}})
     with pytest.raises(ConfigError, match="rowclip replaces estimate_gradient but does not clip per user"):
-        engine.setup(nn.Linear(2, 2), num_examples=40, steps=2, users=Users.from_keys(list(range(40)), 2))
+        engine.setup(nn.Linear(2, 2), num_rows=40, steps=2, users=Users.from_keys(list(range(40)), 2))
 
 
 def test_example_level_sampling_bounds_users_once_and_accounts_per_user():

@@ -93,7 +93,7 @@ def planner(data: Any, target: float, delta: float, batch_size: int, steps: int)
     def replan(batch: int, planned_steps: int) -> Any:
         privacy = PrivacyConfig(target_epsilon=target, target_delta=delta, max_grad_norm=1.0, batch_size=batch)
         engine = PrivateEngine(privacy, None)
-        engine.setup(model, trainable=trainable, num_examples=n, steps=planned_steps,
+        engine.setup(model, trainable=trainable, num_rows=n, steps=planned_steps,
                      optimizer_factory=lambda p: torch.optim.SGD(p, lr=DEFAULT_LR, momentum=MOMENTUM))
         return engine
 

@@ -95,7 +95,7 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
                             max_rows_per_user=cfg.max_rows_per_user)
     unit = PrivacyUnit.from_keys(privacy, len(data), data.user_keys)
     engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm, seed_namespace="audit/")
-    engine.setup(model, trainable=trainable, num_examples=len(data), steps=T, sampling_rate=q,
+    engine.setup(model, trainable=trainable, num_rows=len(data), steps=T, sampling_rate=q,
                  optimizer_factory=optimizer_factory, users=unit.users)
     engine.start("cpu")
     sigma = float(engine.noise_multiplier)

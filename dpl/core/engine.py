@@ -88,13 +88,14 @@ class PrivateEngine:
     def configured(self) -> bool:
         return self.mechanism is not None
 
-    def setup(self, model: nn.Module, *, num_examples: int, steps: int, trainable: Mapping[str, Tensor] | None = None,
+    def setup(self, model: nn.Module, *, num_rows: int, steps: int, trainable: Mapping[str, Tensor] | None = None,
               sampling_rate: float | None = None, optimizer_factory: Any = None, world_size: int = 1,
               sharded: bool = False, users: Users | None = None) -> None:
         """Validate the run with every plugin, configure the mechanism and calibrate sigma for ``steps`` steps over
-        ``num_examples`` training rows (``sampling_rate``: default ``batch_size / N``); ``users`` (the rows of each
-        user) is required with ``privacy.unit: user``, where N counts users (user-level sampling) or the rows left
-        after bounding each user to k (example-level sampling). Once per engine."""
+        ``num_rows`` training rows (``sampling_rate``: default ``batch_size / population``); ``users`` (the rows of each
+        user) is required with ``privacy.unit: user``, where the population the mechanism samples is the users
+        (user-level sampling) or the rows left after bounding each user to k (example-level sampling). Once per
+        engine."""
         if self.configured:
             raise RuntimeError("PrivateEngine.setup runs once; build a new engine for another run")
         cfg = self.privacy
@@ -105,12 +106,12 @@ class PrivateEngine:
         model_is_per_example(model)
         self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
         self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
-        unit = PrivacyUnit.of(cfg, num_examples, users)
+        unit = PrivacyUnit.of(cfg, num_rows, users)
         self.unit, self._bounded_rows = unit, unit.bound(self._sampler_generator)
         if unit.users is not None:
             log.info("dpl: privacy unit: user (%s sampling): %s", unit.setup_fields()["user_sampling"],
                      unit.users.describe())
-        plan = make_plan(cfg, population=unit.population, steps=steps, num_rows=num_examples, num_units=unit.num_units,
+        plan = make_plan(cfg, population=unit.population, steps=steps, num_rows=num_rows, num_units=unit.num_units,
                          sampling_rate=sampling_rate, population_name=unit.population_name)
         replaced = replaced_hooks(self.plugin_manager)
         if "privatize" in replaced and "configure_mechanism" not in replaced:

@@ -205,7 +205,7 @@ class DPModule(L.LightningModule):
         if unit.samples_users and dp.shards_parameters:
             raise ConfigError("privacy.unit: user with user_sampling: users is not supported under FSDP yet (its "
                               "filler rows would split users); use strategy ddp or one process")
-        self.engine.setup(self.ensure_model(), trainable=self.trainable, num_examples=num_examples, steps=steps,
+        self.engine.setup(self.ensure_model(), trainable=self.trainable, num_rows=num_examples, steps=steps,
                           optimizer_factory=self.optimizer_factory, world_size=trainer.world_size,
                           sharded=dp.shards_parameters, users=unit.users)
         datamodule = self.datamodule

@@ -192,7 +192,7 @@ def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: i
     engine = PrivateEngine(privacy, base.plugin_options)
     with warnings.catch_warnings():  # the run's own warnings (delta, seed) were shown once already
         warnings.simplefilter("ignore")
-        engine.setup(module.model, trainable=module.trainable, num_examples=base.plan.num_rows, steps=steps,
+        engine.setup(module.model, trainable=module.trainable, num_rows=base.plan.num_rows, steps=steps,
                      optimizer_factory=module.optimizer_factory, world_size=trainer.world_size,
                      sharded=dp_strategy(trainer).shards_parameters, users=base.unit.users)
     return engine

@@ -339,7 +339,7 @@ def _check_accounting(state: TuningState, report: dict[str, Any], plan: dict[str
     """Refuse a finished trial the bound does not cover: not tunable, unlike the others beyond sigma, sampling rate
     and steps, or unlike its plan in those."""
     reason = tunable(report, bool(report.get("seeded")))
-    if reason is None and report.get("resumed_segments"):
+    if reason is None and report.get("resumed_parts"):
         reason = "a trial must be one fresh run"
     if reason:
         raise ConfigError(f"dpl tune: {reason}")
