@@ -34,8 +34,6 @@ from dpl.core.accounting.common import (
     _real,
     _warn_once,
 )
-from dpl.core.accounting.prv import _epsilon
-from dpl.core.accounting.rdp import _int_rdp_epsilon
 
 _LOG_SIGMA_RANGE = (-40.0, 12.0)
 
@@ -138,43 +136,20 @@ def _solve(g: Callable[[float], float], level: Callable[[float], float], start: 
     return optimize.brentq(h, lo, hi, xtol=1e-5)
 
 
-class _PRVFailed(RuntimeError):
-    pass
-
-
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
                                method: str = "prv", tol: float = 0.01, eps_error: float | None = None) -> float:
     """Smallest noise multiplier (within ``tol``) whose epsilon after ``steps`` steps is <= ``target_epsilon``.
 
     The returned sigma satisfies ``target * (1 - tol) <= epsilon_for(sigma, ...) <= target`` (same method and
-    ``eps_error``); the upper inequality always holds. ``steps == 0`` returns 0. See the module docstring.
+    ``eps_error``); the upper inequality always holds. ``steps == 0`` returns 0. The search of every mechanism
+    (:func:`dpl.core.accounting.events.calibrate`) over ``steps`` Poisson-subsampled Gaussian steps.
     """
+    from dpl.core.accounting import events
+
     target = _check_epsilon(target_epsilon)
     delta, q, steps = _check_delta(delta), _check_rate(sample_rate), _check_steps(steps)
     method, eps_error = _check_method(method), _check_eps_error(eps_error)
     if steps == 0:
         return 0.0
-    evaluations = 0
-
-    def fallback(msg: str) -> None:
-        raise _PRVFailed(msg)
-
-    def prv(sigma: float) -> float:
-        nonlocal evaluations
-        evaluations += 1
-        try:
-            return _epsilon(((sigma, q, steps),), delta, method, eps_error, on_fallback=fallback)
-        except _PRVFailed:
-            if evaluations == 1:  # PRV fails where it matters most: fall back to RDP
-                raise
-            return math.inf  # a trial sigma far from the answer (tiny sigma, huge epsilon): infeasible
-
-    def rdp_bound(sigma: float) -> float:
-        return _int_rdp_epsilon(((sigma, q, steps),), delta)
-
-    try:
-        return smallest_noise_multiplier(prv, target, tol=tol, proxy=rdp_bound)
-    except _PRVFailed as err:
-        _warn_once(f"{err} (calibration)")
-        return smallest_noise_multiplier(lambda s: _epsilon(((s, q, steps),), delta, "rdp"), target, tol=tol,
-                                         proxy=rdp_bound)
+    return events.calibrate(lambda s: events.SelfComposed(events.PoissonGaussian(s, q), steps), target, delta,
+                            method, tol=tol, eps_error=eps_error)

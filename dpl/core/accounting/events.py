@@ -169,7 +169,7 @@ def history_from_json(data: list[dict[str, Any]]) -> list[tuple[Event, int]]:
 
 @dataclass
 class _Atoms:
-    """An event flattened into counts of its steps: ``(sigma, q, k) -> count`` (Gaussian: q = 1, k = 1;
+    """An event flattened into counts of its steps: ``(sigma, q, k) -> count`` (Gaussian: q = 1, k = 0;
     PoissonGaussian: k = 1), the tuned releases, and whether anything is non-private."""
 
     steps: Counter
@@ -185,7 +185,7 @@ def _flatten(event: Event, times: int = 1, into: _Atoms | None = None) -> _Atoms
     if isinstance(event, NonPrivate):
         atoms.non_private = True
     elif isinstance(event, Gaussian):
-        _add(atoms, event.noise_multiplier, 1.0, 1, times)
+        _add(atoms, event.noise_multiplier, 1.0, 0, times)
     elif isinstance(event, PoissonGaussian):
         _add(atoms, event.noise_multiplier, event.sample_rate, 1, times)
     elif isinstance(event, MixtureOfGaussians):
@@ -225,10 +225,12 @@ def _parts(atoms: _Atoms) -> int:
 # ------------------------------------------------------------------------------------------------ epsilon
 
 
-def epsilon(event: Event, delta: float, method: str = "prv", on_fallback: Callable[[str], None] | None = None) -> float:
+def epsilon(event: Event, delta: float, method: str = "prv", on_fallback: Callable[[str], None] | None = None,
+            eps_error: float | None = None) -> float:
     """Epsilon at ``delta`` of ``event`` (see the module docstring for how each part is composed); inf if any part
-    is non-private. ``method``: ``prv`` (default) or ``rdp`` for Poisson-subsampled Gaussian steps. Where PRV fails
-    the accountant falls back to a looser bound and calls ``on_fallback`` with why (default: one logged warning)."""
+    is non-private. ``method``: ``prv`` (default) or ``rdp`` for Poisson-subsampled Gaussian steps; ``eps_error``
+    overrides their PRV error width. Where PRV fails the accountant falls back to a looser bound and calls
+    ``on_fallback`` with why (default: one logged warning)."""
     delta, method = _check_delta(delta), _check_method(method)
     atoms = _flatten(event)
     if atoms.non_private:
@@ -237,7 +239,7 @@ def epsilon(event: Event, delta: float, method: str = "prv", on_fallback: Callab
     if parts == 0:
         return 0.0
     share = delta / parts
-    total = _steps_epsilon(atoms.steps, share, method, on_fallback) if atoms.steps else 0.0
+    total = _steps_epsilon(atoms.steps, share, method, on_fallback, eps_error) if atoms.steps else 0.0
     for select in atoms.selects:
         total += _select_epsilon(select, share)
     for choice, times in atoms.choices.items():
@@ -245,19 +247,27 @@ def epsilon(event: Event, delta: float, method: str = "prv", on_fallback: Callab
     return total
 
 
-def _steps_epsilon(steps: Counter, delta: float, method: str, on_fallback: Callable[[str], None] | None = None) -> float:
+def _steps_epsilon(steps: Counter, delta: float, method: str, on_fallback: Callable[[str], None] | None = None,
+                   eps_error: float | None = None) -> float:
     from dpl.core.accounting.common import _warn_once
     from dpl.core.accounting.gaussian import gaussian_mechanism_epsilon
     from dpl.core.accounting.prv import _epsilon
     from dpl.core.accounting.users import _mixture_epsilon
 
     on_fallback = on_fallback or _warn_once
-    if all(q == 1.0 and k == 1 for (_, q, k) in steps):  # Gaussians compose into one Gaussian, exactly
+    if all(k == 0 for (_, _, k) in steps):  # Gaussians compose into one Gaussian, exactly
         return gaussian_mechanism_epsilon(sum(n / s**2 for (s, _, _), n in steps.items()) ** -0.5, delta)
-    if all(k == 1 for (_, _, k) in steps):
-        return _epsilon(tuple(sorted((s, q, n) for (s, q, _), n in steps.items())), delta, method,
-                        on_fallback=on_fallback)
-    return _mixture_epsilon(tuple(sorted((s, q, k, n) for (s, q, k), n in steps.items())), delta, on_fallback)
+    if all(k <= 1 for (_, _, k) in steps):  # a Gaussian is the rate-1 subsampled Gaussian
+        return _epsilon(_merged(steps), delta, method, eps_error, on_fallback=on_fallback)
+    return _mixture_epsilon(tuple(sorted((s, q, max(k, 1), n) for (s, q, k), n in steps.items())), delta, on_fallback)
+
+
+def _merged(steps: Counter) -> tuple[tuple[float, float, int], ...]:
+    """``(sigma, q, count)`` of Gaussian and subsampled Gaussian steps, same (sigma, q) merged."""
+    merged: Counter = Counter()
+    for (s, q, _), n in steps.items():
+        merged[(s, q)] += n
+    return tuple(sorted((s, q, n) for (s, q), n in merged.items()))
 
 
 def trial_rdp(event: Event) -> Any:
@@ -277,7 +287,7 @@ def trial_rdp(event: Event) -> Any:
     if atoms.non_private or atoms.selects or atoms.choices or any(k > 1 for (_, _, k) in atoms.steps):
         raise ValueError("a tuned trial must consist of Gaussian or Poisson-subsampled Gaussian steps (no ELS, "
                          "no nested tuning, sigma > 0)")
-    return subsampled_gaussian_rdp([(s, q, n) for (s, q, _), n in atoms.steps.items()])
+    return subsampled_gaussian_rdp(list(_merged(atoms.steps)))
 
 
 def _choice_epsilon(choice: AnyOf, times: int, delta: float) -> float:
@@ -311,10 +321,10 @@ def bound(event: Event, delta: float) -> float | None:
     atoms = _flatten(event)
     if atoms.non_private or atoms.selects or atoms.choices or not atoms.steps:
         return None
-    if all(q == 1.0 and k == 1 for (_, q, k) in atoms.steps):
+    if all(k == 0 for (_, _, k) in atoms.steps):
         return _steps_epsilon(atoms.steps, delta, "prv")
-    if all(k == 1 for (_, _, k) in atoms.steps):
-        return _int_rdp_epsilon(tuple(sorted((s, q, n) for (s, q, _), n in atoms.steps.items())), delta)
+    if all(k <= 1 for (_, _, k) in atoms.steps):
+        return _int_rdp_epsilon(_merged(atoms.steps), delta)
     if len(atoms.steps) == 1:
         ((s, q, k), n), = atoms.steps.items()
         return _els_rdp_epsilon(s, q, k, n, delta, cells=1000)
@@ -326,7 +336,7 @@ class _PRVFailed(RuntimeError):
 
 
 def calibrate(build: Callable[[float], Event], target_epsilon: float, delta: float, method: str = "prv",
-              tol: float | None = None, guess: float = 1.0) -> float:
+              tol: float | None = None, guess: float = 1.0, eps_error: float | None = None) -> float:
     """The smallest noise multiplier sigma (within ``tol``) with ``epsilon(build(sigma), delta) <= target_epsilon``:
     one search for every mechanism (:func:`~dpl.core.accounting.calibration.smallest_noise_multiplier`, with
     :func:`bound` as its proxy where there is one). ``tol`` defaults to 1e-9 where epsilon is exact and cheap (only
@@ -340,7 +350,7 @@ def calibrate(build: Callable[[float], Event], target_epsilon: float, delta: flo
     probe = _flatten(build(guess))
     if not probe.steps and not probe.selects and not probe.choices:
         return 0.0
-    gaussians_only = not probe.selects and not probe.choices and all(q == 1.0 and k == 1 for (_, q, k) in probe.steps)
+    gaussians_only = not probe.selects and not probe.choices and all(k == 0 for (_, _, k) in probe.steps)
     if tol is None:
         tol = 1e-9 if gaussians_only else 0.01
 
@@ -358,7 +368,7 @@ def calibrate(build: Callable[[float], Event], target_epsilon: float, delta: flo
         nonlocal evaluations
         evaluations += 1
         try:
-            return epsilon(build(sigma), delta, method, on_fallback=failed)
+            return epsilon(build(sigma), delta, method, on_fallback=failed, eps_error=eps_error)
         except _PRVFailed:
             if evaluations == 1:
                 raise
@@ -369,4 +379,5 @@ def calibrate(build: Callable[[float], Event], target_epsilon: float, delta: flo
         return smallest_noise_multiplier(exact, target_epsilon, **options)
     except _PRVFailed as err:
         _warn_once(f"{err} (calibration)")
-        return smallest_noise_multiplier(lambda s: epsilon(build(s), delta, method), target_epsilon, **options)
+        return smallest_noise_multiplier(lambda s: epsilon(build(s), delta, "rdp" if method == "prv" else method),
+                                         target_epsilon, **options)
