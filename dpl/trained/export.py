@@ -30,7 +30,8 @@ from typing import Any
 from dpl.errors import ConfigError, DPLError
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
-DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template")
+DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template",
+             "format", "messages_field")
 
 
 def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Path:
