@@ -195,15 +195,13 @@ class GenerationDataModule(FileDataModule):
     def _render_split(self, name: str, records: list[Record]) -> _Split:
         if not records:
             raise DataError(f"the {name} split has no records")
-        kinds = {r.messages is not None for r in records}
-        if self._splits_kind is not None:
-            kinds.add(self._splits_kind)
-        if len(kinds) > 1:
-            odd = next(r for r in records if (r.messages is not None) != (records[0].messages is not None))
+        kind = records[0].messages is not None if self._splits_kind is None else self._splits_kind
+        odd = next((r for r in records if (r.messages is not None) != kind), None)
+        if odd is not None:
             raise DataError(f"{odd.path} {odd.where}: conversations (messages) and prompt/completion rows cannot be "
                             f"mixed; give every split in one format")
-        self._splits_kind = records[0].messages is not None
-        if self._splits_kind:
+        self._splits_kind = kind
+        if kind:
             return self._conversation_split(name, records)
         prompts, completions, groups = [], [], []
         for record in records:
