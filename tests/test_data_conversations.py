@@ -263,3 +263,68 @@ def test_smollm2_labels_exactly_the_assistant_tokens(tmp_path):
     for long, cut in zip(dm.train_set, short.train_set):
         assert cut["input_ids"][1:] == long["input_ids"][-23:] and cut["labels"][1:] == long["labels"][-23:]
     assert json.loads(json.dumps(dm.val_set[0]["prompt"])) == talks[0][:4]
+
+
+# ------------------------------------------------------------------------------------------ fit, predict, export
+
+
+def _conversation_files(folder) -> tuple[str, str]:
+    colours = ["red", "blue", "green"]
+    talks = [[{"role": "user", "content": f"what is {c}"}, {"role": "assistant", "content": f"the cafe is {c} ."},
+              {"role": "user", "content": "and the bar"}, {"role": "assistant", "content": f"the bar is {d} ."}]
+             for c in colours for d in colours] * 4
+    train = write_jsonl(folder / "train.jsonl", [{"messages": t, "user": f"u{i % 5}"} for i, t in enumerate(talks)])
+    val = write_jsonl(folder / "validation.jsonl", [{"messages": t} for t in talks[:3]])
+    return str(train), str(val)
+
+
+def test_fit_predict_export_and_reload_continue_a_conversation(tmp_path, capsys):
+    """A tiny LoRA run on conversations (user-level): validation writes the generated last replies, dpl predict
+    continues the conversations, and the merged export, loaded by plain transformers, continues them from the same
+    tokens to the same replies (its tokenizer carries the chat template)."""
+    from helpers import tiny_llama_lm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpl.cli import main
+    from dpl.trained.predict import predict
+    from dpl.trained.runs import load_run
+
+    model = tmp_path / "chat_lm"
+    tok = make_chat_tokenizer()
+    tok.save_pretrained(model)
+    tiny_llama_lm(vocab_size=len(tok), tie=True).save_pretrained(model)
+    train, val = _conversation_files(tmp_path / "data")
+    main(["fit", "--model", "dpl.tasks.modules.DPGenerationModule", "--model.model", str(model),
+          "--model.finetuning.method", "lora", "--model.finetuning.lora.target_modules", "[q_proj, v_proj]",
+          "--model.generation.max_new_tokens", "4", "--model.privacy.target_epsilon", "8",
+          "--model.privacy.batch_size", "4", "--model.privacy.unit", "user",
+          "--model.privacy.max_rows_per_user", "8", "--data", "dpl.tasks.data.JSONLDataModule",
+          "--data.tokenizer", str(model), "--data.train_file", train, "--data.val_file", val, "--data.user_column",
+          "user", "--trainer.max_steps", "2", "--trainer.num_sanity_val_steps", "0", "--trainer.accelerator", "cpu",
+          "--trainer.default_root_dir", str(tmp_path / "runs")])
+    assert "dpl: trained 2 private steps" in capsys.readouterr().out
+    run_dir = sorted((tmp_path / "runs").glob("lightning_logs/version_*"))[-1]
+    written = [json.loads(line) for line in next(run_dir.glob("predictions/validation_step2.jsonl")).read_text()
+               .splitlines()]
+    assert len(written) == 3 and all(len(w["messages"]) == 3 and len(w["references"]) == 1 for w in written)
+
+    inputs = [{"messages": json.loads(line)["messages"]} for line in open(val)]
+    run = load_run(run_dir)
+    rows = predict(run, inputs)
+    assert [r["messages"] for r in rows] == [i["messages"] for i in inputs] and all("completion" in r for r in rows)
+    assert main(["export", str(run_dir), str(tmp_path / "merged")]) in (None, 0)
+    folder = tmp_path / "merged"
+    assert "apply_chat_template" in (folder / "README.md").read_text()
+    plain_tok = AutoTokenizer.from_pretrained(folder)
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    batches = run.module.inference_batches(inputs, run.tokenizer, run.data, 1)
+    for row, (batch, _) in zip(rows, batches):
+        history = row["messages"][:-1]
+        encoded = plain_tok.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)
+        assert encoded["input_ids"].tolist() == batch["input_ids"].tolist()  # the same tokens as dpl's
+        with torch.no_grad():
+            out = plain.generate(**encoded, max_new_tokens=4, do_sample=False)
+        reply = plain_tok.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        assert reply == row["completion"]
+    assert predict(load_run(folder), inputs) == rows

@@ -98,7 +98,8 @@ def model_card(run: LoadedRun, folder: Path, adapter: bool, report: dict[str, An
         f"# {name}",
         "", f"A {module.task} model fine-tuned by dpl from `{module.model_location}`"
         f" ({'a PEFT adapter' if adapter else 'merged weights'}).", "", "## Loading", "", "```python", load, "```",
-        "", "Or with dpl: `dpl predict path/to/this/folder inputs.jsonl`.", "", "## Privacy", "", privacy,
+        "", "Or with dpl: `dpl predict path/to/this/folder inputs.jsonl`.", *module.card_usage(run.data, run.tokenizer),
+        "", "## Privacy", "", privacy,
         "", "Details: privacy.md and privacy.json in this folder.", ""])
 
 

@@ -298,6 +298,26 @@ class DPGenerationModule(DPTaskModule):
         bos = getattr(tokenizer, "bos_token_id", None)
         return chat.keep_end(chat.prompt_ids(tokenizer, messages), budget, bos)[0]
 
+    def card_usage(self, data: dict[str, Any], tokenizer: Any) -> list[str]:
+        """A run that trained with the chat template: how plain transformers continues a conversation with it (the
+        export's tokenizer holds the chat template)."""
+        if (data.get("chat_template") or "none") == "none" or not getattr(tokenizer, "chat_template", None):
+            return []
+        return ["", "The model was trained with the chat template saved with its tokenizer; continue a conversation "
+                "with it (greedy decoding, as dpl validates):", "", "```python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                "folder = \"path/to/this/folder\"  # a PEFT adapter: load the model as above",
+                "tokenizer = AutoTokenizer.from_pretrained(folder)",
+                "model = AutoModelForCausalLM.from_pretrained(folder)",
+                "messages = [{\"role\": \"user\", \"content\": \"Hello!\"}]",
+                "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\",",
+                "                                       return_dict=True)",
+                f"output = model.generate(**inputs, max_new_tokens={self.generation.max_new_tokens}, do_sample=False)",
+                "reply = tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True)",
+                "```", "",
+                f"Training saw at most {data.get('max_length') or 'the configured number of'} tokens per example "
+                "(the start of a longer one was cut): keep the conversation within that length."]
+
     def export_meta(self) -> dict[str, Any]:
         options = asdict(self.generation)
         return {"generation": {k: options[k] for k in ("max_new_tokens", "num_beams")}}
