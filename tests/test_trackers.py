@@ -129,3 +129,22 @@ def test_wandb_offline_run_holds_epsilon_delta_sigma_unit_metrics_and_report(tin
     saved = {f.path for r in records if r.HasField("files") for f in r.files.files}
     assert {"privacy.json", "privacy.md"} <= saved
     assert json.loads((offline / "files" / "privacy.json").read_text()) == report
+
+
+def test_a_tracker_keeps_the_run_folder_first(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger, Logger
+
+    from dpl.lightning.trackers import with_run_folder
+
+    class Tracker(Logger):  # a tracker that stores nothing on disk
+        name, version = "t", 0
+
+        def log_metrics(self, metrics, step=None): ...
+
+        def log_hyperparams(self, params, *args, **kwargs): ...
+
+    tracker, csv = Tracker(), CSVLogger(save_dir=str(tmp_path / "other"))
+    first, second = with_run_folder(tracker, str(tmp_path / "runs"))
+    assert isinstance(first, CSVLogger) and first.save_dir == str(tmp_path / "runs") and second is tracker
+    assert with_run_folder([tracker, csv], None) == [csv, tracker]  # the config's own CSV logger, moved first
+    assert with_run_folder(csv, None) is csv and with_run_folder(False, None) is False

@@ -73,14 +73,20 @@ class TrackerLogging(Callback):
 
 
 def with_run_folder(loggers: Any, root: str | None) -> Any:
-    """``loggers`` (a config's ``trainer.logger``) with dpl's CSV logger first unless a CSV or TensorBoard logger
-    already is: the run folder (``<root>/lightning_logs/version_N``: ``metrics.csv``, checkpoints, the privacy report)
-    stays where dpl's commands look for it when a config adds a tracker."""
+    """``loggers`` (a config's ``trainer.logger``) with a CSV or TensorBoard logger first (the config's own, moved to
+    the front, or dpl's CSV logger under ``root``): Lightning's run folder is the first logger's, so the run folder
+    (``<root>/lightning_logs/version_N``: ``metrics.csv``, checkpoints, the privacy report) stays where dpl's commands
+    look for it when a config adds a tracker."""
     import os
 
     from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-    given = loggers if isinstance(loggers, list) else [loggers]
-    if not given or not all(isinstance(x, Logger) for x in given) or isinstance(given[0], (CSVLogger, TensorBoardLogger)):
+    given = list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+    if not given or not all(isinstance(x, Logger) for x in given):
         return loggers
-    return [CSVLogger(save_dir=root or os.getcwd()), *given]
+    folder = next((x for x in given if isinstance(x, (CSVLogger, TensorBoardLogger))), None)
+    if folder is None:
+        return [CSVLogger(save_dir=root or os.getcwd()), *given]
+    if given[0] is folder:
+        return loggers
+    return [folder, *(x for x in given if x is not folder)]
