@@ -366,3 +366,21 @@ def test_smollm2_chat_config_fits_predicts_exports_and_reloads(tmp_path, monkeyp
             out = model.generate(**encoded, max_new_tokens=8, do_sample=False)
         assert tok.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip() == \
             row["completion"]
+
+
+def test_a_bad_conversation_file_stops_dpl_fit_with_one_line(tmp_path, capsys):
+    from helpers import CHATML, save_tiny_llama_lm
+
+    from dpl.cli import main
+
+    model = save_tiny_llama_lm(tmp_path / "lm", chat_template=CHATML)
+    path = write_jsonl(tmp_path / "train.jsonl", [{"messages": TALK[1]}, {"messages": [{"role": "user", "content": "x"}]}])
+    capsys.readouterr()  # saving the tiny model prints its progress
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--model", "dpl.tasks.modules.DPGenerationModule", "--model.model", model, "--data",
+              "dpl.tasks.data.JSONLDataModule", "--data.tokenizer", model, "--data.train_file", str(path),
+              "--trainer.default_root_dir", str(tmp_path / "runs")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("dpl: error:") and f"{path} line 2" in lines[0] and "no assistant turn" in lines[0]
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("*.ckpt"))
