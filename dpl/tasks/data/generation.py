@@ -103,7 +103,8 @@ class GenerationDataModule(FileDataModule):
         max_length: most tokens of one training example (prompt + completion + EOS). Longer ones are truncated:
             the prompt loses tokens from its start (a leading BOS is kept; with a chat template, the start of the
             user's prompt, keeping the template's tokens around it), keeping at least one prompt token;
-            if the completion alone does not fit, it is cut at its end too. Evaluation prompts keep their last
+            if the completion alone does not fit, it is cut at its end too. A conversation keeps its end (and a
+            leading BOS), so its final reply keeps at least its last token. Evaluation prompts keep their last
             ``max_length - 1`` tokens. One warning per split says how many examples were truncated.
         max_train_examples: use only the first N training records (quick runs).
         max_eval_examples: use only the first N evaluation sources (unique prompts) of validation / test.
