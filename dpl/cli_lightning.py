@@ -259,6 +259,10 @@ class DPLightningCLI(LightningCLI):
                 config["logger"] = False
         elif config.get("logger") in (None, True):
             config["logger"] = default_loggers(config.get("default_root_dir"))
+        elif config.get("logger") is not False:  # a tracker: the run folder stays (metrics.csv, checkpoints, report)
+            from dpl.lightning.trackers import with_run_folder
+
+            config["logger"] = with_run_folder(config["logger"], config.get("default_root_dir"))
         if not any(isinstance(c, PrivacyReport) for c in given):
             callbacks.append(PrivacyReport())  # privacy.json / privacy.md in the run folder
         config["callbacks"] = [*given, ShowBanners(), *callbacks]

@@ -125,8 +125,14 @@ def tiny_llama_lm(vocab_size: int = 50, seed: int = 0, tie: bool = False):
     return LlamaForCausalLM(config).train()
 
 
-def save_tiny_llama_lm(folder, tie: bool = True) -> str:
-    """A tiny Llama causal LM and a word-level tokenizer (pad 0, bos 1, eos 2) saved to ``folder``."""
+#: a ChatML chat template (the format of SmolLM2's), for tiny tokenizers that render conversations
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_llama_lm(folder, tie: bool = True, chat_template: str | None = None) -> str:
+    """A tiny Llama causal LM and a word-level tokenizer (pad 0, bos 1, eos 2; with ``chat_template``, if given)
+    saved to ``folder``."""
     from pathlib import Path
 
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
@@ -141,6 +147,7 @@ def save_tiny_llama_lm(folder, tie: bool = True) -> str:
                                                      pre_tokenizers.Punctuation()])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
     tiny_llama_lm(vocab_size=len(vocab), tie=tie).save_pretrained(folder)
     return str(folder)

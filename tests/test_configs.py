@@ -10,7 +10,8 @@ from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIPPED = ("audit", "strategies")  # dpl audit configs: tests/test_audit.py; process/GPU fragments: tests/test_ddp.py
+SKIPPED = ("audit", "strategies", "trackers")  # dpl audit configs: tests/test_audit.py; process/GPU fragments:
+# tests/test_ddp.py; tracker fragments (their logger opens its store): tests/test_trackers.py
 
 
 def _is_task(path: Path) -> bool:

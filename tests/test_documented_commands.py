@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
+from helpers import CHATML, save_tiny_bert, save_tiny_llama_lm, write_sentiment_tsv
 
 from dpl.cli import main
 
@@ -142,7 +142,8 @@ def world(tmp_path_factory):
     (work / "configs").symlink_to(ROOT / "configs")
     (work / "plugins").symlink_to(ROOT / "plugins")
     models = {"bert": save_tiny_bert(tmp / "models" / "bert"),
-              "llama": save_tiny_llama_lm(tmp / "models" / "llama", tie=True)}
+              "llama": save_tiny_llama_lm(tmp / "models" / "llama", tie=True),
+              "llama_chat": save_tiny_llama_lm(tmp / "models" / "llama_chat", tie=True, chat_template=CHATML)}
     _classification_dir(tmp / "shared" / "data" / "sst2")
     _write_csv(tmp / "shared" / "data" / "e2e" / "devset.csv", _e2e_rows(60))
     e2e = tmp / "data" / "e2e"
@@ -155,7 +156,12 @@ def world(tmp_path_factory):
         (dart / f"dart-v1.1.1-full-{split}.json").write_text(json.dumps(_dart(n)))
     _jsonl(tmp / "data" / "jsonl" / "train.jsonl", 80)
     _jsonl(tmp / "data" / "jsonl" / "validation.jsonl", 6)
-    return {"tmp": tmp, "work": work, "models": models, "e2e": e2e, "dart": dart, "jsonl": tmp / "data" / "jsonl"}
+    chat = tmp / "data" / "chat"  # conversations: the shipped example's
+    chat.mkdir(parents=True)
+    for name in ("train.jsonl", "validation.jsonl"):
+        (chat / name).write_text((ROOT / "configs" / "chat" / name).read_text())
+    return {"tmp": tmp, "work": work, "models": models, "e2e": e2e, "dart": dart, "jsonl": tmp / "data" / "jsonl",
+            "chat": chat}
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -201,6 +207,17 @@ def _option(args: list[str], name: str) -> str | None:
     return None
 
 
+def _tracker_missing(merged: dict) -> str | None:
+    """Why a config's tracker cannot run here (its package is not installed: ``pip install -e ".[trackers]"``)."""
+    import importlib.util
+
+    logger = str((merged.get("trainer") or {}).get("logger", ""))
+    for name, package in (("MLFlowLogger", "mlflow"), ("WandbLogger", "wandb")):
+        if name in logger and importlib.util.find_spec(package) is None:
+            return f"needs {package} (pip install -e '.[trackers]')"
+    return None
+
+
 def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     """The argument list to run (placeholders replaced, tiny overrides appended), or a reason to skip."""
     args = shlex.split(command)[1:]
@@ -222,6 +239,9 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     gpu = _gpu_only(merged)
     if gpu and not torch.cuda.is_available():
         return [], gpu
+    tracker = _tracker_missing(merged)
+    if tracker:
+        return [], tracker
     nodes = _option(args, "--trainer.num_nodes") or str((merged.get("trainer") or {}).get("num_nodes", 1))
     if nodes.isdigit() and int(nodes) > 1:
         return [], f"needs {nodes} machines (trainer.num_nodes {nodes})"
@@ -231,6 +251,9 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     model_class, data_class = _class_of(args, merged, "model"), _class_of(args, merged, "data")
     generation = any(k in data_class for k in ("E2E", "DART", "JSONL", "Generation"))
     kind = next((k for k in ("E2E", "DART", "JSONL") if k in data_class), "classification")
+    init = (merged.get("data") or {}).get("init_args") or {}
+    if kind == "JSONL" and (_option(args, "--data.format") or init.get("format")) == "messages":
+        kind = "CHAT"  # conversations: tiny conversation data, a tiny model whose tokenizer has a chat template
     for i, a in enumerate(args):
         if a.startswith("path/to/"):
             if kind == "classification":
@@ -241,7 +264,6 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
                 args[i] = str(world[kind.lower()])
         elif "/.../" in a:
             args[i] = _run_file(a, world)
-    init = (merged.get("data") or {}).get("init_args") or {}
     shared = _option(args, "--data.data_dir") or str(init.get("data_dir") or "")
     if kind == "classification" and shared.startswith("../shared/data/") and not (work / shared).exists():
         text = _option(args, "--data.text_column") or init.get("text_column") or "sentence"
@@ -250,7 +272,7 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     if kind in ("DART", "JSONL") and _option(args, "--data.data_dir") is None \
             and not (merged.get("data", {}).get("init_args") or {}).get("data_dir"):
         args += ["--data.init_args.data_dir", str(world[kind.lower()])]
-    model = world["models"]["llama" if generation else "bert"]
+    model = world["models"]["llama_chat" if kind == "CHAT" else "llama" if generation else "bert"]
     if args[0] in ("fit", "tune") and "--print_config" not in args:  # max_time: a loop that ignores max_steps ends
         args += ["--trainer.max_steps", STEPS, "--trainer.max_time", "00:00:02:00"]
     if "--print_config" not in args:
@@ -318,6 +340,7 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
     if skip:
         pytest.skip(skip)
     monkeypatch.chdir(world["work"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # docs/configuration.md#trackers exports it for MLflow
     if args[0] == "tune":  # K is drawn as documented, then capped at one trial to keep the test short
         from dpl.core.accounting.tuning import TrialDistribution
 
@@ -335,6 +358,8 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
         except SystemExit as exc:
             code = exc.code or 0
         out, err = capsys.readouterr()
+        if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+            sys.modules["wandb"].finish()  # an offline W&B run ends with its command
     assert code == 0 or (args[0] == "audit" and code == 1), f"`{command}` exited {code}:\n{err[-3000:]}"
     if args[0] == "fit" and "--print_config" not in args:
         lines = [line for line in out.splitlines() if line.strip()]

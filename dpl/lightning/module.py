@@ -275,6 +275,12 @@ class DPModule(L.LightningModule):
     def _log_metric(self, name: str, value: float) -> None:
         self.log(name, value, on_step=True, on_epoch=False)
 
+    def configure_callbacks(self) -> list[Any]:
+        """The trackers' privacy values and report (:class:`~dpl.lightning.trackers.TrackerLogging`)."""
+        from dpl.lightning.trackers import TrackerLogging
+
+        return [TrackerLogging()]
+
     def on_fit_end(self) -> None:
         """Compose the one-line summary (the CLI prints it below the finished progress bar; library use: here)."""
         eps = self.engine.epsilon()

@@ -30,7 +30,8 @@ from typing import Any
 from dpl.errors import ConfigError, DPLError
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
-DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template")
+DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template",
+             "format", "messages_field")
 
 
 def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Path:
@@ -97,7 +98,8 @@ def model_card(run: LoadedRun, folder: Path, adapter: bool, report: dict[str, An
         f"# {name}",
         "", f"A {module.task} model fine-tuned by dpl from `{module.model_location}`"
         f" ({'a PEFT adapter' if adapter else 'merged weights'}).", "", "## Loading", "", "```python", load, "```",
-        "", "Or with dpl: `dpl predict path/to/this/folder inputs.jsonl`.", "", "## Privacy", "", privacy,
+        "", "Or with dpl: `dpl predict path/to/this/folder inputs.jsonl`.", *module.card_usage(run.data, run.tokenizer),
+        "", "## Privacy", "", privacy,
         "", "Details: privacy.md and privacy.json in this folder.", ""])
 
 

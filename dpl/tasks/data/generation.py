@@ -14,6 +14,9 @@ templates (``prompt_template``, ``completion_template``) turn into a prompt and 
 * Evaluation (validation / test): one example per *source* (records with the same prompt; for DART, the same
   entry): the prompt tokens and all reference completions, in file order. Batches are left-padded, for
   generation.
+* Conversations (records with ``messages``, :mod:`~dpl.tasks.data.conversations`): one training example per
+  conversation, rendered by the chat template, labelled on its assistant turns only; one evaluation source per
+  conversation: the turns before its last assistant turn, that turn's content the reference.
 
 Files are read and checked (:meth:`GenerationDataModule.prepare_data`) before anything is tokenized: each problem
 is one :class:`~dpl.errors.DataError` line naming the file and the line (or the entry).
@@ -31,11 +34,12 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from dpl.errors import ConfigError, DataError
+from dpl.tasks.data import conversations as chat
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_file, split_files, user_keys_of
 from dpl.tasks.data.padding import IGNORE_INDEX, generation_batch, training_batch
 from dpl.tasks.data.templates import (ChatFormat, ChatTemplateMode, Record, chat_format, check_chat_mode,
-                                     encode_prompts, render, show_fields, template_fields)
+                                     encode_prompts, render, show_fields, template_fields, uses_chat_template)
 from dpl.tasks.loading import load_tokenizer
 
 __all__ = ["GenerationDataModule", "Record"]
@@ -55,6 +59,7 @@ class _Split:
     completions: list[str]
     groups: list[Hashable]
     users: list[str] | None = None  # the user of each record (training split with a user column)
+    conversations: list[list[dict[str, str]]] | None = None  # the turns of each record (conversation data)
 
     def sources(self) -> list[tuple[str, list[str]]]:
         """``(prompt, references)`` per evaluation source, in order of first appearance; references in file
@@ -98,7 +103,8 @@ class GenerationDataModule(FileDataModule):
         max_length: most tokens of one training example (prompt + completion + EOS). Longer ones are truncated:
             the prompt loses tokens from its start (a leading BOS is kept; with a chat template, the start of the
             user's prompt, keeping the template's tokens around it), keeping at least one prompt token;
-            if the completion alone does not fit, it is cut at its end too. Evaluation prompts keep their last
+            if the completion alone does not fit, it is cut at its end too. A conversation keeps its end (and a
+            leading BOS), so its final reply keeps at least its last token. Evaluation prompts keep their last
             ``max_length - 1`` tokens. One warning per split says how many examples were truncated.
         max_train_examples: use only the first N training records (quick runs).
         max_eval_examples: use only the first N evaluation sources (unique prompts) of validation / test.
@@ -146,6 +152,7 @@ class GenerationDataModule(FileDataModule):
         self._encoded: dict[str, list[dict[str, Any]]] = {}
         self._pad_id: int | None = None
         self._chat: tuple[ChatFormat | None, list[int], list[int]] | None = None
+        self._splits_kind: bool | None = None  # True: conversations, False: prompt/completion, None: not read
 
     # ------------------------------------------------------------------------------------ subclass API
 
@@ -189,6 +196,14 @@ class GenerationDataModule(FileDataModule):
     def _render_split(self, name: str, records: list[Record]) -> _Split:
         if not records:
             raise DataError(f"the {name} split has no records")
+        kind = records[0].messages is not None if self._splits_kind is None else self._splits_kind
+        odd = next((r for r in records if (r.messages is not None) != kind), None)
+        if odd is not None:
+            raise DataError(f"{odd.path} {odd.where}: conversations (messages) and prompt/completion rows cannot be "
+                            f"mixed; give every split in one format")
+        self._splits_kind = kind
+        if kind:
+            return self._conversation_split(name, records)
         prompts, completions, groups = [], [], []
         for record in records:
             prompt = render(self.prompt_template, "prompt_template", record)
@@ -205,6 +220,20 @@ class GenerationDataModule(FileDataModule):
         files = list(dict.fromkeys(r.path for r in records))
         users = self._users(records) if name == "train" and self.user_column is not None else None
         return _Split(name=name, files=files, prompts=prompts, completions=completions, groups=groups, users=users)
+
+    def _conversation_split(self, name: str, records: list[Record]) -> _Split:
+        conversations = [r.messages for r in records if r.messages is not None]
+        files = list(dict.fromkeys(r.path for r in records))
+        users = self._users(records) if name == "train" and self.user_column is not None else None
+        return _Split(name=name, files=files, prompts=[r.where for r in records],
+                      completions=[chat.last_reply(m) for m in conversations],
+                      groups=[("group", r.group) for r in records], users=users, conversations=conversations)
+
+    @property
+    def conversational(self) -> bool:
+        """Whether the data are conversations (``messages`` rows; read on first use)."""
+        self.validate_data()
+        return bool(self._splits_kind)
 
     def _users(self, records: list[Record]) -> list[str]:
         users = []
@@ -235,7 +264,8 @@ class GenerationDataModule(FileDataModule):
         if unit == "user":
             return (f"one user: all the records of {self.train_name()} with the same value in field "
                     f"{self.user_column!r} (data.user_column)")
-        return f"one record of {self.train_name()} (a prompt with its completion)"
+        what = "a conversation" if self._splits_kind else "a prompt with its completion"
+        return f"one record of {self.train_name()} ({what})"
 
     def train_name(self) -> str:
         """The training file's name (after reading the data), for the descriptions."""
@@ -336,7 +366,60 @@ class GenerationDataModule(FileDataModule):
         self.val_set = self._encoded.get("validation", self.val_set)
         self.test_set = self._encoded.get("test", self.test_set)
 
+    def _chat_tokenizer(self) -> Any:
+        """The tokenizer, checked to have a chat template (conversations need one)."""
+        tokenizer = self.tokenizer
+        if self.chat_template == "none" or not uses_chat_template(tokenizer, self.chat_template,
+                                                                  self.tokenizer_location):
+            why = ("data.chat_template is 'none'" if self.chat_template == "none"
+                   else f"the tokenizer {self.tokenizer_location!r} has no chat template")
+            raise DataError(f"conversations (messages) are rendered with the tokenizer's chat template, but {why}")
+        return tokenizer
+
+    def _tokenize_conversations(self, split: _Split) -> list[dict[str, Any]]:
+        """One example per conversation: its chat-rendered turns through the last assistant turn, labelled on the
+        assistant pieces; a longer one keeps its end (and a leading BOS)."""
+        assert split.conversations is not None
+        tokenizer = self._chat_tokenizer()
+        bos = getattr(tokenizer, "bos_token_id", None)
+        examples, truncated = [], 0
+        for messages in split.conversations[:self.max_train_examples]:
+            ids, labels = chat.encode(tokenizer, chat.segments(tokenizer, messages))
+            if len(ids) > self.max_length:
+                truncated += 1
+                ids, cut = chat.keep_end(ids, self.max_length, bos, labels)
+                labels = cut or []
+            examples.append({"input_ids": ids, "labels": labels})
+        if truncated:
+            warnings.warn(f"{split.name}: {truncated} of {len(examples)} conversations are longer than "
+                          f"max_length={self.max_length} tokens and were truncated (their start cut, the end "
+                          f"kept)", stacklevel=3)
+        return examples
+
+    def _tokenize_conversation_sources(self, split: _Split) -> list[dict[str, Any]]:
+        """One source per conversation: the turns before its last assistant turn with the generation prompt,
+        the last ``max_length - 1`` tokens kept (and a leading BOS); the reference is that turn's content."""
+        assert split.conversations is not None
+        tokenizer = self._chat_tokenizer()
+        bos = getattr(tokenizer, "bos_token_id", None)
+        budget = self.max_length - 1
+        examples, truncated = [], 0
+        for messages in split.conversations[:self.max_eval_examples]:
+            ids = chat.prompt_ids(tokenizer, chat.history(messages))
+            if len(ids) > budget:
+                truncated += 1
+                ids, _ = chat.keep_end(ids, budget, bos)
+            examples.append({"input_ids": ids, "references": [chat.last_reply(messages)],
+                             "prompt": chat.history(messages)})
+        if truncated:
+            warnings.warn(f"{split.name}: {truncated} of {len(examples)} conversations are longer than "
+                          f"max_length - 1 = {budget} tokens before their last reply and were truncated (start "
+                          f"cut)", stacklevel=3)
+        return examples
+
     def _tokenize_train(self, split: _Split) -> list[dict[str, Any]]:
+        if split.conversations is not None:
+            return self._tokenize_conversations(split)
         prompts, completions = split.prompts, split.completions
         if self.max_train_examples is not None:
             prompts, completions = prompts[:self.max_train_examples], completions[:self.max_train_examples]
@@ -367,6 +450,8 @@ class GenerationDataModule(FileDataModule):
         return examples
 
     def _tokenize_eval(self, split: _Split) -> list[dict[str, Any]]:
+        if split.conversations is not None:
+            return self._tokenize_conversation_sources(split)
         sources = split.sources()
         if self.max_eval_examples is not None:
             sources = sources[:self.max_eval_examples]

@@ -19,13 +19,16 @@ class Record:
     """One row of a data file: the ``fields`` the templates read, and where it comes from (for errors).
 
     ``group`` is the evaluation grouping key: records with the same key form one source (their completions are
-    the references of one prompt). ``None`` groups by the rendered prompt.
+    the references of one prompt). ``None`` groups by the rendered prompt. ``messages`` holds a conversation's
+    checked turns (:func:`~dpl.tasks.data.conversations.check_messages`); such a record is one conversation,
+    rendered by the chat template instead of the prompt and completion templates.
     """
 
     fields: dict[str, Any]
     path: Path
     where: str  # "line 12", "entry 3", ...
     group: Hashable | None = None
+    messages: list[dict[str, str]] | None = None
 
 
 def template_fields(template: str, arg: str) -> list[str]:

@@ -204,6 +204,10 @@ class DPTaskModule(DPModule):
         """What an export records (``dpl.json``) for :meth:`from_export` besides the task and the data settings."""
         return {}
 
+    def card_usage(self, data: dict[str, Any], tokenizer: Any) -> list[str]:
+        """Markdown lines that the export's README adds to its loading snippet (``data``: the run's data settings)."""
+        return []
+
     def export_model(self, folder: Path, adapter: bool) -> None:
         """Write the trained model into the new, empty ``folder``: merged weights that a plain ``AutoModelFor...``
         loads, or (``adapter``) a PEFT adapter that ``AutoPeftModelFor...`` loads. One-line ``ConfigError``,

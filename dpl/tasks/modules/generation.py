@@ -1,8 +1,8 @@
 """``DPGenerationModule``: DP fine-tuning of a causal LM on prompt -> completion pairs, evaluated by generating.
 
-The privacy unit is one training example (one prompt/completion pair). Its loss is the mean token
-cross-entropy over the completion tokens only (the data module marks prompt and padding tokens with
-label ``-100``). Evaluation generates a completion for every unique prompt of the validation (or test)
+The privacy unit is one training example (one prompt/completion pair, or one conversation). Its loss is the mean
+token cross-entropy over the completion tokens only (a conversation's: over its assistant turns; the data module
+marks every other token, padding included, with label ``-100``). Evaluation generates a completion for every unique prompt of the validation (or test)
 split and scores the corpus against all references of each prompt (:func:`dpl.tasks.metrics.compute_metrics`);
 the predictions are written next to the run's logs.
 """
@@ -201,7 +201,8 @@ class DPGenerationModule(DPTaskModule):
     def _evaluate(self, batch: dict[str, Any]) -> None:
         predictions = self.generate(batch["input_ids"], batch["attention_mask"])
         for prompt, prediction, references in zip(batch["prompts"], predictions, batch["references"]):
-            self._outputs.append({"prompt": prompt, "prediction": prediction, "references": list(references)})
+            key = "messages" if isinstance(prompt, list) else "prompt"  # a conversation: the turns before the reply
+            self._outputs.append({key: prompt, "prediction": prediction, "references": list(references)})
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch)
@@ -259,20 +260,63 @@ class DPGenerationModule(DPTaskModule):
                           batch_size: int) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Prompts in the run's chat template where it trained with one (``data.chat_template``; a run without the
         setting trained on the plain prompt), left-padded; the newest tokens kept where a prompt is longer than
-        ``data.max_length`` - 1."""
+        ``data.max_length`` - 1. A row with a conversation (``data.messages_field``, default ``messages``) is
+        continued by the assistant: its turns (without a last assistant turn, which is generated in its place) in
+        the chat template with its generation prompt, as validation renders them."""
         from dpl.tasks.data.templates import encode_prompts, uses_chat_template
 
         chat = uses_chat_template(tokenizer, data.get("chat_template") or "none")
         budget = max(1, int(data.get("max_length") or 512) - 1)
         pad = tokenizer.pad_token_id
+        field = data.get("messages_field") or "messages"
         for start in range(0, len(rows), batch_size):
-            prompts = [self.render_prompt(row, data, start + i + 1)
-                       for i, row in enumerate(rows[start:start + batch_size])]
-            ids = [x[-budget:] for x in encode_prompts(tokenizer, prompts, chat)]
+            chunk = rows[start:start + batch_size]
+            if any(field in row for row in chunk):
+                ids = [self._conversation_ids(row, field, tokenizer, budget, start + i + 1)
+                       for i, row in enumerate(chunk)]
+                extras: list[dict[str, Any]] = [{} for _ in chunk]
+            else:
+                prompts = [self.render_prompt(row, data, start + i + 1) for i, row in enumerate(chunk)]
+                ids = [x[-budget:] for x in encode_prompts(tokenizer, prompts, chat)]
+                extras = [{"prompt": p} for p in prompts]
             length = max(len(x) for x in ids)
             yield ({"input_ids": torch.tensor([[pad] * (length - len(x)) + x for x in ids]),
                     "attention_mask": torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in ids])},
-                   [{"prompt": p} for p in prompts])
+                   extras)
+
+    @staticmethod
+    def _conversation_ids(row: dict[str, Any], field: str, tokenizer: Any, budget: int, where: int) -> list[int]:
+        """The tokens that continue input row ``where``'s conversation (see :meth:`inference_batches`)."""
+        from dpl.errors import DataError
+        from dpl.tasks.data import conversations as chat
+
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"input row {where}: a conversation needs the tokenizer's chat template; it has none")
+        messages = chat.check_messages(row.get(field), "input", f"row {where}", field, need_reply=False)
+        if messages[-1]["role"] == "assistant" and len(messages) > 1:
+            messages = messages[:-1]
+        bos = getattr(tokenizer, "bos_token_id", None)
+        return chat.keep_end(chat.prompt_ids(tokenizer, messages), budget, bos)[0]
+
+    def card_usage(self, data: dict[str, Any], tokenizer: Any) -> list[str]:
+        """A run that trained with the chat template: how plain transformers continues a conversation with it (the
+        export's tokenizer holds the chat template)."""
+        if (data.get("chat_template") or "none") == "none" or not getattr(tokenizer, "chat_template", None):
+            return []
+        return ["", "The model was trained with the chat template saved with its tokenizer; continue a conversation "
+                "with it (greedy decoding, as dpl validates):", "", "```python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                "folder = \"path/to/this/folder\"  # a PEFT adapter: load the model as above",
+                "tokenizer = AutoTokenizer.from_pretrained(folder)",
+                "model = AutoModelForCausalLM.from_pretrained(folder)",
+                "messages = [{\"role\": \"user\", \"content\": \"Hello!\"}]",
+                "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\",",
+                "                                       return_dict=True)",
+                f"output = model.generate(**inputs, max_new_tokens={self.generation.max_new_tokens}, do_sample=False)",
+                "reply = tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True)",
+                "```", "",
+                f"Training saw at most {data.get('max_length') or 'the configured number of'} tokens per example "
+                "(the start of a longer one was cut): keep the conversation within that length."]
 
     def export_meta(self) -> dict[str, Any]:
         options = asdict(self.generation)

@@ -1,0 +1,92 @@
+"""Experiment trackers (MLflow, Weights & Biases, or any Lightning logger): the run's privacy in every logger.
+
+ε (``epsilon``, at the steps taken) and the validation metrics (``val_*``) reach every configured logger as metrics
+(:class:`~dpl.lightning.module.DPModule` and the task modules log them). :class:`TrackerLogging` adds, when training
+starts, the run's fixed privacy values as hyperparameters (``privacy/delta``, ``privacy/sigma``, ``privacy/unit``,
+...: public values of the plan, nothing secret), and, once the fit has ended and the final ``privacy.json`` /
+``privacy.md`` are written, attaches those two files as artifacts to the loggers that store files (MLflow:
+``log_artifact`` under ``privacy/``; Weights & Biases: ``save``). :func:`with_run_folder` keeps dpl's run folder
+(``metrics.csv``, checkpoints, the report) when a config names its own loggers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+log = logging.getLogger("dpl")
+
+#: the summary keys logged as hyperparameters (``privacy/<name>``; ``noise_multiplier`` as ``privacy/sigma``)
+PRIVACY_PARAMS = ("unit", "adjacency", "delta", "noise_multiplier", "max_grad_norm", "batch_size", "sampling_rate",
+                  "sampling", "steps_planned", "target_epsilon", "accountant", "mechanism", "num_examples",
+                  "num_units")
+
+
+def privacy_params(summary: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters of a run's privacy from :meth:`~dpl.core.engine.PrivateEngine.summary`: plain public
+    values (no seed, no generator state, nothing per example)."""
+    names = {"noise_multiplier": "sigma"}
+    return {f"privacy/{names.get(key, key)}": summary[key] for key in PRIVACY_PARAMS if summary.get(key) is not None}
+
+
+def attach_files(logger: Any, paths: list[Path]) -> bool:
+    """Attach ``paths`` to ``logger``'s run where it stores files (MLflow, Weights & Biases); ``False`` for a logger
+    that does not."""
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+
+    if isinstance(logger, MLFlowLogger):
+        for path in paths:
+            logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="privacy")
+        return True
+    if isinstance(logger, WandbLogger):
+        for path in paths:
+            logger.experiment.save(str(path), base_path=str(path.parent), policy="now")
+        return True
+    return False
+
+
+class TrackerLogging(Callback):
+    """The run's privacy values as hyperparameters of every logger at the start of training, and the final privacy
+    report attached to the loggers that store files once the fit has ended (rank 0 only)."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        engine = getattr(pl_module, "engine", None)
+        if getattr(pl_module, "mechanism", None) is None or engine is None or not trainer.is_global_zero:
+            return
+        params = privacy_params(engine.summary())
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        from dpl.lightning.report import REPORT_JSON, REPORT_MD
+
+        folder = trainer.log_dir
+        if not trainer.is_global_zero or not folder or getattr(pl_module, "mechanism", None) is None:
+            return
+        paths = [Path(folder) / name for name in (REPORT_JSON, REPORT_MD) if (Path(folder) / name).is_file()]
+        for logger in trainer.loggers if paths else []:
+            if attach_files(logger, paths):
+                log.info("dpl: privacy report attached to %s", type(logger).__name__)
+
+
+def with_run_folder(loggers: Any, root: str | None) -> Any:
+    """``loggers`` (a config's ``trainer.logger``) with a CSV or TensorBoard logger first (the config's own, moved to
+    the front, or dpl's CSV logger under ``root``): Lightning's run folder is the first logger's, so the run folder
+    (``<root>/lightning_logs/version_N``: ``metrics.csv``, checkpoints, the privacy report) stays where dpl's commands
+    look for it when a config adds a tracker."""
+    import os
+
+    from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+
+    given = list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+    if not given or not all(isinstance(x, Logger) for x in given):
+        return loggers
+    folder = next((x for x in given if isinstance(x, (CSVLogger, TensorBoardLogger))), None)
+    if folder is None:
+        return [CSVLogger(save_dir=root or os.getcwd()), *given]
+    if given[0] is folder:
+        return loggers
+    return [folder, *(x for x in given if x is not folder)]
