@@ -617,3 +617,27 @@ def test_sigkill_mid_training_then_resume_from_last_checkpoint(tmp_path):
 
     expected = epsilon_for(1.0, 8 / 64, 150, 0.1 / 64)
     assert f"trained 150 private steps; privacy spent (epsilon={expected:.3f}" in resumed.stdout
+
+
+class _UserVectors(VectorDataModule):
+    """64 rows of 16 users (4 rows each)."""
+
+    def train_user_keys(self):
+        return [i // 4 for i in range(self.n)]
+
+
+def test_a_resume_from_example_level_to_user_level_sampling_is_refused_even_forced(tmp_path):
+    """3 steps under ELS (user_sampling: rows, k = 4), then a resume under user-level sampling with force_resume: the
+    checkpoint's mixture-of-Gaussians steps cannot be composed as user-sampled ones (that under-reports): one line
+    naming both, before any step."""
+    users = dict(unit="user", max_rows_per_user=4, seed=None, batch_size=8, physical_batch_size=8)
+    first = _vector_module(user_sampling="rows", **users)
+    trainer = _trainer(tmp_path, 3)
+    trainer.fit(first, datamodule=_UserVectors())
+    path = tmp_path / "three.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = _vector_module(user_sampling="users", force_resume=True, **{**users, "batch_size": 4})
+    with pytest.raises(ConfigError, match="cannot change how the privacy is accounted") as info:
+        _trainer(tmp_path, 6).fit(resumed, datamodule=_UserVectors(), ckpt_path=str(path))
+    assert "rows, at most 4 per user" in str(info.value) and "poisson (users)" in str(info.value)
+    assert "\n" not in str(info.value) and resumed.steps_done == 0
