@@ -292,7 +292,17 @@ class DPLightningCLI(LightningCLI):
             self._export(folder)
         summary = self.model.fit_summary
         if summary and self.trainer.is_global_zero:
-            print(summary, flush=True)
+            print(summary + self._where(), flush=True)
+
+    def _where(self) -> str:
+        """``; run folder DIR, checkpoint FILE``: where the run and its last checkpoint are (relative to the working
+        folder when inside it)."""
+        folder = run_folder(self.trainer)
+        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or ""
+        parts = [f"run folder {shown_path(folder)}"] if folder is not None and folder.is_dir() else []
+        parts.append(f"checkpoint {shown_path(Path(last))}" if last and Path(last).is_file() else
+                     "no checkpoint (trainer.enable_checkpointing false)")
+        return "; " + ", ".join(parts)
 
     def _export(self, folder: str) -> None:
         from dpl.trained.export import export_run
@@ -365,6 +375,15 @@ class DPLightningCLI(LightningCLI):
         except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
             remove_partial_run(created)
             raise
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the working folder when it lies inside it, else absolute."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def tensorboard_installed() -> bool:
