@@ -23,6 +23,7 @@ from dpl import cli
 from dpl.cli_errors import summarize_parse_error
 from dpl.cli_runs import missing_folders, remove_partial_run, run_folder
 from dpl.errors import ConfigError
+from dpl.folders import check_writable
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 from dpl.lightning.report import PrivacyReport
@@ -217,6 +218,11 @@ class DPLightningCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        accumulate = trainer.get("accumulate_grad_batches")
+        if accumulate not in (None, 1):
+            raise ConfigError(f"trainer.accumulate_grad_batches ({accumulate}) is not used by dpl: a private step "
+                              f"already accumulates its whole logical batch (privacy.batch_size) in micro-batches of "
+                              f"privacy.physical_batch_size; lower that to use less memory")
         trainer.use_distributed_sampler = False
         strategy = trainer.get("strategy")
         if getattr(strategy, "class_path", None) in LIGHTNING_DDP_CLASSES:
@@ -369,7 +375,13 @@ class DPLightningCLI(LightningCLI):
                               f"epochs, or lower val_check_interval")
 
     def _run_subcommand(self, subcommand: str) -> None:
-        created = missing_folders(run_folder(self.trainer))
+        folder = run_folder(self.trainer)
+        if subcommand == "fit" and folder is not None:
+            check_writable(folder, "the run folder (trainer.default_root_dir)")
+        export = self.config[subcommand].get("export") if subcommand == "fit" else None
+        if export:
+            check_writable(export, "--export")
+        created = missing_folders(folder)
         try:
             super()._run_subcommand(subcommand)
         except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C

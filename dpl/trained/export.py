@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError, DPLError
+from dpl.folders import check_writable
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
 DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template")
@@ -38,6 +39,7 @@ def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Pat
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{folder} exists and is not empty: export into a new folder")
+    check_writable(folder, "export folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     try:
@@ -126,6 +128,7 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument("--adapter", action="store_true", help="a PEFT adapter folder instead of merged weights")
     args = parser.parse_args(argv)
     try:
+        check_writable(args.folder, "export folder")
         run = load_run(args.run)
         if run.checkpoint is None:
             raise ConfigError(f"{args.run} is an exported folder already")
