@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "dpl.trained.plots:report_command"),
     "ledger": ("the privacy spent on a data set: its runs recorded in the privacy ledger and their composed epsilon",
                "dpl.trained.spending:ledger_command"),
+    "verify-data": ("whether a data file is one a run trained on, checked against the keyed hashes of its "
+                    "privacy report (exit 0: it matches)", "dpl.trained.verify:verify_command"),
     "plugins": ("list the installed dpl plugins: what each does, its hooks and its config fragments",
                 "dpl.cli:plugins_command"),
     "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "

@@ -221,7 +221,7 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         return [], f"__missing__ {missing}"
     if args[0] in ("plugins",):
         return args, None
-    if args[0] in ("predict", "export", "report"):  # after training: a run (trained first if need be) and inputs
+    if args[0] in ("predict", "export", "report", "verify-data"):  # after training: a run (trained first if need be)
         return [_after_training_path(a, world) for a in args], None
     if args[0] == "ledger":  # the quickstart's runs are recorded first (trained if need be); the command runs as written
         _run_file("runs/quickstart/.../privacy_ledger.jsonl", world)
@@ -355,6 +355,9 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
         assert "val_" in out
     if args[0] == "plan":
         assert "sigma = " in out and "recommended" in out, out[-2000:]
+    if args[0] == "verify-data":
+        last = out.strip().splitlines()[-1]  # after the fit that made the run, when it ran first
+        assert last.startswith("dpl verify-data: ") and " matches the train file " in last, out[-2000:]
     if args[0] == "ledger":
         assert "dpl ledger: " in out and ("composed over" in out or "no run recorded" in out), out
     if args[0] == "tune":
@@ -369,6 +372,15 @@ def _run(args: list[str], capsys) -> tuple[int, str, str]:
         code = exc.code or 0
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def _assert_no_local_path(files: list[Path], folders: list[Path]) -> None:
+    """No file names a local folder (the scratch folders, home, the Python environment, the checkout)."""
+    for path in files:
+        text = path.read_text()
+        for folder in folders:
+            for form in {str(folder), str(folder.resolve())}:
+                assert form not in text, f"{path.name} names the local folder {form}"
 
 
 def test_readme_sequence_runs_on_one_run(world, tmp_path, monkeypatch, capsys):
@@ -404,6 +416,10 @@ def test_readme_sequence_runs_on_one_run(world, tmp_path, monkeypatch, capsys):
             assert len([line for line in out.splitlines() if line.startswith("{")]) == 2, out
         if args[0] == "export":
             assert (work / "exported" / "smoke" / "privacy.json").is_file()
+            run = work / checkpoint.split("/checkpoints/")[0]
+            published = [run / "privacy.json", run / "privacy.md", *(work / "exported" / "smoke").glob("*.md"),
+                         *(work / "exported" / "smoke").glob("*.json")]
+            _assert_no_local_path(published, [world["tmp"], tmp_path, Path.home(), Path(sys.prefix), ROOT])
         if args[0] == "ledger":
             assert "composed over" in out, out
         if args[0] == "tune":
