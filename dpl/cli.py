@@ -223,6 +223,13 @@ def main(args: list[str] | None = None) -> None:
             _quiet()  # no loading bars or deprecation notices around the outputs
         _run_command(argv[0], argv[1:])
         return
+    if argv[0] in ("fit", "validate", "test") and not os.environ.get("DPL_DEBUG"):
+        from dpl.cli_precheck import precheck
+
+        mistake = precheck(argv[1:])  # dpl's own keys, before the seconds of importing torch and Lightning
+        if mistake:
+            print(f"dpl: error: {mistake}", file=sys.stderr)
+            raise SystemExit(2)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Lightning first: it gives its loggers their own handler when the root logger has none yet
     from lightning.pytorch.utilities.exceptions import SIGTERMException
