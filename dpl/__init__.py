@@ -8,8 +8,7 @@ are imported on first use, so that ``import dpl`` stays free of torch.
 from typing import Any
 
 from dpl.core.hookspecs import hookimpl
-
-__version__ = "0.1.0"
+from dpl.version import __version__
 __all__ = ["PrivacyConfig", "PrivateTraining", "hookimpl", "__version__"]
 
 

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from dpl import cli
+from dpl import cli_commands as commands
 from dpl.cli_errors import summarize_parse_error
 from dpl.cli_runs import missing_folders, remove_partial_run, run_folder
 from dpl.errors import ConfigError
@@ -39,9 +39,9 @@ def _parser_kwargs(argv: list[str]) -> dict[str, Any]:
     class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
-    models, data = cli.task_classes()
-    epilog = textwrap.fill(cli.SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
-    kwargs: dict[str, Any] = {"prog": "dpl", "description": cli.DESCRIPTION, "epilog": cli.epilog(),
+    models, data = commands.task_classes()
+    epilog = textwrap.fill(commands.SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
+    kwargs: dict[str, Any] = {"prog": "dpl", "description": commands.DESCRIPTION, "epilog": commands.epilog(),
                               "formatter_class": Formatter, "argv": argv}
     for command in ("fit", "validate", "test"):
         kwargs[command] = {"epilog": epilog, "description": COMMAND_DESCRIPTIONS[command], "dpl_command": command,
@@ -107,7 +107,7 @@ class DPLArgumentParser(LightningArgumentParser):
             text = super().format_help()
         finally:
             self.usage, self.description = usage, description
-        models, data = cli.task_classes()
+        models, data = commands.task_classes()
         return fit_preface(self.dpl_command, describe_plugins(), models, data) + text
 
 
