@@ -1,16 +1,15 @@
 """dpl: differentially private fine-tuning of language models on Lightning.
 
-``from dpl import hookimpl`` marks a plugin's hook implementations; :mod:`dpl.api` lists everything else a plugin
-may use. ``from dpl import PrivateTraining, PrivacyConfig`` trains privately without Lightning (:mod:`dpl.training`); both
-are imported on first use, so that ``import dpl`` stays free of torch.
+A plugin uses :mod:`dpl.api` only (``from dpl.api import hookimpl`` marks its hook implementations).
+``from dpl import PrivateTraining, PrivacyConfig`` trains privately without Lightning (:mod:`dpl.training`); both are
+imported on first use, so that ``import dpl`` stays free of torch.
 """
 
 from typing import Any
 
-from dpl.core.hookspecs import hookimpl
+from dpl.version import __version__
 
-__version__ = "0.1.0"
-__all__ = ["PrivacyConfig", "PrivateTraining", "hookimpl", "__version__"]
+__all__ = ["PrivacyConfig", "PrivateTraining", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import logging
 import os
-import re
 import sys
 import textwrap
 import typing
@@ -20,82 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from dpl.allocator import keep_freed_memory
+from dpl.cli_commands import COMMANDS, DESCRIPTION, SUBCOMMAND_EPILOG, docstring_args, epilog, task_classes
 from dpl.errors import DPLError, PrivacyWarning
 
-DESCRIPTION = ("dpl: differentially private fine-tuning of language models. DP-SGD (Poisson sampling, per-example\n"
-               "clipping, calibrated noise, PRV accounting) on Lightning; private-training methods plug in as hooks.")
-
-#: dpl's commands besides Lightning's (fit, validate, test): name -> (one-line help, "module:function").
-#: The function gets the remaining arguments (list of str) and returns an exit code (or None for 0).
-COMMANDS: dict[str, tuple[str, str]] = {
-    "predict": ("labels and probabilities, or completions, for new inputs from a run or an exported folder",
-                "dpl.trained.predict:predict_command"),
-    "export": ("a Hugging Face model folder (LoRA merged, or a PEFT adapter) with tokenizer, labels and privacy "
-               "report", "dpl.trained.export:export_command"),
-    "report": ("plots of a run: loss/accuracy and epsilon over steps (PNG; needs matplotlib)",
-               "dpl.trained.plots:report_command"),
-    "ledger": ("the privacy spent on a data set: its runs recorded in the privacy ledger and their composed epsilon",
-               "dpl.trained.spending:ledger_command"),
-    "plugins": ("list the installed dpl plugins: what each does, its hooks and its config fragments",
-                "dpl.cli:plugins_command"),
-    "audit": ("empirical privacy audit in one run: canaries, membership guesses, a lower bound on epsilon "
-              "(docs/audit.md)", "dpl.audit.command:audit_command"),
-    "plan": ("sigma, the noise against the clipped signal and the batch sizes at the same epsilon and compute, from "
-             "a fit config, without training (docs/planning.md)", "dpl.planning.command:plan_command"),
-    "tune": ("private hyperparameter tuning: the best of a secret, random number of private trainings, with the "
-             "epsilon of the whole search (docs/privacy.md)", "dpl.tune.command:tune_command"),
-}
-
-def task_classes() -> tuple[list[str], list[str]]:
-    """The names of the model and data classes dpl ships: those that ``dpl.tasks.modules`` / ``dpl.tasks.data``
-    export and that subclass :class:`DPModule` / :class:`DPDataModule`. Importing them here also lets
-    ``--model.help NAME`` and ``class_path: NAME`` find them by their short name."""
-    import dpl.tasks.data
-    import dpl.tasks.modules
-    from dpl.lightning.data import DPDataModule
-    from dpl.lightning.module import DPModule
-
-    def names(package: Any, base: type) -> list[str]:
-        classes = [getattr(package, name) for name in package.__all__]
-        return [c.__name__ for c in classes if inspect.isclass(c) and issubclass(c, base) and c is not base]
-
-    return names(dpl.tasks.modules, DPModule), names(dpl.tasks.data, DPDataModule)
-
-
-def epilog() -> str:
-    """The end of ``dpl fit --help``'s parent help: dpl's other commands and an example."""
-    width = max(len(name) for name in COMMANDS)
-    lines = [f"  {name.ljust(width)}  {text}" for name, (text, _) in COMMANDS.items()]
-    return ("other commands:\n" + "\n".join(lines) + "\n\nExample: dpl fit --config configs/quickstart.yaml  "
-            "(docs: README.md, docs/configuration.md)")
-
-
-#: the end of ``dpl fit/validate/test --help`` (``{models}``, ``{data}``: the task classes dpl ships)
-SUBCOMMAND_EPILOG = (
-    "Model and data options depend on the class chosen by the config (model.class_path, data.class_path). "
-    "See them with --model.help CLASS ({models}) and --data.help CLASS ({data}), e.g. "
-    "dpl fit --model.help DPClassificationModule; or print a config with every option resolved: "
-    "dpl fit --config configs/quickstart.yaml --print_config")
-
-
-def _docstring_args(cls: type) -> dict[str, str]:
-    """``name -> text`` of the ``Args:`` section of ``cls``'s docstring (continuation lines joined)."""
-    found: dict[str, str] = {}
-    name = None
-    for line in (inspect.getdoc(cls) or "").split("Args:", 1)[-1].splitlines():
-        match = re.match(r"^    (\w+): (.*)", line)
-        if match:
-            name, found[match.group(1)] = match.group(1), match.group(2).strip()
-        elif name and line.startswith("        "):
-            found[name] += " " + line.strip()
-    return found
-
+__all__ = ["COMMANDS", "DESCRIPTION", "SUBCOMMAND_EPILOG", "epilog", "main", "task_classes"]
 
 def privacy_help() -> str:
     """The privacy options (``--model.privacy.KEY``): type, default and meaning."""
     from dpl.core.privacy import PrivacyConfig
 
-    docs = _docstring_args(PrivacyConfig)
+    docs = docstring_args(PrivacyConfig)
     hints = typing.get_type_hints(PrivacyConfig)
     lines = ["privacy options of every dpl model (--model.privacy.KEY VALUE, or model.init_args.privacy in a config):"]
     for f in dataclasses.fields(PrivacyConfig):
@@ -221,6 +153,13 @@ def main(args: list[str] | None = None) -> None:
             _quiet()  # no loading bars or deprecation notices around the outputs
         _run_command(argv[0], argv[1:])
         return
+    if argv[0] in ("fit", "validate", "test") and not os.environ.get("DPL_DEBUG"):
+        from dpl.cli_precheck import precheck
+
+        mistake = precheck(argv[1:])  # dpl's own keys, before the seconds of importing torch and Lightning
+        if mistake:
+            print(f"dpl: error: {mistake}", file=sys.stderr)
+            raise SystemExit(2)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Lightning first: it gives its loggers their own handler when the root logger has none yet
     from lightning.pytorch.utilities.exceptions import SIGTERMException

@@ -34,7 +34,7 @@ def summarize_parse_error(message: str, argv: list[str], parser: Any = None) -> 
         typed = _typed_option(group.group(1), key, argv)
         return _unknown_option(typed, (group.group(1), key, candidates), [])
     if re.search(r'expected "subcommand"', text):
-        from dpl.cli import COMMANDS
+        from dpl.cli_commands import COMMANDS
 
         return f"expected a command: fit, validate, test, {', '.join(COMMANDS)} (see dpl --help)"
     if "arguments are required" in text and (".model" in text or ".data" in text):

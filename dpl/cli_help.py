@@ -109,9 +109,9 @@ def plugins_listing(infos: list[PluginInfo]) -> str:
 
 def _options_of(cls: type) -> list[tuple[str, str]]:
     """``(KEY, first sentence of its doc (type, default))`` for each field of dataclass ``cls``."""
-    from dpl.cli import _docstring_args
+    from dpl.cli_commands import docstring_args
 
-    docs = _docstring_args(cls)
+    docs = docstring_args(cls)
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):

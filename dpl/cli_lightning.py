@@ -19,10 +19,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from dpl import cli
+from dpl import cli_commands as commands
 from dpl.cli_errors import summarize_parse_error
 from dpl.cli_runs import missing_folders, remove_partial_run, run_folder
 from dpl.errors import ConfigError
+from dpl.folders import check_writable
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 from dpl.lightning.report import PrivacyReport
@@ -38,9 +39,9 @@ def _parser_kwargs(argv: list[str]) -> dict[str, Any]:
     class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
-    models, data = cli.task_classes()
-    epilog = textwrap.fill(cli.SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
-    kwargs: dict[str, Any] = {"prog": "dpl", "description": cli.DESCRIPTION, "epilog": cli.epilog(),
+    models, data = commands.task_classes()
+    epilog = textwrap.fill(commands.SUBCOMMAND_EPILOG.format(models=", ".join(models), data=", ".join(data)), 79)
+    kwargs: dict[str, Any] = {"prog": "dpl", "description": commands.DESCRIPTION, "epilog": commands.epilog(),
                               "formatter_class": Formatter, "argv": argv}
     for command in ("fit", "validate", "test"):
         kwargs[command] = {"epilog": epilog, "description": COMMAND_DESCRIPTIONS[command], "dpl_command": command,
@@ -106,7 +107,7 @@ class DPLArgumentParser(LightningArgumentParser):
             text = super().format_help()
         finally:
             self.usage, self.description = usage, description
-        models, data = cli.task_classes()
+        models, data = commands.task_classes()
         return fit_preface(self.dpl_command, describe_plugins(), models, data) + text
 
 
@@ -217,6 +218,11 @@ class DPLightningCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        accumulate = trainer.get("accumulate_grad_batches")
+        if accumulate not in (None, 1):
+            raise ConfigError(f"trainer.accumulate_grad_batches ({accumulate}) is not used by dpl: a private step "
+                              f"already accumulates its whole logical batch (privacy.batch_size) in micro-batches of "
+                              f"privacy.physical_batch_size; lower that to use less memory")
         trainer.use_distributed_sampler = False
         strategy = trainer.get("strategy")
         if getattr(strategy, "class_path", None) in LIGHTNING_DDP_CLASSES:
@@ -296,7 +302,17 @@ class DPLightningCLI(LightningCLI):
             self._export(folder)
         summary = self.model.fit_summary
         if summary and self.trainer.is_global_zero:
-            print(summary, flush=True)
+            print(summary + self._where(), flush=True)
+
+    def _where(self) -> str:
+        """``; run folder DIR, checkpoint FILE``: where the run and its last checkpoint are (relative to the working
+        folder when inside it)."""
+        folder = run_folder(self.trainer)
+        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or ""
+        parts = [f"run folder {shown_path(folder)}"] if folder is not None and folder.is_dir() else []
+        parts.append(f"checkpoint {shown_path(Path(last))}" if last and Path(last).is_file() else
+                     "no checkpoint (trainer.enable_checkpointing false)")
+        return "; " + ", ".join(parts)
 
     def _export(self, folder: str) -> None:
         from dpl.trained.export import export_run
@@ -363,12 +379,27 @@ class DPLightningCLI(LightningCLI):
                               f"epochs, or lower val_check_interval")
 
     def _run_subcommand(self, subcommand: str) -> None:
-        created = missing_folders(run_folder(self.trainer))
+        folder = run_folder(self.trainer)
+        if subcommand == "fit" and folder is not None:
+            check_writable(folder, "the run folder (trainer.default_root_dir)")
+        export = self.config[subcommand].get("export") if subcommand == "fit" else None
+        if export:
+            check_writable(export, "--export")
+        created = missing_folders(folder)
         try:
             super()._run_subcommand(subcommand)
         except (Exception, SystemExit, KeyboardInterrupt):  # SystemExit: Lightning's stop on SIGTERM or Ctrl+C
             remove_partial_run(created)
             raise
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the working folder when it lies inside it, else absolute."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def tensorboard_installed() -> bool:

@@ -13,7 +13,7 @@ from helpers import random_batch, tiny_bert, tiny_classification_workspace
 from dpl.cli import main
 from dpl.errors import ConfigError
 from dpl.core.gradients import PrivateGradient
-from dpl.core.hookspecs import hookimpl
+from dpl.api import hookimpl
 from dpl.core.mechanism import PoissonGaussian
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.step import ReleaseContext, RunSetup, StepContext, private_step

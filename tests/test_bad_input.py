@@ -1,5 +1,6 @@
 """Bad input fails before training with one clear line (exit code 2) and writes no run directory."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,56 @@ def test_a_resume_past_the_budget_or_with_nothing_left_is_one_line(workspace, ca
         resumed, resumed_root = _run(workspace, "--trainer.max_steps", "4", "--ckpt_path", ckpt, *overrides,
                                      capsys=capsys)
         _assert_one_line_error(resumed, resumed_root, pattern)
+
+
+@pytest.fixture(scope="module")
+def user_mistakes(workspace):
+    """A regular file (``a_file``) to name folders under, and a model folder with no model in it."""
+    tmp, _ = workspace
+    (tmp / "a_file").write_text("not a folder\n")
+    (tmp / "empty_model").mkdir(exist_ok=True)
+    return tmp
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (("--trainer.default_root_dir", "{tmp}/a_file/runs"), "lies under a file"),
+    (("--trainer.default_root_dir", "{tmp}/a_file"), "lies under a file"),
+    (("--export", "{tmp}/a_file/exported"), "--export '{tmp}/a_file/exported' lies under a file"),
+    (("--model.init_args.model", "{tmp}/empty_model"), "holds no model (no config.json"),
+    (("--model.init_args.model", "{tmp}/no_such_model"), "model '{tmp}/no_such_model' not found"),
+    (("--data.init_args.tokenizer", "{tmp}/no_such_model"), "tokenizer '{tmp}/no_such_model' not found"),
+    (("--trainer.accumulate_grad_batches", "4"), "privacy.physical_batch_size"),
+], ids=["root-under-file", "root-is-file", "export-under-file", "empty-model-folder", "missing-model",
+        "missing-tokenizer", "accumulate"])
+def test_a_users_mistake_is_one_line(workspace, user_mistakes, overrides, pattern, capsys):
+    tmp = user_mistakes
+    result, root = _run(workspace, *(o.format(tmp=tmp) for o in overrides), capsys=capsys)
+    _assert_one_line_error(result, root, pattern.format(tmp=tmp))
+    assert (tmp / "a_file").read_text() == "not a folder\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into any folder")
+def test_a_read_only_run_folder_is_one_line(workspace, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        result, root = _run(workspace, "--trainer.default_root_dir", str(locked / "runs"), capsys=capsys)
+        _assert_one_line_error(result, root, "is not writable")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_export_to_a_folder_under_a_file_is_one_line(workspace, user_mistakes, capsys):
+    tmp, model = workspace
+    root = tmp / "runs_export"
+    config = tmp / "export.yaml"
+    config.write_text(CONFIG.format(root=root, model=model, data=tmp / "data"))
+    main(["fit", "--config", str(config)])
+    capsys.readouterr()
+    checkpoint = str(next(root.rglob("last.ckpt")))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", checkpoint, str(tmp / "a_file" / "exported")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("dpl: error:") == 1 and "Traceback" not in err
+    assert "lies under a file" in err and (tmp / "a_file").is_file()

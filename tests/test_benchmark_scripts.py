@@ -24,6 +24,7 @@ HAVE_SST2 = (DATA / "sst2" / "train.tsv").is_file()
 ARGS = {
     "accountant_cost": ["--steps", "20", "--step-time", "0", "--samples", "2"],
     "blt_buffers": ["--steps", "50", "--participations", "1", "--nbuf", "2"],
+    "config_error_latency": ["--repeats", "1", "--results", "{tmp}/config_error_latency.json"],
     "ddp_step_time": ["--steps", "3", "--warmup", "1", "--batch", "8", "--seq", "8", "--hidden", "32", "--layers", "1",
                       "--json", "{tmp}/ddp_step_time.json"],
     "denoise_figures": ["--steps", "2", "--train-rows", "64", "--eval-rows", "16", "--batch-size", "8",

@@ -104,3 +104,38 @@ def test_any_other_message_keeps_its_last_meaningful_line_and_the_debug_hint():
     message = 'Parser key "trainer":\n  Something else went wrong\n  Given value: 3'
     assert summarize_parse_error(message, [], None) == \
         "trainer: Something else went wrong (DPL_DEBUG=1 shows the full message)"
+
+
+@pytest.mark.parametrize("option", ["--model.privacy.batchsize", "--model.init_args.privacy.batchsize", "--xyzzy",
+                                    "--privacy.batch_sise"])
+def test_the_precheck_says_what_the_full_parser_says(config, option):
+    from dpl.cli_precheck import precheck
+
+    assert precheck(["--config", config, option, "3"]) == rewrite(["fit", "--config", config, option, "3"])
+
+
+@pytest.mark.parametrize("argv", [["--model.privacy.batch_size", "3"], ["--model.privacy.zzz", "3"],
+                                  ["--traner.max_steps", "3"], ["--seed_everythin", "3"], ["--ckpt", "x"],
+                                  ["--model.privacy.help"], ["--trainer.max_stepz", "3"]])
+def test_the_precheck_leaves_what_it_is_not_sure_of_to_the_full_parser(config, argv):
+    from dpl.cli_precheck import precheck
+
+    assert precheck(["--config", config, *argv]) is None
+
+
+def test_a_privacy_typo_in_a_config_file_is_answered_before_lightning_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  init_args:\n    privacy:\n      batch_sise: 4\n")
+    code = ("import sys\nfrom dpl.cli import main\ntry:\n    main(['fit', '--config', 'configs/quickstart.yaml', "
+            f"'--config', {str(typo)!r}])\nexcept SystemExit as exc:\n    print(exc.code, 'lightning' in sys.modules, "
+            "'torch' in sys.modules)")
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.split() == ["2", "False", "False"], done.stderr[-2000:]
+    assert done.stderr.strip() == (f"dpl: error: unknown option model.init_args.privacy.batch_sise in {typo}; did "
+                                   f"you mean model.init_args.privacy.batch_size?")

@@ -468,3 +468,31 @@ def test_default_smollm2_tokenizer_plain_prompt(tmp_path):
     assert tok.decode(example["input_ids"]) == "Table: name cafe red\nSentence: the cafe is red ." + tok.eos_token
     batch = next(iter(dm.val_dataloader()))
     assert batch["input_ids"][:, -1].ne(dm.pad_token_id).all()  # left padding: every prompt ends at the right
+
+
+def test_generated_tables_hold_out_their_validation_mrs():
+    from dpl.tasks.data.quickstart_tables import QuickstartE2EDataModule, generate
+
+    rows = generate(seed=3, train_size=300, validation_size=10)
+    assert rows == generate(seed=3, train_size=300, validation_size=10)  # deterministic
+    assert len(rows["train"]) == 300 and len({mr for mr, _ in rows["validation"]}) == 10
+    assert not {mr for mr, _ in rows["train"]} & {mr for mr, _ in rows["validation"]}
+    module = QuickstartE2EDataModule(train_size=300, validation_size=10, seed=3, max_length=64)
+    summary = module.validate_data()
+    assert summary["records"]["train"] == 300 and summary["sources"]["validation"] == 10
+    assert module.training_data()["generator"] == "dpl.tasks.data.quickstart_tables.generate"
+    with pytest.raises(ConfigError, match="reads no file"):
+        QuickstartE2EDataModule(data_dir="somewhere")
+
+
+@pytest.mark.parametrize("module,kwargs,where", [
+    (E2EDataModule, {"train_file": "no/such/devset.csv"}, "https://github.com/tuetschek/e2e-dataset"),
+    (E2EDataModule, {"data_dir": "no/such/folder"}, "https://github.com/tuetschek/e2e-dataset"),
+    (DARTDataModule, {"data_dir": "no/such/folder"}, "https://github.com/Yale-LILY/dart"),
+])
+def test_a_missing_public_data_set_says_where_to_get_it(module, kwargs, where):
+    with pytest.raises(DataError) as error:
+        module(**kwargs).validate_data()
+    message = str(error.value)
+    assert "not found" in message and where in message and "configs/e2e/quickstart.yaml" in message
+    assert "\n" not in message

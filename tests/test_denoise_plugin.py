@@ -11,7 +11,7 @@ from helpers import random_batch, tiny_bert, tiny_classification_workspace
 
 from dpl.errors import ConfigError, PrivacyWarning
 from dpl.core.gradients import GradientSum, PrivateGradient
-from dpl.core.hookspecs import hookimpl
+from dpl.api import hookimpl
 from dpl.core.plugin_manager import create_plugin_manager, replaced_hooks
 from dpl.core.step import RunSetup, StepContext, private_step
 from dpl_plugins.denoise import NONPRIVATE_PREFIX, DenoisePlugin

@@ -86,7 +86,17 @@ def config_commands(documented: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return found
 
 
-DOCUMENTED = doc_commands()
+def readme_sequence() -> list[str]:
+    """README's newcomer sequence: the block that trains a smoke run on one's own data and uses that run after."""
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S):
+        commands = _split_commands(block)
+        if "configs/smoke.yaml" in block and any(c.startswith("dpl predict") for c in commands):
+            return commands
+    return []
+
+
+SEQUENCE = readme_sequence()
+DOCUMENTED = [item for item in doc_commands() if item != ("README.md", item[1]) or item[1] not in SEQUENCE]
 _FIRST: dict[str, tuple[str, str]] = {}
 for _source, _command in DOCUMENTED + config_commands(DOCUMENTED):
     _FIRST.setdefault(_command, (_source, _command))  # each distinct command once, named by its first source
@@ -228,7 +238,7 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         return [], f"__missing__ {missing}"
     if args[0] in ("plugins",):
         return args, None
-    if args[0] in ("predict", "export", "report"):  # after training: a run (trained first if need be) and inputs
+    if args[0] in ("predict", "export", "report", "verify-data"):  # after training: a run (trained first if need be)
         return [_after_training_path(a, world) for a in args], None
     if args[0] == "ledger":  # the quickstart's runs are recorded first (trained if need be); the command runs as written
         _run_file("runs/quickstart/.../privacy_ledger.jsonl", world)
@@ -370,10 +380,75 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
         assert "val_" in out
     if args[0] == "plan":
         assert "sigma = " in out and "recommended" in out, out[-2000:]
+    if args[0] == "verify-data":
+        last = out.strip().splitlines()[-1]  # after the fit that made the run, when it ran first
+        assert last.startswith("dpl verify-data: ") and " matches the train file " in last, out[-2000:]
     if args[0] == "ledger":
         assert "dpl ledger: " in out and ("composed over" in out or "no run recorded" in out), out
     if args[0] == "tune":
         assert "dpl: tuned model: epsilon=" in out or "nothing is released" in out, out[-2000:]
+
+
+def _run(args: list[str], capsys) -> tuple[int, str, str]:
+    code = 0
+    try:
+        main(args)
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_no_local_path(files: list[Path], folders: list[Path]) -> None:
+    """No file names a local folder (the scratch folders, home, the Python environment, the checkout)."""
+    for path in files:
+        text = path.read_text()
+        for folder in folders:
+            for form in {str(folder), str(folder.resolve())}:
+                assert form not in text, f"{path.name} names the local folder {form}"
+
+
+def test_readme_sequence_runs_on_one_run(world, tmp_path, monkeypatch, capsys):
+    """README's own-data sequence in order: the smoke fit, then predict, export, ledger and tune on the run whose
+    folder and checkpoint the fit's last line names."""
+    assert [c.split()[1] for c in SEQUENCE] == ["fit", "predict", "export", "ledger", "tune"]
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("configs", "plugins"):
+        (work / name).symlink_to(ROOT / name)
+    world = {**world, "work": work}
+    monkeypatch.chdir(work)
+    from dpl.core.accounting.tuning import TrialDistribution
+
+    draw = TrialDistribution.sample
+    monkeypatch.setattr(TrialDistribution, "sample", lambda self, *a, **k: min(draw(self, *a, **k), 1))
+    checkpoint = None
+    for command in SEQUENCE:
+        if checkpoint is not None:
+            command = command.replace("runs/smoke/.../last.ckpt", checkpoint)
+        args, skip = prepare(command, world)
+        assert skip is None, skip
+        code, out, err = _run(args, capsys)
+        assert code == 0, f"`{command}` exited {code}:\n{err[-3000:]}"
+        if args[0] == "fit":
+            last = [line for line in out.splitlines() if line.strip()][-1]
+            found = re.search(r"; run folder (\S+), checkpoint (\S+)$", last)
+            assert found, last
+            assert (work / found.group(1)).is_dir() and found.group(2).startswith(found.group(1))
+            checkpoint = found.group(2)
+            assert checkpoint.startswith("runs/smoke/") and (work / checkpoint).is_file()
+        if args[0] == "predict":
+            assert len([line for line in out.splitlines() if line.startswith("{")]) == 2, out
+        if args[0] == "export":
+            assert (work / "exported" / "smoke" / "privacy.json").is_file()
+            run = work / checkpoint.split("/checkpoints/")[0]
+            published = [run / "privacy.json", run / "privacy.md", *(work / "exported" / "smoke").glob("*.md"),
+                         *(work / "exported" / "smoke").glob("*.json")]
+            _assert_no_local_path(published, [world["tmp"], tmp_path, Path.home(), Path(sys.prefix), ROOT])
+        if args[0] == "ledger":
+            assert "composed over" in out, out
+        if args[0] == "tune":
+            assert "dpl: tuned model: epsilon=" in out or "nothing is released" in out, out[-2000:]
 
 
 def test_every_config_is_covered():

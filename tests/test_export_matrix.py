@@ -206,6 +206,11 @@ def test_generation_predicts_and_exports(workspace, tmp_path, capsys, mode):
         got = AutoModelForCausalLM.from_pretrained(merged).eval()(**ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert predict(load_run(merged), PROMPTS) == rows
+    snippet = re.search(r"```python\n(.*?)```", (merged / "README.md").read_text(), flags=re.S).group(1)
+    assert "data.prompt_template '{prompt}'" in snippet and "data.max_length" in snippet
+    scope: dict = {}
+    exec(snippet.replace("path/to/this/folder", str(merged)).replace('"..."', repr(PROMPTS[0]["prompt"])), scope)
+    assert torch.equal(scope["ids"], ids["input_ids"])  # the README's inputs are those the model was trained on
 
     adapter = tmp_path / "adapter"
     if mode != "lora":

@@ -146,7 +146,8 @@ def _fit_privacy(tiny, args: list[str], name: str) -> dict:
     return json.loads(reports[-1].read_text())
 
 
-@pytest.mark.parametrize("extra", [(), ("--config", str(ROOT / "configs/privacy/users.yaml"),
+@pytest.mark.parametrize("extra", [(), ("--config", str(ROOT / "configs/privacy/quickstart-authors.yaml"),
+                                        "--config", str(ROOT / "configs/privacy/users.yaml"),
                                         "--data.init_args.authors", "60", "--model.init_args.privacy.batch_size", "8")],
                          ids=["examples", "users"])
 def test_plan_sigma_is_what_fit_calibrates(tiny, extra, caplog):

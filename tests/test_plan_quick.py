@@ -48,7 +48,8 @@ def test_quick_plan_is_the_full_plan(extra):
 
 
 @pytest.mark.parametrize("extra", [
-    ("--config", str(ROOT / "configs/privacy/users.yaml")),  # user-level DP
+    ("--config", str(ROOT / "configs/privacy/quickstart-authors.yaml"),
+     "--config", str(ROOT / "configs/privacy/users.yaml")),  # user-level DP
     ("--model.init_args.finetuning.method", "full"),
     ("--model.init_args.pooling", "model"),
     ("--model.init_args.plugins", "{denoise: {}}"),

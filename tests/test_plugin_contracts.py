@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import fake_entry_points
 
-from dpl import hookimpl
-from dpl.api import Contract
+from dpl.api import Contract, hookimpl
 from dpl.core.plugin_manager import (STATE_METHODS, check_contracts, create_plugin_manager, installed_plugins,
                                      load_plugin, options_dataclass)
 from dpl.errors import ConfigError, PluginError
@@ -131,3 +130,20 @@ def _dpl_imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("path", sorted(PLUGINS_DIR.rglob("*.py")), ids=lambda p: str(p.relative_to(PLUGINS_DIR)))
 def test_built_in_plugins_use_only_the_plugin_api(path):
     assert _dpl_imports(path) <= {"dpl", "dpl.api"}, f"{path.name} imports {_dpl_imports(path) - {'dpl', 'dpl.api'}}"
+
+
+def test_hooks_doc_and_hookspecs_name_every_setup_field_and_contract_flag():
+    import dataclasses
+    import re
+
+    from dpl.core import hookspecs
+    from dpl.core.step import RunSetup
+
+    hooks = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    section = re.search(r"## `validate_setup`\n(.*?)\n## ", hooks, flags=re.S).group(1)
+    for field in dataclasses.fields(RunSetup):
+        assert f"`{field.name}`" in section, f"docs/hooks.md does not name RunSetup.{field.name}"
+        assert f"``{field.name}``" in hookspecs.validate_setup.__doc__, f"hookspecs does not name RunSetup.{field.name}"
+    for field in dataclasses.fields(Contract):
+        assert f"`{field.name}`" in section, f"docs/hooks.md does not name Contract.{field.name}"
+        assert f"``{field.name}``" in hookspecs.__doc__, f"hookspecs does not name Contract.{field.name}"

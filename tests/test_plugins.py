@@ -10,7 +10,7 @@ from helpers import fake_entry_points, save_tiny_bert, write_sentiment_tsv
 
 from dpl.core import hookspecs
 from dpl.errors import PluginError
-from dpl.core.hookspecs import hookimpl
+from dpl.api import hookimpl
 from dpl.core.plugin_manager import (active_plugin_names, create_plugin_manager, describe_plugins, installed_plugins,
                                 normalize_plugin_config)
 

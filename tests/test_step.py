@@ -9,7 +9,7 @@ from helpers import random_batch, tiny_bert
 
 from dpl.errors import PrivacyViolation
 from dpl.core.gradients import GradientSum
-from dpl.core.hookspecs import hookimpl
+from dpl.api import hookimpl
 from dpl.core.plugin_manager import create_plugin_manager
 from dpl.core.step import StepContext, private_step
 

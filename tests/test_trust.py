@@ -21,7 +21,7 @@ from torch import nn
 from dpl.lightning.checkpoint import SECRET_KEY, secret_path
 from dpl.errors import ConfigError, PluginError, PrivacyWarning
 from dpl.core.gradients import GradientSum, PrivateGradient
-from dpl.core.hookspecs import hookimpl
+from dpl.api import hookimpl
 from dpl.lightning.module import DPModule
 from dpl.core.noise import KeyedNormal, SecureNormal, normal, replay_source
 from dpl.core.per_example import PerExampleClipper

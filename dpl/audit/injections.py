@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from dpl.core.gradients import GradientSum
-from dpl.core.hookspecs import hookimpl
+from dpl.api import hookimpl
 from dpl.core.plugin_manager import Contract
 from dpl.core.step import UNITS_KEY, StepContext
 

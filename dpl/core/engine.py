@@ -290,7 +290,7 @@ class PrivateEngine:
         """The run's privacy as plain values, nothing secret (for the privacy report and logs): the ledger's
         accounting (epsilon spent at the run's delta and at each of ``deltas``, sigma, C, the plan, the unit, the
         mechanism's sampling and accounting), the users, the plugins with their options, the resume."""
-        from dpl import __version__
+        from dpl.version import __version__
 
         cfg = self.privacy
         accounting = self.ledger.summary(deltas) if self.ledger is not None else {

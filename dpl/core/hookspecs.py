@@ -17,9 +17,11 @@ refuses them when it loads them. See ``docs/hooks.md`` for examples.
 
 Besides the hooks, a plugin object may have:
 
-* ``contract`` - a :class:`dpl.api.Contract` declaring what it does to the step (changes the noise, reads the noise
-  std, releases a rank-one estimate, needs gradient matrices, works on whole tensors); the core refuses conflicting
-  combinations from these declarations (:func:`dpl.core.plugin_manager.check_contracts`).
+* ``contract`` - a :class:`dpl.api.Contract` declaring what it does to the step: ``changes_noise`` (changes the
+  noise left in the release), ``needs_noise_std`` (reads the release's noise std), ``rank_one_release`` (releases a
+  scalar along a public direction), ``needs_gradient_matrices`` (needs a gradient per parameter), ``full_tensors``
+  (works on whole tensors, not FSDP shards), ``clips_units`` (its estimator bounds each privacy unit as one); the core
+  refuses conflicting combinations from these declarations (:func:`dpl.core.plugin_manager.check_contracts`).
 * state, in pairs (:data:`dpl.core.plugin_manager.STATE_METHODS`, checked when the plugin is loaded):
   ``state_dict() -> dict`` / ``load_state_dict(state)`` for public state, written into the checkpoint a user may
   share (values that are functions of DP releases only, e.g. Adam moments); ``secret_state_dict() -> dict`` /
@@ -119,7 +121,10 @@ def validate_setup(setup: RunSetup) -> None:
 
     Called once for every active plugin, at ``engine.setup``, after the plugins' declared contracts were checked
     (:func:`dpl.core.plugin_manager.check_contracts` refuses conflicting combinations, such as ``denoise`` with
-    ``dpzero``: no plugin names another). ``setup.plugin_names`` lists the active plugins.
+    ``dpzero``: no plugin names another). ``setup`` holds ``model``, ``trainable``, ``plugin_names`` (the active
+    plugins), ``population``, ``expected_batch_size``, ``steps``, ``sampling_rate``, ``accountant``,
+    ``optimizer_name``, ``replaced_hooks``, ``seed``, ``world_size``, ``optimizer_factory``, ``secure_noise``,
+    ``sharded`` and ``unit`` (docs/hooks.md says what each is).
     Example: ``denoise`` refuses a model with no trainable 2-D parameter matching its patterns.
     """
 

@@ -79,16 +79,40 @@ def combined_id(hashes: list[str], keyed: bool = False) -> str:
     return f"{DATA_HASH if keyed else HASH}:{hashes[0] if len(hashes) == 1 else text_hash(sorted(hashes), keyed)}"
 
 
-def file_entry(path: str | Path, split: str | None = None, keyed: bool = False) -> dict[str, Any]:
-    """``{split, path, bytes, hash}`` of one file (``path`` as given; ``keyed``: :func:`file_hash`)."""
+def public_location(location: str) -> str:
+    """``location`` as a report may publish it: a hub id, a ``pkg://`` location or a relative path as given; a local
+    absolute path (or one under ``~``) by its last part only, so that no local folder (home, virtual environment) is
+    named."""
+    if location.startswith(("/", "~")) or Path(location).is_absolute() or "\\" in location:
+        return Path(location).expanduser().name
+    return location
+
+
+def public_names(paths: Iterable[str | Path]) -> dict[str, str]:
+    """Each path -> its name relative to the deepest folder that holds them all (one file: its base name)."""
+    resolved = {str(p): Path(p).resolve() for p in paths}
+    if not resolved:
+        return {}
+    common = Path(os.path.commonpath([str(p.parent) for p in resolved.values()]))
+    return {given: str(path.relative_to(common)) for given, path in resolved.items()}
+
+
+def file_entry(path: str | Path, split: str | None = None, keyed: bool = False,
+               name: str | None = None) -> dict[str, Any]:
+    """``{split, path, bytes, hash}`` of one file (``path``: ``name``, else as given; ``keyed``: :func:`file_hash`)."""
     entry = {"split": split} if split is not None else {}
-    return {**entry, "path": str(path), "bytes": os.stat(path).st_size, "hash": file_hash(path, keyed)}
+    return {**entry, "path": str(path) if name is None else name, "bytes": os.stat(path).st_size,
+            "hash": file_hash(path, keyed)}
 
 
 def describe_files(files: Mapping[str, Iterable[str | Path]]) -> dict[str, Any]:
-    """The data read from ``files`` (split -> its files; ``train`` required): every file with its size and keyed
-    hash, and the data set's ``id`` (:func:`combined_id` of the training files)."""
-    entries = [file_entry(path, split, keyed=True) for split, paths in files.items() for path in dict.fromkeys(paths)]
+    """The data read from ``files`` (split -> its files; ``train`` required): every file, named relative to the
+    folder that holds them all (:func:`public_names`), with its size and keyed hash, and the data set's ``id``
+    (:func:`combined_id` of the training files)."""
+    files = {split: list(dict.fromkeys(paths)) for split, paths in files.items()}
+    names = public_names([path for paths in files.values() for path in paths])
+    entries = [file_entry(path, split, keyed=True, name=names[str(path)]) for split, paths in files.items()
+               for path in paths]
     train = [e["hash"] for e in entries if e["split"] == "train"]
     return {"id": combined_id(train, keyed=True), "files": entries,
             "hashed": f"the bytes of each file ({DATA_HASH}: keyed with this machine's secret data key, so that the "
@@ -105,23 +129,25 @@ def describe_generated(generator: str, settings: Mapping[str, Any], rows: Iterab
 
 
 def describe_model(location: str | None, path: str | Path | None = None) -> dict[str, Any]:
-    """The base model as configured (``location``) and, where it is a local file or folder (``path``: ``location``
-    resolved), the hash of its weight files (:data:`WEIGHT_SUFFIXES`; a ``.gguf`` or other single file: that file)."""
+    """The base model as configured (``location``, as :func:`public_location` publishes it) and, where it is a local
+    file or folder (``path``: ``location`` resolved), the hash of its weight files (:data:`WEIGHT_SUFFIXES`; a
+    ``.gguf`` or other single file: that file), each named by its base name."""
     if location is None:
         return {"location": None, "id": None, "files": [], "hashed": "nothing: the model states no location"}
     path = Path(location if path is None else path)
+    shown = public_location(location)
     if path.is_file():
         weights = [path]
     elif path.is_dir():
         weights = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     else:
-        return {"location": location, "id": None, "files": [],
+        return {"location": shown, "id": None, "files": [],
                 "hashed": "nothing: not a local file or folder (a hub id: its weights were not hashed)"}
     if not weights:
-        return {"location": location, "path": str(path), "id": None, "files": [],
+        return {"location": shown, "id": None, "files": [],
                 "hashed": f"nothing: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in the folder"}
-    files = [file_entry(p) for p in weights]
-    return {"location": location, "path": str(path), "id": combined_id([f["hash"] for f in files]),
+    files = [file_entry(p, name=p.name) for p in weights]
+    return {"location": shown, "id": combined_id([f["hash"] for f in files]),
             "files": files, "hashed": f"the bytes of each weight file ({HASH}; b2sum -l 256 FILE prints the same); id: the file's hash (several files: "
                                       f"the hash of their sorted hashes)"}
 

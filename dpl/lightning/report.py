@@ -30,6 +30,13 @@ REPORT_MD = "privacy.md"
 REPORT_KEY = "dpl_privacy_report"  # the report of the checkpoint's own state, inside the checkpoint
 DELTA_FACTORS = (10.0, 1.0, 0.1, 0.01, 0.001)  # the epsilon-delta table: the run's delta times these
 
+#: what the hashes of privacy.md are, and how their owner checks a file against them
+HASH_NOTE = ("Hashes: BLAKE2b-256 of each file's bytes. The base model's are plain (`b2sum -l 256 FILE` prints the "
+             "same). The training data's (`blake2b-256-keyed`) are keyed with a secret key of the machine that "
+             "trained, so they confirm nothing to whoever holds a candidate copy of the data; b2sum prints another "
+             "value. Their owner checks a file against this report on that machine (or with its key in "
+             "DPL_DATA_KEY): `dpl verify-data FILE RUN_FOLDER`.")
+
 
 def _plain(value: Any) -> Any:
     """JSON-safe: inf and NaN as strings (JSON has no such numbers)."""
@@ -76,9 +83,22 @@ def _protects(report: dict[str, Any]) -> str:
     """Whom the guarantee protects, in words."""
     users = report.get("users")
     if report.get("unit") == "user" and users:
-        return (f"each user's (up to {users['max_rows_per_user']}) records, among {users['users']} users "
-                f"({report['num_examples']} training rows)")
+        return (f"all the records of each user, among {users['users']} users ({report['num_examples']} training "
+                f"rows; at most {users['max_rows_per_user']} records of a user are used in training)")
     return f"each training example, among {report['num_examples']} training examples"
+
+
+def _has_labels(module: Any) -> bool:
+    """Whether the task has a label set (classification does; generation does not)."""
+    return getattr(module, "task", None) != "generation"
+
+
+def _unit_text(report: dict[str, Any]) -> str | None:
+    """What one privacy unit is, without repeating the unit's name (``one user: all the rows ...`` -> ``all the
+    rows ...``)."""
+    text = report.get("unit_description")
+    lead = f"one {_unit_word(report)}: "
+    return text[len(lead):] if text and text.lower().startswith(lead) else text
 
 
 def build_report(module: Any, run: dict[str, Any] | None = None,
@@ -99,8 +119,8 @@ def build_report(module: Any, run: dict[str, Any] | None = None,
         **{k: v for k, v in summary.items() if k != "epsilon_at_delta"},
         "epsilon_delta_table": [{"delta": d, "epsilon": e} for d, e in summary["epsilon_at_delta"].items()],
         "accountant_note": accountant_note(summary),
-        "not_protected": ["the pretrained model and tokenizer", "the validation and test sets", "the label set",
-                          "the number of training examples", *(["the number of users"] if unit == "user" else []),
+        "not_protected": ["the pretrained model and tokenizer", "the validation and test sets",
+                          *(["the label set"] if _has_labels(module) else []), "the number of training examples", *(["the number of users"] if unit == "user" else []),
                           "hyperparameters tuned on the private data",
                           "the training data's file names and sizes (its content hashes are keyed with a secret key "
                           "of the machine that trained: they confirm nothing to whoever holds a candidate copy)"],
@@ -141,7 +161,8 @@ def model_card_paragraph(report: dict[str, Any]) -> str:
     clipped = ("each user's mean gradient" if user and (report.get("users") or {}).get("sampling") == "users"
                else "each example's gradient")
     base = (report.get("base_model") or {}).get("location")
-    example = report.get("unit_description")
+    example = _unit_text(report)
+    labels = ", the label set" if "the label set" in report.get("not_protected", ["the label set"]) else ""
     return (f"This model was fine-tuned{f' from {base}' if base else ''} with differential privacy using dpl "
             f"{report['dpl_version']}. It satisfies "
             f"({_fmt(report['epsilon'], '.2f')}, {_fmt(report['delta'], '.2g')})-differential privacy with respect "
@@ -152,7 +173,7 @@ def model_card_paragraph(report: dict[str, Any]) -> str:
             f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, {clipped} "
             f"clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
             f"{_fmt(report['noise_multiplier'], '.4g')}; epsilon was computed with the {report['accountant']} "
-            f"accountant. The guarantee does not cover the pretrained model, the validation data, the label set, the "
+            f"accountant. The guarantee does not cover the pretrained model, the validation data{labels}, the "
             f"number of training examples, or hyperparameters tuned on the private data.")
 
 
@@ -167,8 +188,9 @@ def _hash_text(described: dict[str, Any] | None) -> str:
     if described.get("generator"):
         return (f"generated by {described['generator']} with {json.dumps(described['settings'])}; id "
                 f"`{described['id']}` (the hash of {described['hashed']})")
+    kind = "keyed hash" if str(described.get("id") or "").startswith("blake2b-256-keyed:") else "hash"
     files = "; ".join(f"{f.get('split') + ': ' if f.get('split') else ''}`{f['path']}` ({f['bytes']:,} bytes, "
-                      f"hash `{f['hash']}`)" for f in described.get("files") or [])
+                      f"{kind} `{f['hash']}`)" for f in described.get("files") or [])
     return files or f"not hashed ({described.get('hashed')})"
 
 
@@ -185,7 +207,7 @@ def _provenance_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                                       f"{run.get('updated')})"),
             ("base model", f"`{base.get('location')}`: {_hash_text(base)}" if base else "not stated"),
             ("training data", _hash_text(report.get("training_data"))),
-            (f"one {_unit_word(report)} is", report.get("unit_description") or "not stated")]
+            (f"one {_unit_word(report)} is", _unit_text(report) or "not stated")]
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -206,7 +228,7 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines = ["# Privacy report", "", report["guarantee"] + ".", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if report.get("run"):
-        lines += ["", "Hashes: BLAKE2b-256 of each file's bytes (`b2sum -l 256 FILE` prints the same)."]
+        lines += ["", HASH_NOTE]
     users = report.get("users")
     if users:
         lines += ["", "## Users", "", "| | |", "|---|---|",

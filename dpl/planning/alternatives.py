@@ -11,8 +11,9 @@ noise is, else says what it would take (a larger batch at more compute, fewer tr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dpl.core.regime import QUIET, NoiseRegime, needed_dimension
@@ -53,7 +54,7 @@ def steps_text(steps: int) -> str:
 
 
 def planned_epsilon(engine: Any) -> float:
-    """Epsilon after the engine's planned steps, asked of a copy of its mechanism (a one-off question: no
+    """Epsilon after the engine's planned steps: the composition of the ledger's events (a one-off question: no
     background schedule)."""
     from dpl.core.accounting import events
 
@@ -170,3 +171,46 @@ def _fewer_parameters(row: Row, lora: tuple[int, int, int] | None) -> str:
         return f"LoRA r {rank} -> {fits} {where}: {shrunk.relative_noise:.2g}"
     one = NoiseRegime(regime.noise_multiplier, regime.batch_size, other + in_lora // rank, regime.max_grad_norm)
     return text + (f"; LoRA r {rank} -> 1 leaves {one.relative_noise:.2g}" if rank > 1 else "")
+
+
+@dataclass
+class PlanReport:
+    """What ``dpl plan`` prints (see :func:`format_report`)."""
+
+    configs: list[str]
+    rows_in_data: int
+    population: int
+    num_units: int
+    unit: str
+    user_sampling: str | None
+    max_rows_per_user: int | None
+    sampling_rate: float
+    sampling: str
+    steps_per_epoch: int
+    target_epsilon: float
+    delta: float
+    mechanism: str
+    accounting: str
+    adjacency: str
+    max_grad_norm: float
+    current: Row
+    trainable: int
+    estimator: str | None  # the plugin whose gradient estimate replaces the default, if any
+    lora: tuple[int, int, int] | None
+    rows: list[Row] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    recommended: Row | None = None
+    why: str = ""
+
+
+def finish_report(report: PlanReport, engine: Any, replan: Any) -> PlanReport:
+    """``report`` with the alternatives at the same compute (each planned by ``replan(B, steps)``) and the
+    recommendation; none where the run adds no noise."""
+    current = report.current
+    if current.noise_multiplier == 0 or not math.isfinite(report.target_epsilon):
+        report.rows = [current]
+        report.why = "no alternatives: the run adds no noise (not private)"
+        return report
+    report.rows, report.refused = alternatives(replan, engine)
+    report.recommended, report.why = recommend(report.rows, replan, engine.plan.population, report.lora)
+    return report

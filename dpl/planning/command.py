@@ -16,17 +16,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from dpl.core.regime import HOPELESS, QUIET
-from dpl.planning.alternatives import Row, alternatives, recommend, row_of
+from dpl.planning.alternatives import PlanReport, finish_report, row_of
 
 USAGE = "usage: dpl plan --config CONFIG [--config CONFIG ...] [--KEY VALUE ...]"
 HELP = (f"{USAGE}\n\n"
@@ -36,36 +34,6 @@ HELP = (f"{USAGE}\n\n"
         "Takes the configs and options of dpl fit (dpl fit --help); loads no weights, and dpl's data modules\n"
         "tokenize no data for it.\n"
         "See docs/planning.md.")
-
-
-@dataclass
-class PlanReport:
-    """What ``dpl plan`` prints (see :func:`format_report`)."""
-
-    configs: list[str]
-    rows_in_data: int
-    population: int
-    num_units: int
-    unit: str
-    user_sampling: str | None
-    max_rows_per_user: int | None
-    sampling_rate: float
-    sampling: str
-    steps_per_epoch: int
-    target_epsilon: float
-    delta: float
-    mechanism: str
-    accounting: str
-    adjacency: str
-    max_grad_norm: float
-    current: Row
-    trainable: int
-    estimator: str | None  # the plugin whose gradient estimate replaces the default, if any
-    lora: tuple[int, int, int] | None
-    rows: list[Row] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
-    recommended: Row | None = None
-    why: str = ""
 
 
 def plan_command(argv: list[str]) -> int:
@@ -167,19 +135,6 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
         adjacency=mechanism.adjacency, max_grad_norm=float(cfg.max_grad_norm), current=current,
         trainable=sum(p.numel() for p in trainable.values()), estimator=_estimator(engine), lora=_lora(module))
     return finish_report(report, engine, partial(_replan, module, trainer, float(target)))
-
-
-def finish_report(report: PlanReport, engine: Any, replan: Any) -> PlanReport:
-    """``report`` with the alternatives at the same compute (each planned by ``replan(B, steps)``) and the
-    recommendation; none where the run adds no noise."""
-    current = report.current
-    if current.noise_multiplier == 0 or not math.isfinite(report.target_epsilon):
-        report.rows = [current]
-        report.why = "no alternatives: the run adds no noise (not private)"
-        return report
-    report.rows, report.refused = alternatives(replan, engine)
-    report.recommended, report.why = recommend(report.rows, replan, engine.plan.population, report.lora)
-    return report
 
 
 def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: int) -> Any:

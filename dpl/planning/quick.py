@@ -61,7 +61,7 @@ class Unplannable(Exception):
 
 
 def quick_plan(argv: list[str]) -> Any:
-    """The :class:`~dpl.planning.command.PlanReport` of ``argv`` (``dpl fit``'s configs and options), or ``None``
+    """The :class:`~dpl.planning.alternatives.PlanReport` of ``argv`` (``dpl fit``'s configs and options), or ``None``
     where the config needs the full path."""
     try:
         config, configs = read_config(argv)
@@ -213,7 +213,7 @@ class _Planned:
 
 
 def _plan(config: dict[str, Any], configs: list[str]) -> Any:
-    from dpl.planning.command import PlanReport, finish_report
+    from dpl.planning.alternatives import PlanReport, finish_report
 
     if set(config) - {"seed_everything", "trainer", "model", "data"}:
         raise Unplannable("top-level key")

@@ -34,6 +34,28 @@ def resolve_path(location: str) -> str:
     return str(path)
 
 
+def _looks_local(location: str) -> bool:
+    """Whether ``location`` names a local file or folder rather than a hub id (``name`` or ``namespace/name``)."""
+    return (location.startswith(("/", ".", "~")) or location.count("/") > 1 or "\\" in location
+            or location.endswith(".gguf") or Path(location).exists())
+
+
+def model_path(location: str, what: str = "model") -> str:
+    """:func:`resolve_path`, checked: a local ``location`` that does not exist is "not found", and a model folder
+    without ``config.json`` holds no model; one :class:`~dpl.errors.ConfigError` line each. A hub id passes."""
+    path = resolve_path(location)
+    if not _looks_local(path):
+        return path
+    local = Path(path).expanduser()
+    if not local.exists():
+        raise ConfigError(f"{what} {location!r} not found (a local folder, a .gguf file, a Hugging Face hub id "
+                          f"'namespace/name' or pkg://<package>/<path>)")
+    if what == "model" and local.is_dir() and not (local / "config.json").is_file():
+        raise ConfigError(f"model folder {location!r} holds no model (no config.json: a Hugging Face model folder "
+                          f"holds config.json and the weights, as save_pretrained writes them)")
+    return str(local)
+
+
 def split_gguf(location: str) -> tuple[str, dict[str, str]]:
     """``(folder, extra from_pretrained kwargs)`` for a resolved location: a ``.gguf`` file is loaded from its
     folder with ``gguf_file=<name>`` (transformers dequantizes it to float32; needs the ``gguf`` package)."""
@@ -53,7 +75,7 @@ def load_tokenizer(location: str) -> Any:
     (decoder-only tokenizers pad with EOS, or UNK)."""
     from transformers import AutoTokenizer
 
-    folder, extra = split_gguf(resolve_path(location))
+    folder, extra = split_gguf(model_path(location, "tokenizer"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
     except (OSError, ValueError, ImportError) as exc:
@@ -69,7 +91,7 @@ def load_tokenizer(location: str) -> Any:
 def load_pretrained(auto_class: Any, location: str, **kwargs: Any) -> Any:
     """``auto_class.from_pretrained`` for a folder, hub id, ``.gguf`` file or ``pkg://`` location, with one-line
     :class:`~dpl.errors.ConfigError` on failure. The model is returned in train mode."""
-    folder, extra = split_gguf(resolve_path(location))
+    folder, extra = split_gguf(model_path(location))
     try:
         with _no_gguf_bar_in_logs(bool(extra)):
             model = auto_class.from_pretrained(folder, **extra, **kwargs)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError, DPLError
+from dpl.folders import check_writable
 from dpl.trained.runs import EXPORT_META, LoadedRun, load_run
 
 DATA_KEYS = ("max_length", "text_column", "text_pair_column", "prompt_template", "template", "chat_template",
@@ -39,6 +40,7 @@ def export_run(run: LoadedRun, folder: str | Path, adapter: bool = False) -> Pat
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{folder} exists and is not empty: export into a new folder")
+    check_writable(folder, "export folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     try:
@@ -83,24 +85,81 @@ def _shareable(folder: Path) -> None:
 
 def model_card(run: LoadedRun, folder: Path, adapter: bool, report: dict[str, Any] | None, name: str) -> str:
     """The export's README.md: what it is, how to load it, its privacy guarantee."""
+    from dpl.lightning.provenance import public_location
+
     module = run.module
     auto = module.auto_class
     remote = ", trust_remote_code=True" if (folder / "modeling_dpl.py").is_file() else ""
+    origin = public_location(str(module.model_location))
     if adapter:
-        base = "f\"{folder}/base\"" if (folder / "base").is_dir() else repr(
-            json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"])
-        load = (f"from peft import PeftModel\nfrom transformers import {auto}\n\nfolder = \"path/to/this/folder\"\n"
-                f"model = PeftModel.from_pretrained({auto}.from_pretrained({base}), folder)")
+        if (folder / "base").is_dir():
+            base = "f\"{folder}/base\""
+        else:
+            stated = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+            base = repr(stated if public_location(stated) == stated else f"path/to/{origin}")
+        load = (f"from peft import PeftModel\nfrom transformers import AutoTokenizer, {auto}\n\n"
+                f"folder = \"path/to/this/folder\"\n"
+                f"model = PeftModel.from_pretrained({auto}.from_pretrained({base}), folder)\n"
+                f"tokenizer = AutoTokenizer.from_pretrained(folder)")
     else:
-        load = f"from transformers import {auto}\n\nmodel = {auto}.from_pretrained(\"path/to/this/folder\"{remote})"
+        load = (f"from transformers import AutoTokenizer, {auto}\n\nfolder = \"path/to/this/folder\"\n"
+                f"model = {auto}.from_pretrained(folder{remote})\ntokenizer = AutoTokenizer.from_pretrained(folder)")
+    load += "\n" + inputs_as_trained(run)
     privacy = report["model_card"] if report is not None else "The checkpoint held no privacy report."
     return "\n".join([
         f"# {name}",
-        "", f"A {module.task} model fine-tuned by dpl from `{module.model_location}`"
+        "", f"A {module.task} model fine-tuned by dpl from `{origin}`"
         f" ({'a PEFT adapter' if adapter else 'merged weights'}).", "", "## Loading", "", "```python", load, "```",
         "", "Or with dpl: `dpl predict path/to/this/folder inputs.jsonl`.", *module.card_usage(run.data, run.tokenizer),
         "", "## Privacy", "", privacy,
         "", "Details: privacy.md and privacy.json in this folder.", ""])
+
+
+def inputs_as_trained(run: LoadedRun) -> str:
+    """Python lines that turn an input into the model's input ids exactly as training did: the prompt template, the
+    chat template (or none) and ``max_length`` of the run (generation), or the text columns and truncation
+    (classification)."""
+    data, module = run.data, run.module
+    max_length = data.get("max_length")
+    if module.task == "generation":
+        from dpl.tasks.data.templates import uses_chat_template
+
+        template = data.get("prompt_template") or "{prompt}"
+        mode = data.get("chat_template") or "auto"
+        fields = ", ".join(f"{f}=\"...\"" for f in _fields(template)) or ""
+        lines = [f"# as trained: data.prompt_template {template!r}, data.chat_template {mode!r}, "
+                 f"data.max_length {max_length}",
+                 f"prompt = {template!r}.format({fields})"]
+        if uses_chat_template(run.tokenizer, mode):
+            lines += ["text = tokenizer.apply_chat_template([{\"role\": \"user\", \"content\": prompt}], tokenize=False, "
+                      "add_generation_prompt=True)",
+                      "ids = tokenizer(text, add_special_tokens=False, return_tensors=\"pt\").input_ids"]
+        else:
+            lines += ["ids = tokenizer(prompt, return_tensors=\"pt\").input_ids"]
+        if max_length:
+            lines += [f"ids = ids[:, -{int(max_length) - 1}:]  # evaluation kept a prompt's last max_length - 1 tokens"]
+        new_tokens = (module.export_meta().get("generation") or {}).get("max_new_tokens")
+        lines += [f"output = model.generate(ids, max_new_tokens={new_tokens or 64})",
+                  "print(tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True))"]
+        return "\n".join(lines)
+    pair = data.get("text_pair_column")
+    texts = "[\"a text\"], [\"its pair\"]" if pair else "[\"a text\"]"
+    lines = [f"# as trained: data.max_length {max_length}"
+             + (f", the text column {data.get('text_column')!r}" if data.get("text_column") else "")
+             + (f" paired with {pair!r}" if pair else "")
+             + (f", data.template {data.get('template')!r}" if data.get("template") else ""),
+             f"inputs = tokenizer({texts}, truncation=True, max_length={max_length}, padding=True, "
+             "return_tensors=\"pt\")" if max_length else
+             f"inputs = tokenizer({texts}, padding=True, return_tensors=\"pt\")"]
+    if module.task == "classification":
+        lines += ["probabilities = model(**inputs).logits.softmax(-1)"]
+    return "\n".join(lines)
+
+
+def _fields(template: str) -> list[str]:
+    import string
+
+    return list(dict.fromkeys(name for _, name, _, _ in string.Formatter().parse(template) if name))
 
 
 def _report_of(run: LoadedRun) -> dict[str, Any] | None:
@@ -128,6 +187,7 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument("--adapter", action="store_true", help="a PEFT adapter folder instead of merged weights")
     args = parser.parse_args(argv)
     try:
+        check_writable(args.folder, "export folder")
         run = load_run(args.run)
         if run.checkpoint is None:
             raise ConfigError(f"{args.run} is an exported folder already")

@@ -107,7 +107,7 @@ def load_export(folder: str | Path) -> LoadedRun:
     folder = Path(folder)
     meta = json.loads((folder / EXPORT_META).read_text())
     from dpl.tasks.loading import load_tokenizer
-    from dpl.tasks.modules.base import task_class
+    from dpl.tasks.modules import task_class
 
     tokenizer = load_tokenizer(str(folder))
     module = task_class(meta["task"]).from_export(folder, meta, tokenizer)

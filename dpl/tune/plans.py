@@ -37,11 +37,29 @@ TOTAL_TOL = 0.005
 SMALLEST_FRACTION = 1e-3
 
 
+def tunable(summary: dict[str, Any], seeded: bool) -> str | None:
+    """Why a run with this privacy summary cannot be a trial, or ``None``: the bound needs the RDP curve of the
+    Poisson-subsampled Gaussian (DP-SGD, DPZero, user-level sampling) and independent trials."""
+    users = summary.get("users") or {}
+    if summary.get("mechanism") != "gaussian" or summary.get("sampling") != "poisson" or \
+            summary.get("accountant") not in ("prv", "rdp"):
+        return (f"mechanism {summary.get('mechanism')} ({summary.get('sampling')} sampling, "
+                f"{summary.get('accountant')} accounting) has no RDP curve in dpl, which the tuning bound needs "
+                f"(supported: the Poisson-subsampled Gaussian of DP-SGD and DPZero)")
+    if summary.get("unit") == "user" and users.get("sampling") != "users":
+        return ("privacy.unit: user with user_sampling: rows (example-level sampling) is accounted as a mixture of "
+                "Gaussians, which has no RDP curve in dpl: use user_sampling: users")
+    if seeded:
+        return "privacy.seed makes every trial draw the same noise and batches; the bound needs independent trials"
+    if summary.get("resumed_from"):
+        return "a trial must be a fresh run (not resumed from a checkpoint)"
+    return None
+
+
 def plan_configuration(fit_args: list[str], config: dict[str, str], target: float | None = None) -> TrialPlan:
     """The plan of the trial ``dpl fit FIT_ARGS CONFIG`` (``target``: its target epsilon, else the config's)."""
     from dpl.cli import _dpl_error_in
     from dpl.planning.command import plan_config
-    from dpl.tune.probe import tunable
 
     argv = [*fit_args, *config_args(config), *([TARGET_OPTION, repr(float(target))] if target is not None else [])]
     try:

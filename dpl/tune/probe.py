@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from dpl.errors import ConfigError
+from dpl.tune.plans import mismatch, tunable
 
 #: the metrics of the last ``validate`` run in this process (``dpl.tune.trials.score`` reads them)
 LAST_METRICS: dict[str, float] = {}
@@ -18,25 +19,6 @@ EXPECTED: dict[str, Any] | None = None
 #: the tuning the trial belongs to (set by ``dpl tune``): its state, whose line in the data ledger the first trial to
 #: train writes (:mod:`dpl.tune.ledger_line`)
 TUNING: Any = None
-
-
-def tunable(summary: dict[str, Any], seeded: bool) -> str | None:
-    """Why a run with this privacy summary cannot be a trial, or ``None``: the bound needs the RDP curve of the
-    Poisson-subsampled Gaussian (DP-SGD, DPZero, user-level sampling) and independent trials."""
-    users = summary.get("users") or {}
-    if summary.get("mechanism") != "gaussian" or summary.get("sampling") != "poisson" or \
-            summary.get("accountant") not in ("prv", "rdp"):
-        return (f"mechanism {summary.get('mechanism')} ({summary.get('sampling')} sampling, "
-                f"{summary.get('accountant')} accounting) has no RDP curve in dpl, which the tuning bound needs "
-                f"(supported: the Poisson-subsampled Gaussian of DP-SGD and DPZero)")
-    if summary.get("unit") == "user" and users.get("sampling") != "users":
-        return ("privacy.unit: user with user_sampling: rows (example-level sampling) is accounted as a mixture of "
-                "Gaussians, which has no RDP curve in dpl: use user_sampling: users")
-    if seeded:
-        return "privacy.seed makes every trial draw the same noise and batches; the bound needs independent trials"
-    if summary.get("resumed_from"):
-        return "a trial must be a fresh run (not resumed from a checkpoint)"
-    return None
 
 
 class TrialProbe(Callback):
@@ -57,8 +39,6 @@ class TrialProbe(Callback):
         if reason:
             raise ConfigError(f"dpl tune: {reason}")
         if EXPECTED is not None:
-            from dpl.tune.plans import mismatch
-
             differ = mismatch(EXPECTED, summary)
             if differ:
                 raise ConfigError(f"dpl tune: the trial's accounting is not the one planned for it ({differ}): the "

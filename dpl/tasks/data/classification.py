@@ -280,7 +280,9 @@ class ClassificationDataModule(FileDataModule):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            location = resolve_location(self.tokenizer_location)
+            from dpl.tasks.loading import model_path
+
+            location = model_path(self.tokenizer_location, "tokenizer")
             try:
                 tokenizer = AutoTokenizer.from_pretrained(location)
             except (OSError, ValueError) as exc:

@@ -41,6 +41,9 @@ class DARTDataModule(GenerationDataModule):
 
     FILE_PATTERNS = {"train": ("*train*.json",), "validation": ("*dev*.json", "*val*.json"),
                      "test": ("*test*.json",)}
+    DATA_SOURCE = ("get DART (dart-v1.1.1-full-{train,dev,test}.json) from https://github.com/Yale-LILY/dart "
+                   "(data/v1.1.1) and set data.data_dir to their folder; offline: dpl fit --config "
+                   "configs/e2e/quickstart.yaml (generated tables)")
 
     def __init__(self, data_dir: str | None = None, prompt_template: str = "Triples: {triples}\nSentence:",
                  completion_template: str = " {text}", **kwargs: Any) -> None:

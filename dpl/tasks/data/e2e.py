@@ -79,6 +79,10 @@ class E2EDataModule(GenerationDataModule):
 
     FILE_PATTERNS = {"train": ("train*.csv",), "validation": ("dev*.csv", "validation.csv", "val.csv"),
                      "test": ("test*.csv",)}
+    DATA_SOURCE = ("get the E2E NLG data (trainset.csv, devset.csv, testset_w_refs.csv) from "
+                   "https://github.com/tuetschek/e2e-dataset and pass their folder as data.data_dir "
+                   "(configs/e2e/dpsgd.yaml shows how); offline: dpl fit --config configs/e2e/quickstart.yaml "
+                   "(generated tables)")
 
     def __init__(self, data_dir: str | None = None, holdout_mrs: int | float | None = None,
                  holdout_seed: int = 0, prompt_template: str = "Table: {mr}\nSentence:",

@@ -117,6 +117,9 @@ class GenerationDataModule(FileDataModule):
     #: glob patterns (lower case) of each split's file name, for ``data_dir`` discovery
     FILE_PATTERNS: dict[str, tuple[str, ...]] = {}
 
+    #: where to get the data set, added to the error when its file or folder is not found ("" for none)
+    DATA_SOURCE = ""
+
     def __init__(self, data_dir: str | None = None, train_file: str | None = None, val_file: str | None = None,
                  test_file: str | None = None, tokenizer: str = SMOLLM2, prompt_template: str = "{prompt}",
                  completion_template: str = "{completion}", chat_template: ChatTemplateMode = "auto",
@@ -159,10 +162,15 @@ class GenerationDataModule(FileDataModule):
     def data_files(self) -> dict[str, Path]:
         """Split name (``train``, ``validation``, ``test``) -> file, for the configured splits: found in
         ``data_dir`` by :attr:`FILE_PATTERNS`, overridden by the explicit files; each must exist."""
-        files = split_files(self.data_dir, {"train": self.train_file, "validation": self.val_file,
-                                            "test": self.test_file}, self.FILE_PATTERNS)
-        for split, path in files.items():
-            check_file(split, path)
+        try:
+            files = split_files(self.data_dir, {"train": self.train_file, "validation": self.val_file,
+                                                "test": self.test_file}, self.FILE_PATTERNS)
+            for split, path in files.items():
+                check_file(split, path)
+        except DataError as exc:
+            if self.DATA_SOURCE and ("not found" in str(exc) or "set data.data_dir" in str(exc)):
+                raise DataError(f"{exc}; {self.DATA_SOURCE}") from None
+            raise
         return files
 
     def read_file(self, split: str, path: Path) -> list[Record]:

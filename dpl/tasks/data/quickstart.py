@@ -55,7 +55,7 @@ class QuickstartDataModule(ClassificationDataModule):
             privacy unit. Generated rows have an ``author`` column with ``authors``.
         authors: with ``train_size``: give every generated training row an ``author`` (one of this many, drawn with
             Zipf-skewed frequencies 1 / rank from ``seed``: a few authors write many reviews, most a few), the
-            privacy unit of ``configs/privacy/users.yaml``.
+            privacy unit of ``configs/privacy/quickstart-authors.yaml``.
     """
 
     def __init__(self, tokenizer: str = MINILM, data_dir: str | None = None, train_size: int | None = None,

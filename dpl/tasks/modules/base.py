@@ -27,16 +27,6 @@ BASE_KEY = "dpl_frozen_base"
 TASKS: dict[str, type["DPTaskModule"]] = {}
 
 
-def task_class(name: str) -> type["DPTaskModule"]:
-    """The task module class registered as ``name`` (one-line ``ConfigError`` for an unknown one)."""
-    import dpl.tasks.modules  # noqa: F401 - registers the built-in tasks
-
-    if name not in TASKS:
-        raise ConfigError(f"unknown task {name!r} (known: {', '.join(sorted(TASKS))}); is the package that "
-                          f"defines it installed?")
-    return TASKS[name]
-
-
 def _is_sharded(tensor: Any) -> bool:
     return type(tensor).__name__ == "DTensor"
 

@@ -20,7 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 from dpl.errors import ConfigError
 from dpl.lightning.module import PluginOptions
 from dpl.core.privacy import PrivacyConfig
-from dpl.tasks.loading import resolve_path
+from dpl.tasks.loading import model_path
 from dpl.tasks.modules.base import DPTaskModule, checkpoint_label_names, row_field
 
 log = logging.getLogger("dpl")
@@ -191,7 +191,7 @@ class DPClassificationModule(DPTaskModule):
 
     def build_model(self) -> nn.Module:
         num_labels = self._num_labels()
-        location = resolve_path(self.model_location)
+        location = model_path(self.model_location)
         if self.pooling == "mean":
             model = self._build_mean_pooled(location, num_labels)
         else:

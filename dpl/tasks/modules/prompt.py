@@ -35,7 +35,7 @@ from dpl.errors import ConfigError
 from dpl.tasks.modules.classification import MODEL_INPUTS, DPClassificationModule, FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.lightning.module import PluginOptions
-from dpl.tasks.loading import resolve_path
+from dpl.tasks.loading import model_path, resolve_path
 
 log = logging.getLogger("dpl")
 
@@ -133,7 +133,7 @@ class DPPromptClassificationModule(DPClassificationModule):
             raise ConfigError(f"{len(self.label_words)} label words for {datamodule.num_labels} classes in the data")
         tokenizer = self._tokenizer()
         word_ids = self._word_ids(tokenizer)
-        location = resolve_path(self.model_location)
+        location = model_path(self.model_location)
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the load report lists the absent head; we say it in one line below
         try:
