@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # torch is imported where batches are drawn, not for planning
     from dpl.core.units import Users
 
 Sampling = Literal["rows", "users", "bounded_rows"]
+#: the batch key under which each row's unit travels under user-level sampling (:meth:`PrivacyUnit.tag`)
+UNITS_KEY = "dpl_units"
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,6 @@ class PrivacyUnit:
         if not self.samples_users:
             return batch
         import torch
-
-        from dpl.core.step import UNITS_KEY
 
         unit_of = self._unit_of_tensor()
         batch[UNITS_KEY] = unit_of[torch.as_tensor(list(rows), dtype=torch.long)]

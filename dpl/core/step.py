@@ -14,13 +14,12 @@ from torch import Tensor, nn
 from dpl.errors import PluginError
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.noise import NoiseSource
-from dpl.core.privacy_unit import PrivacyUnit
+from dpl.core.privacy_unit import UNITS_KEY, PrivacyUnit
 
 #: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
 PADDING_KEY = "dpl_padding"
 #: batch key of the privacy unit of every row (int64 per row) under user-level sampling: the rows of one unit are
 #: contiguous, never split across micro-batches or ranks, and clipped together as one unit
-UNITS_KEY = "dpl_units"
 
 
 @dataclass

@@ -42,7 +42,8 @@ Modules, one job each
 :mod:`~dpl.core.accounting.prv` (PRV, :func:`epsilon_for`), :mod:`~dpl.core.accounting.rdp` (RDP bounds),
 :mod:`~dpl.core.accounting.gaussian` (one Gaussian mechanism, exactly: Balle & Wang 2018),
 :mod:`~dpl.core.accounting.calibration` (:func:`smallest_noise_multiplier`, the one sigma search every calibration
-uses, and :func:`calibrate_noise_multiplier`), :mod:`~dpl.core.accounting.accountant`
+uses), :mod:`~dpl.core.accounting.events` (the events mechanisms declare, their composition and
+:func:`~dpl.core.accounting.events.calibrate`; :func:`calibrate_noise_multiplier`), :mod:`~dpl.core.accounting.accountant`
 (:class:`PoissonGaussianAccountant`, a history of steps), :mod:`~dpl.core.accounting.schedule`
 (:class:`EpsilonSchedule`, epsilon for the current step computed ahead, off the training loop),
 :mod:`~dpl.core.accounting.users` (user-level DP of example-level sampling, :func:`els_epsilon`,
@@ -52,7 +53,8 @@ private runs: Papernot & Steinke's Theorems 2 and 6, for ``dpl tune``),
 """
 
 from dpl.core.accounting.accountant import PoissonGaussianAccountant
-from dpl.core.accounting.calibration import calibrate_noise_multiplier, smallest_noise_multiplier
+from dpl.core.accounting.calibration import smallest_noise_multiplier
+from dpl.core.accounting.events import calibrate_noise_multiplier
 from dpl.core.accounting.common import METHODS, REL_EPS_ERROR, Segment
 from dpl.core.accounting.gaussian import calibrate_gaussian_mechanism, gaussian_mechanism_epsilon
 from dpl.core.accounting.prv import epsilon_for, prv_error_for

@@ -134,22 +134,3 @@ def _solve(g: Callable[[float], float], level: Callable[[float], float], start: 
     if h(hi) >= 0:
         return hi
     return optimize.brentq(h, lo, hi, xtol=1e-5)
-
-
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                               method: str = "prv", tol: float = 0.01, eps_error: float | None = None) -> float:
-    """Smallest noise multiplier (within ``tol``) whose epsilon after ``steps`` steps is <= ``target_epsilon``.
-
-    The returned sigma satisfies ``target * (1 - tol) <= epsilon_for(sigma, ...) <= target`` (same method and
-    ``eps_error``); the upper inequality always holds. ``steps == 0`` returns 0. The search of every mechanism
-    (:func:`dpl.core.accounting.events.calibrate`) over ``steps`` Poisson-subsampled Gaussian steps.
-    """
-    from dpl.core.accounting import events
-
-    target = _check_epsilon(target_epsilon)
-    delta, q, steps = _check_delta(delta), _check_rate(sample_rate), _check_steps(steps)
-    method, eps_error = _check_method(method), _check_eps_error(eps_error)
-    if steps == 0:
-        return 0.0
-    return events.calibrate(lambda s: events.SelfComposed(events.PoissonGaussian(s, q), steps), target, delta,
-                            method, tol=tol, eps_error=eps_error)

@@ -381,3 +381,22 @@ def calibrate(build: Callable[[float], Event], target_epsilon: float, delta: flo
         _warn_once(f"{err} (calibration)")
         return smallest_noise_multiplier(lambda s: epsilon(build(s), delta, "rdp" if method == "prv" else method),
                                          target_epsilon, **options)
+
+
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
+                               method: str = "prv", tol: float = 0.01, eps_error: float | None = None) -> float:
+    """Smallest noise multiplier (within ``tol``) whose epsilon after ``steps`` Poisson-subsampled Gaussian steps at
+    ``sample_rate`` is <= ``target_epsilon``: :func:`calibrate` over those steps.
+
+    The returned sigma satisfies ``target * (1 - tol) <= epsilon_for(sigma, ...) <= target`` (same method and
+    ``eps_error``); the upper inequality always holds. ``steps == 0`` returns 0.
+    """
+    from dpl.core.accounting.common import _check_epsilon, _check_eps_error, _check_rate, _check_steps
+
+    target = _check_epsilon(target_epsilon)
+    delta, q, steps = _check_delta(delta), _check_rate(sample_rate), _check_steps(steps)
+    method, eps_error = _check_method(method), _check_eps_error(eps_error)
+    if steps == 0:
+        return 0.0
+    return calibrate(lambda s: SelfComposed(PoissonGaussian(s, q), steps), target, delta, method, tol=tol,
+                     eps_error=eps_error)
