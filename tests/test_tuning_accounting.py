@@ -271,12 +271,12 @@ SPACE = [(0.5, 4), (0.01, 3000)]  # (sampling rate, steps)
 
 
 def _plans(target: float = 3.0, space=SPACE) -> list[dict]:
-    from dpl.core.mechanism import PoissonGaussian
+    from dpl.core.mechanism import PoissonGaussian, calibrate
 
     return [{"config": {"model.privacy.batch_size": str(i)}, "sampling_rate": q, "steps": steps, "delta": DELTA,
              "accountant": "prv", "mechanism": "gaussian", "sampling": "poisson", "unit": "example",
              "adjacency": "add_remove", "num_examples": 1000, "epsilon": target,
-             "noise_multiplier": PoissonGaussian(q, "prv").calibrate(target, DELTA, steps)} for i, (q, steps) in
+             "noise_multiplier": calibrate(PoissonGaussian(q, "prv"), target, DELTA, steps)} for i, (q, steps) in
             enumerate(space)]
 
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from dpl.core.mechanism import PoissonGaussian
+from dpl.core.mechanism import PoissonGaussian, calibrate
 
 from common import (Split, banking77_features, choose, fmt, pyplot, result_name, save, save_figure, spread, study_parser, train_private,
                     tune)
@@ -186,7 +186,7 @@ def main() -> None:
         "group_rows": [int((group[train.y] == k).sum()) for k in range(len(edges))]}
     # sigma for epsilon = 8 after b_steps full-batch steps: the default mechanism's calibration, once for all arms
     # (DP-AdamBC's gamma' grid is a multiple of Phi = (sigma C / B)^2).
-    sigma = PoissonGaussian(1.0).calibrate(8.0, 1e-5, b_steps)
+    sigma = calibrate(PoissonGaussian(1.0), 8.0, 1e-5, b_steps)
     common = {"noise_multiplier": sigma, "delta": 1e-5, "batch_size": len(train), "steps": b_steps,
               "optimizer": "sgd"}
     for arm in (arms if args.part != "synthetic" else []):
