@@ -221,8 +221,8 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         return [], f"__missing__ {missing}"
     if args[0] in ("plugins",):
         return args, None
-    if args[0] == "verify-data":  # the runs of the named folder are trained first if there are none
-        _run_file(f"{args[2]}/.../privacy.json", world)
+    if args[0] == "verify-data":  # a run of the config whose runs the folder holds, on the config's own data
+        _train_config_of(args[2], world)
     if args[0] in ("predict", "export", "report", "verify-data"):  # after training: a run (trained first if need be)
         return [_after_training_path(a, world) for a in args], None
     if args[0] == "ledger":  # the quickstart's runs are recorded first (trained if need be); the command runs as written
@@ -271,6 +271,19 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         if generation or "Generation" in model_class:
             args += ["--model.init_args.generation.max_new_tokens", "4"]
     return args, None
+
+
+def _train_config_of(root: str, world: dict) -> None:
+    """Train the config whose ``default_root_dir`` is ``root``, as written (the tiny overrides appended)."""
+    config = next(c for c in CONFIGS if ((yaml.safe_load(c.read_text()) or {}).get("trainer") or {})
+                  .get("default_root_dir") == root.rstrip("/"))
+    fit, _ = prepare(f"dpl fit --config {config.relative_to(ROOT)}", world)
+    cwd = Path.cwd()
+    try:
+        os.chdir(world["work"])
+        main(fit)
+    finally:
+        os.chdir(cwd)
 
 
 def _run_file(pattern: str, world: dict) -> str:

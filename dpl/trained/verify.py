@@ -59,7 +59,9 @@ def matching_entries(file: str, report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def verify_command(argv: list[str]) -> int:
     """``dpl verify-data FILE RUN``: exit 0 when FILE matches a data file of a report of RUN, 1 when not."""
-    parser = argparse.ArgumentParser(prog="dpl verify-data", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dpl verify-data", description=(
+        "Whether a data file is one a run trained (or validated) on, checked against the keyed hashes of its privacy "
+        "report (this machine's data key, or DPL_DATA_KEY). Exit 0: it matches; 1: it does not; 2: unreadable."))
     parser.add_argument("file", help="the data file to check")
     parser.add_argument("run", help="a run folder (lightning_logs/version_N), a folder of runs, an exported folder "
                                     "or a privacy.json")
