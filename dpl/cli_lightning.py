@@ -49,6 +49,21 @@ def _parser_kwargs(argv: list[str]) -> dict[str, Any]:
     return kwargs
 
 
+#: the data options that name files or folders (looked up beside the config files when not in the working folder)
+DATA_PATH_KEYS = ("data_dir", "train_file", "val_file", "test_file")
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The config files given on the command line (``--config FILE``, ``-c FILE``, ``--config=FILE``), in order."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            found.append(arg.split("=", 1)[1])
+    return [f for f in found if Path(f).is_file()]
+
+
 #: Lightning's DDP strategy class, which the ``dpl`` command runs as dpl's ``DPDDPStrategy`` (same options)
 LIGHTNING_DDP_CLASSES = ("lightning.pytorch.strategies.DDPStrategy", "lightning.pytorch.strategies.ddp.DDPStrategy")
 
@@ -207,6 +222,7 @@ class DPLightningCLI(LightningCLI):
         from dpl.lightning.ddp import use_for_lightning_names
 
         use_for_lightning_names()  # --trainer.strategy ddp (and auto on several devices): dpl's DPDDPStrategy
+        self._argv = list(argv) if isinstance(argv, list) else sys.argv[1:]
         kwargs.setdefault("parser_class", DPLArgumentParser)
         kwargs.setdefault("parser_kwargs", _parser_kwargs(list(argv) if isinstance(argv, list) else sys.argv[1:]))
         super().__init__(*args, **kwargs)
@@ -215,6 +231,7 @@ class DPLightningCLI(LightningCLI):
         """dpl's strategies for Lightning's DDP (a ``DDPStrategy`` class path too), and no ``DistributedSampler``:
         dpl's mechanism draws and shards the training batches, and its data modules shard the evaluation sets."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        self._data_paths_beside_configs(config)
         trainer = config.get("trainer")
         if trainer is None:
             return
@@ -227,6 +244,21 @@ class DPLightningCLI(LightningCLI):
         strategy = trainer.get("strategy")
         if getattr(strategy, "class_path", None) in LIGHTNING_DDP_CLASSES:
             strategy.class_path = "dpl.lightning.ddp.DPDDPStrategy"
+
+    def _data_paths_beside_configs(self, config: Any) -> None:
+        """A relative data path (``data.data_dir``, ``train_file``, ``val_file``, ``test_file``) that does not exist
+        in the working folder is looked up beside the config files, the last given first."""
+        init = (config.get("data") or {}).get("init_args") if hasattr(config.get("data") or {}, "get") else None
+        if init is None:
+            return
+        folders = [Path(c).parent for c in reversed(config_files(self._argv))]
+        for key in DATA_PATH_KEYS:
+            value = init.get(key) if hasattr(init, "get") else None
+            if not isinstance(value, str) or "://" in value or Path(value).is_absolute() or Path(value).exists():
+                continue
+            beside = next((folder / value for folder in folders if (folder / value).exists()), None)
+            if beside is not None:
+                init[key] = str(beside)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

@@ -217,3 +217,18 @@ def test_export_to_a_folder_under_a_file_is_one_line(workspace, user_mistakes, c
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("dpl: error:") == 1 and "Traceback" not in err
     assert "lies under a file" in err and (tmp / "a_file").is_file()
+
+
+def test_a_relative_data_folder_is_found_beside_the_config(workspace, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    tmp, model = workspace
+    folder = tmp_path / "project"
+    shutil.copytree(tmp / "data", folder / "my_data")
+    root = tmp_path / "runs"
+    (folder / "config.yaml").write_text(CONFIG.format(root=root, model=model, data="my_data"))
+    monkeypatch.chdir(tmp_path)  # my_data is not in the working folder: it is beside the config
+    main(["fit", "--config", str(folder / "config.yaml")])
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("dpl: trained 2 private steps")
+    saved = next(root.rglob("config.yaml")).read_text()
+    assert f"data_dir: {folder / 'my_data'}" in saved

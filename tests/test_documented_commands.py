@@ -238,6 +238,8 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         return [], f"__missing__ {missing}"
     if args[0] in ("plugins",):
         return args, None
+    if args[0] == "verify-data":  # a run of the config whose runs the folder holds, on the config's own data
+        _train_config_of(args[2], world)
     if args[0] in ("predict", "export", "report", "verify-data"):  # after training: a run (trained first if need be)
         return [_after_training_path(a, world) for a in args], None
     if args[0] == "ledger":  # the quickstart's runs are recorded first (trained if need be); the command runs as written
@@ -291,6 +293,19 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         if generation or "Generation" in model_class:
             args += ["--model.init_args.generation.max_new_tokens", "4"]
     return args, None
+
+
+def _train_config_of(root: str, world: dict) -> None:
+    """Train the config whose ``default_root_dir`` is ``root``, as written (the tiny overrides appended)."""
+    config = next(c for c in CONFIGS if ((yaml.safe_load(c.read_text()) or {}).get("trainer") or {})
+                  .get("default_root_dir") == root.rstrip("/"))
+    fit, _ = prepare(f"dpl fit --config {config.relative_to(ROOT)}", world)
+    cwd = Path.cwd()
+    try:
+        os.chdir(world["work"])
+        main(fit)
+    finally:
+        os.chdir(cwd)
 
 
 def _run_file(pattern: str, world: dict) -> str:
@@ -382,7 +397,7 @@ def test_documented_command_runs(source, command, world, monkeypatch, capsys):
         assert "sigma = " in out and "recommended" in out, out[-2000:]
     if args[0] == "verify-data":
         last = out.strip().splitlines()[-1]  # after the fit that made the run, when it ran first
-        assert last.startswith("dpl verify-data: ") and " matches the train file " in last, out[-2000:]
+        assert last.startswith("dpl verify-data: ") and " matches " in last and "train file" in last, out[-2000:]
     if args[0] == "ledger":
         assert "dpl ledger: " in out and ("composed over" in out or "no run recorded" in out), out
     if args[0] == "tune":

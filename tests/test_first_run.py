@@ -243,6 +243,23 @@ def test_plain_progress_while_validating():
     assert stream.getvalue().startswith("dpl: validating: batch 1/3 after ")
 
 
+def test_plain_progress_says_when_a_validation_of_fit_starts(monkeypatch):
+    import io
+
+    from dpl.lightning import progress
+
+    monkeypatch.setattr(progress, "_step", lambda trainer, module: 40)
+    stream = io.StringIO()
+    bar = PlainProgress(interval=60.0, stream=stream)
+    fit = SimpleNamespace(sanity_checking=False, num_val_batches=[16], state=SimpleNamespace(fn="fit"))
+    bar.on_validation_start(fit, None)
+    assert stream.getvalue() == "dpl: validating after step 40: 16 batches\n"
+    for quiet in (SimpleNamespace(sanity_checking=True, num_val_batches=[2], state=SimpleNamespace(fn="fit")),
+                  SimpleNamespace(sanity_checking=False, num_val_batches=[2], state=SimpleNamespace(fn="validate"))):
+        bar.on_validation_start(quiet, None)
+    assert stream.getvalue().count("\n") == 1  # not for the sanity check, nor for dpl validate
+
+
 def test_dpl_info_lines_once_per_run(caplog, monkeypatch):
     import logging
 

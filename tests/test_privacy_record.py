@@ -377,6 +377,9 @@ def test_verify_data_checks_a_file_against_the_keyed_hashes(world, capsys):
     assert code == 0 and "matches the validation file validation.tsv" in out
     code, out, _ = verify(world["b"] / "train.tsv", run)  # another data set
     assert code == 1 and out.count("\n") == 1 and "does not match" in out
+    code, out, _ = verify(world["b"] / "train.tsv", world["root"])  # every run of a folder of runs
+    assert code == 0 and out.count("\n") == 1 and "matches 1 data file(s) of the runs in" in out
+    assert str(world["runs"][5]) in out and str(run) not in out
     code, _, err = verify(world["a"] / "nothing.tsv", run)
     assert code == 2 and err.count("\n") == 1 and "not found" in err
     md = (run / "privacy.md").read_text()

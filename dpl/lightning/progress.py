@@ -164,7 +164,20 @@ class PlainProgress(ProgressBar):
             self._write(self._line(trainer, pl_module, now))
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A line when a validation of ``fit`` starts (the last steps' line may be minutes old by its end)."""
         self._validation_start = self._last = time.monotonic()
+        state = getattr(trainer, "state", None)
+        if trainer.sanity_checking or getattr(state, "fn", None) != "fit":
+            return
+        total = self._total_batches(trainer)
+        self._write(f"dpl: validating after step {_step(trainer, pl_module)}"
+                    + (f": {total} batches" if total else ""))
+
+    @staticmethod
+    def _total_batches(trainer: L.Trainer, dataloader_idx: int = 0) -> int | None:
+        totals = trainer.num_val_batches
+        total = totals[dataloader_idx] if isinstance(totals, list) and dataloader_idx < len(totals) else totals
+        return int(total) if isinstance(total, (int, float)) and total < float("inf") else None
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -172,9 +185,8 @@ class PlainProgress(ProgressBar):
         now = time.monotonic()
         if now - self._last >= self.interval:
             self._last = now
-            totals = trainer.num_val_batches
-            total = totals[dataloader_idx] if isinstance(totals, list) and dataloader_idx < len(totals) else totals
-            of = f"/{int(total)}" if isinstance(total, (int, float)) and total < float("inf") else ""
+            total = self._total_batches(trainer, dataloader_idx)
+            of = f"/{total}" if total else ""
             self._write(f"dpl: validating: batch {batch_idx + 1}{of} after {now - self._validation_start:.0f} s")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -16,13 +16,26 @@ from dpl.errors import ConfigError, DPLError
 REPORT = "privacy.json"
 
 
-def read_report(location: str) -> dict[str, Any]:
-    """The privacy report of ``location``: a run or exported folder holding ``privacy.json``, or the file itself."""
+#: how deep below a folder its reports are looked for (runs/<name>/lightning_logs/version_N/privacy.json)
+DEPTH = 4
+
+
+def report_files(location: str) -> list[Path]:
+    """The privacy reports of ``location``: a ``privacy.json``, a run or exported folder holding one, or a folder
+    with runs below it (up to :data:`DEPTH` levels)."""
     path = Path(location)
-    if path.is_dir():
-        path = path / REPORT
-    if not path.is_file():
-        raise ConfigError(f"{location!r}: no {REPORT} there (give a run folder, an exported folder or a {REPORT})")
+    if path.is_file():
+        return [path]
+    if (path / REPORT).is_file():
+        return [path / REPORT]
+    found = sorted(p for depth in range(1, DEPTH + 1) for p in path.glob("/".join(["*"] * depth) + f"/{REPORT}"))
+    if not found:
+        raise ConfigError(f"{location!r}: no {REPORT} there or below (give a run folder, a runs folder, an exported "
+                          f"folder or a {REPORT})")
+    return found
+
+
+def read_report(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -45,20 +58,34 @@ def matching_entries(file: str, report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def verify_command(argv: list[str]) -> int:
-    """``dpl verify-data FILE RUN``: exit 0 when FILE matches a data file of RUN's report, 1 when not."""
-    parser = argparse.ArgumentParser(prog="dpl verify-data", description=__doc__.split("\n\n")[0])
+    """``dpl verify-data FILE RUN``: exit 0 when FILE matches a data file of a report of RUN, 1 when not."""
+    parser = argparse.ArgumentParser(prog="dpl verify-data", description=(
+        "Whether a data file is one a run trained (or validated) on, checked against the keyed hashes of its privacy "
+        "report (this machine's data key, or DPL_DATA_KEY). Exit 0: it matches; 1: it does not; 2: unreadable."))
     parser.add_argument("file", help="the data file to check")
-    parser.add_argument("run", help="a run folder (lightning_logs/version_N), an exported folder or a privacy.json")
+    parser.add_argument("run", help="a run folder (lightning_logs/version_N), a folder of runs, an exported folder "
+                                    "or a privacy.json")
     args = parser.parse_args(argv)
     try:
-        found = matching_entries(args.file, read_report(args.run))
+        reports = report_files(args.run)
+        single = len(reports) == 1
+        matches = []
+        for path in reports:
+            report = read_report(path)
+            keyed = str((report.get("training_data") or {}).get("id") or "").startswith("blake2b-256-keyed:")
+            if single or keyed:  # in a folder of runs, runs on generated data are passed over
+                matches += [(path.parent, entry) for entry in matching_entries(args.file, report)]
     except DPLError as exc:
         print(f"dpl: error: {exc}", file=sys.stderr)
         return 2
-    if not found:
+    if not matches:
         print(f"dpl verify-data: {args.file} does not match the data of {args.run} (another file, or hashed with "
               f"another machine's key: set DPL_DATA_KEY to the key of the machine that trained)")
         return 1
-    names = ", ".join(f"{e.get('split', 'data')} file {e.get('path')}" for e in found)
-    print(f"dpl verify-data: {args.file} matches the {names} of {args.run}")
+    if single:
+        names = ", ".join(f"{e.get('split', 'data')} file {e.get('path')}" for _, e in matches)
+        print(f"dpl verify-data: {args.file} matches the {names} of {args.run}")
+    else:
+        runs = "; ".join(f"{e.get('split', 'data')} file {e.get('path')} of {folder}" for folder, e in matches)
+        print(f"dpl verify-data: {args.file} matches {len(matches)} data file(s) of the runs in {args.run}: {runs}")
     return 0

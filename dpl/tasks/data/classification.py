@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpl.errors import DataError
+from dpl.errors import ConfigError, DataError
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_columns, resolve_location, split_files, user_keys_of
 from dpl.tasks.data.labels import label_key, show_labels, sort_labels
@@ -282,7 +282,10 @@ class ClassificationDataModule(FileDataModule):
 
             from dpl.tasks.loading import model_path
 
-            location = model_path(self.tokenizer_location, "tokenizer")
+            try:
+                location = model_path(self.tokenizer_location, "tokenizer")
+            except ConfigError as exc:
+                raise DataError(str(exc)) from None
             try:
                 tokenizer = AutoTokenizer.from_pretrained(location)
             except (OSError, ValueError) as exc:
