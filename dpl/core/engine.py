@@ -131,7 +131,8 @@ class PrivateEngine:
                          replaced_hooks=replaced, seed=cfg.seed, world_size=world_size,
                          optimizer_factory=optimizer_factory, secure_noise=cfg.secure_noise, sharded=sharded,
                          unit=cfg.unit, user_sampling=cfg.user_sampling if cfg.unit == "user" else None,
-                         max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None)
+                         max_rows_per_user=cfg.max_rows_per_user if cfg.unit == "user" else None,
+                         clipping_memory=cfg.clipping_memory, clipping_memory_budget=cfg.clipping_memory_budget)
         hook.validate_setup(setup=setup)
         mechanism = hook.configure_mechanism(setup=setup)
         if mechanism is None:

@@ -44,6 +44,8 @@ class RunSetup:
     unit: str = "example"  # the privacy unit: "example" or "user" (num_examples then counts what is sampled)
     user_sampling: str | None = None  # unit "user": "users" (ULS: batches carry UNITS_KEY) or "rows" (ELS)
     max_rows_per_user: int | None = None  # unit "user": k
+    clipping_memory: str = "auto"  # privacy.clipping_memory: "fast", "low" or "auto" (the default estimator)
+    clipping_memory_budget: float | None = None  # privacy.clipping_memory_budget (MiB)
 
 
 @dataclass
