@@ -284,13 +284,14 @@ class PerExampleClipper:
         return self._complete(sums), norms
 
     def _complete(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Zeros for the parameters of modules unused in this forward pass."""
+        """Zeros for the parameters of modules unused in this forward pass; the parameters in the model's order
+        (the order the noise is drawn in)."""
         if len(sums) < len(self.parameter_names):
             for rec in self.records:
                 for local, p in rec.params.items():
                     if rec.full_names[local] not in sums:
                         sums[rec.full_names[local]] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        return sums
+        return {name: sums[name] for name in self.parameter_names}
 
     def _streamed_sum(self, losses: Tensor, max_norm: float, exclude: Tensor | None, units: Tensor | None,
                       reforward: Callable[[Tensor], Tensor] | None) -> tuple[dict[str, Tensor], Tensor]:
