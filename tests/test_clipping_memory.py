@@ -205,3 +205,16 @@ def test_gradient_checkpointing_option_turns_it_on():
     model = _build("llama-lora", True)
     assert model.base_model.model.is_gradient_checkpointing
     assert not _build("llama-full", False).is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])
+def test_norms_chunked_over_examples_match_loop(monkeypatch, length):
+    """low computes each layer's norms a few examples at a time (no Gram or per-example gradient of the whole batch)."""
+    from dpl.core import layer_gradients
+
+    monkeypatch.setattr(layer_gradients, "NORM_CHUNK", 200)
+    for units in (None, torch.tensor([0, 0, 1, 2, 2])):
+        model = _build("llama-full", True)
+        batch = random_batch(batch_size=5, length=length)
+        sums, norms, _ = _clipped(model, batch, "low", None, 0.05, units=units)
+        _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05, units=units))

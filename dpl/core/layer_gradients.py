@@ -242,6 +242,34 @@ _PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding}
 _PER_EXAMPLE = {"layer_norm": _layer_norm_per_example, "rms_norm": _rms_norm_per_example, "generic": _generic}
 
 
+#: elements of the largest temporary of :func:`sq_norms` for one chunk of examples (64 MiB in float32)
+NORM_CHUNK = 1 << 24
+
+
+def sq_norms(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
+             grouping: Grouping | None) -> Tensor:
+    """The per-example (or per-unit) squared norms of one module's gradient alone, a chunk of examples at a time so
+    that a Gram matrix (T x T) or a per-example weight gradient (d_out x d_in) of the whole batch never exists at
+    once: at most about ``NORM_CHUNK`` elements per chunk (one example at least)."""
+    if rec.kind not in _PREPARE:
+        return prepare(rec, grads, grams, grouping).sq_norms
+    inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
+    grads = grads if grouping is None else [grouping.tokens(g) for g in grads]
+    rows = inputs[0].shape[0]
+    steps = sum(_as_3d(g).shape[1] for g in grads)
+    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(inputs[0]).shape[-1]
+    ghost = rec.kind == "embedding" or steps * (d_in + d_out) < d_in * d_out  # the choice of _prepare_linear
+    per_row = (2 * steps * steps if ghost else d_in * d_out) + steps * (d_in + d_out)
+    chunk = max(1, NORM_CHUNK // max(1, per_row))
+    if chunk >= rows:
+        return _PREPARE[rec.kind](LayerRecord(rec.module, rec.kind, rec.full_names, inputs), grads, grams).sq_norms
+    parts = []
+    for start in range(0, rows, chunk):
+        part = LayerRecord(rec.module, rec.kind, rec.full_names, [x[start:start + chunk] for x in inputs])
+        parts.append(_PREPARE[rec.kind](part, [g[start:start + chunk] for g in grads], {}).sq_norms)
+    return torch.cat(parts)
+
+
 def per_example_gradients(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> dict[str, Tensor]:
     """The materialised float32 per-example (or per-unit) gradients of one module's parameters (not embeddings)."""
     if rec.kind in _PER_EXAMPLE:

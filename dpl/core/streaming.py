@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dpl.core.layer_gradients import Grouping, LayerRecord, per_example_gradients, prepare
+from dpl.core.layer_gradients import Grouping, LayerRecord, per_example_gradients, sq_norms
 
 
 def in_backward() -> bool:
@@ -133,7 +133,7 @@ class StreamingNorms:
             self.held_bytes += sum(t.numel() * t.element_size() for t in per_example.values())
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             return sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
-        return prepare(view, grads, self._gram_cache(inputs), self.grouping).sq_norms
+        return sq_norms(view, grads, self._gram_cache(inputs), self.grouping)
 
     def _fits(self, rec: LayerRecord) -> bool:
         if self.budget_bytes is None or rec.kind == "embedding":
