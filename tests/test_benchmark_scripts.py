@@ -38,6 +38,7 @@ ARGS = {
     "ftrl_linear_regression": ["--simulate-max-d", "8", "--out", "{tmp}/ftrl_linear_regression.png",
                                "--json", "{tmp}/ftrl_linear_regression.json"],
     "gradient_snr": ["--batch", "2"],
+    "llm_scale": ["--quick", "--methods", "full", "--variants", "non-private", "low", "--out", "{tmp}/llm_scale.json"],
     "noise_cost": ["--sizes", "1000", "--repeats", "1"],
     "quickstart_templates": ["--trainer.callbacks.size", "200", "--trainer.limit_train_batches", "1",
                              "--trainer.limit_val_batches", "1", "--data.init_args.train_size", "64",
