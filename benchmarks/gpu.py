@@ -17,7 +17,7 @@ is recorded as skipped, and so is what remains):
 0. ``llm_scale``: benchmarks/llm_scale.py's GPU rows: randomly initialised Llama-3.2-1B, Llama-3.2-3B and
    Llama-3.1-8B in bfloat16 with LoRA r 16 on every linear layer, at 1,024 and 4,096 tokens, then 256 and 2,048:
    peak memory and tokens/s of the non-private step, dpl's fast, low and auto, and opacus' ghost clipping. Results go
-   to ``<out>/llm_scale.json`` after every variant, and a later run continues it (``--resume``).
+   to ``<out>/llm_scale/llm_scale.json`` after every variant, and a later run continues it (``--resume``).
 1. ``tests``: ``pytest -m gpu`` (tests/test_gpu.py, the CUDA noise source, FSDP on GPUs), pass/fail per test from
    its junit XML; failures are recorded, not fatal.
 2. ``speed_memory``: benchmarks/dp_step_vs_opacus.py on MiniLM and SmolLM2-135M, full fine-tuning and LoRA, fp32
@@ -99,7 +99,7 @@ def python(script: str, *args: str) -> list[str]:
 
 def llm_scale_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """llm_scale.py's GPU rows (dry run: a tiny Llama on CPU) within the stage's time, resumed from earlier runs."""
-    out = args.out / ("llm_scale_quick.json" if args.dry_run else "llm_scale.json")
+    out = args.out / "llm_scale" / ("llm_scale_quick.json" if args.dry_run else "llm_scale.json")
     if args.dry_run:
         rows = ["--quick", "--methods", "lora", "--variants", "non-private", "low"]
     else:

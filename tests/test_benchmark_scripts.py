@@ -70,3 +70,15 @@ def test_benchmark_script_runs(name, tmp_path):
     out = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"benchmarks/{name}.py {' '.join(args)} failed:\n{out.stderr[-3000:]}"
+
+
+def test_llm_scale_docs_tables_are_what_table_prints(capsys):
+    """docs/benchmarks.md's LLM-scale tables are ``llm_scale.py --table`` of the committed results."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import llm_scale
+
+    results = ROOT / "benchmarks" / "results" / "llm_scale.json"
+    llm_scale.main(["--table", str(results)])
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("**") and "| T | non-private |" in printed
+    assert printed in (ROOT / "docs" / "benchmarks.md").read_text()
