@@ -14,6 +14,10 @@ and installs them, runs this script and packs the results folder into one tar fi
 Stages, in this order, each a subprocess with a timeout and a deadline (a stage or run that would not fit before it
 is recorded as skipped, and so is what remains):
 
+0. ``llm_scale``: benchmarks/llm_scale.py's GPU rows: randomly initialised Llama-3.2-1B, Llama-3.2-3B and
+   Llama-3.1-8B in bfloat16 with LoRA r 16 on every linear layer, at 1,024 and 4,096 tokens, then 256 and 2,048:
+   peak memory and tokens/s of the non-private step, dpl's fast, low and auto, and opacus' ghost clipping. Results go
+   to ``<out>/llm_scale/llm_scale.json`` after every variant, and a later run continues it (``--resume``).
 1. ``tests``: ``pytest -m gpu`` (tests/test_gpu.py, the CUDA noise source, FSDP on GPUs), pass/fail per test from
    its junit XML; failures are recorded, not fatal.
 2. ``speed_memory``: benchmarks/dp_step_vs_opacus.py on MiniLM and SmolLM2-135M, full fine-tuning and LoRA, fp32
@@ -53,7 +57,7 @@ BENCH = ROOT / "benchmarks"
 FTRL_ARMS = ["DP-SGD (amplified)", "BLT", "amplified BandMF", "independent"]
 DENOISE_ARMS = ["DP-SGD", "DP-SGD + denoise"]
 #: share of the budget each stage may use (the last one takes what is left)
-SHARES = {"tests": 0.2, "speed_memory": 0.35, "finetune": 1.0}
+SHARES = {"llm_scale": 0.4, "tests": 0.2, "speed_memory": 0.35, "finetune": 1.0}
 MIN_SECONDS = 20  # a stage, run or chunk with less time left than this is skipped
 
 
@@ -87,6 +91,25 @@ def trimmed(run: dict[str, Any]) -> dict[str, Any]:
 def python(script: str, *args: str) -> list[str]:
     """A command running ``script`` (a path from the repository root) with this Python."""
     return [sys.executable, script, *args]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 0: LLM-scale memory and speed
+
+
+def llm_scale_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
+    """llm_scale.py's GPU rows (dry run: a tiny Llama on CPU) within the stage's time, resumed from earlier runs."""
+    out = args.out / "llm_scale" / ("llm_scale_quick.json" if args.dry_run else "llm_scale.json")
+    if args.dry_run:
+        rows = ["--quick", "--methods", "lora", "--variants", "non-private", "low"]
+    else:
+        rows = ["--device", "cuda", "--dtype", "bfloat16", "--models", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+                "--methods", "lora", "--tokens", "1024", "4096", "256", "2048", "--repeats", "2"]
+    run = run_command(python("benchmarks/llm_scale.py", *rows, "--resume", "--out", str(out), "--budget-seconds",
+                             str(max(1, int(seconds - MIN_SECONDS)))), seconds)
+    results = json.loads(out.read_text())["rows"] if out.is_file() else []
+    return {**trimmed(run), "results": {"file": out.name, "rows": len(results),
+                                        "passed": sum(r["status"] == "passed" for r in results)}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -301,7 +324,7 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-STAGES = {"tests": tests_stage, "speed_memory": speed_stage, "finetune": finetune_stage}
+STAGES = {"llm_scale": llm_scale_stage, "tests": tests_stage, "speed_memory": speed_stage, "finetune": finetune_stage}
 
 
 def run_stages(args: argparse.Namespace, report: dict[str, Any], path: Path) -> None:
@@ -331,6 +354,8 @@ def summary(stage: dict[str, Any]) -> str:
         left = sum(r["status"] != "passed" and r["status"] != "done before" for r in results)
         line += f"; {len(ran)} of {len(results)} runs ran ({sum(r['status'] == 'passed' for r in ran)} passed), " \
             f"{left} remain"
+    elif isinstance(results, dict) and "rows" in results:
+        line += f"; {results['passed']} of {results['rows']} variants passed ({results['file']})"
     elif isinstance(results, dict) and "chunks" in results:
         line += f"; {results['remaining']} of {len(results['chunks'])} chunks remain"
     return line

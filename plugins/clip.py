@@ -19,12 +19,16 @@ class ClipPlugin:
 
     def __init__(self) -> None:
         self._clipper: PerExampleClipper | None = None
+        self.memory = "auto"  # privacy.clipping_memory
+        self.budget_mib: float | None = None  # privacy.clipping_memory_budget
 
     def _clipper_for(self, model: torch.nn.Module) -> PerExampleClipper:
-        if self._clipper is None or self._clipper.model is not model:
-            if self._clipper is not None:
-                self._clipper.remove()
-            self._clipper = PerExampleClipper(model)
+        clipper = self._clipper
+        if clipper is None or clipper.model is not model or clipper.memory != self.memory \
+                or clipper.budget_mib != self.budget_mib:
+            if clipper is not None:
+                clipper.remove()
+            self._clipper = PerExampleClipper(model, memory=self.memory, budget_mib=self.budget_mib)
         return self._clipper
 
     @hookimpl(trylast=True)
@@ -34,6 +38,11 @@ class ClipPlugin:
                 raise ConfigError("FSDP: only dpl's default estimate_gradient aligns the ranks' forward passes and "
                                   "weighs FSDP's filler examples zero; a plugin replacing it needs strategy ddp")
             return  # another estimator replaces this one
+        self.memory, self.budget_mib = setup.clipping_memory, setup.clipping_memory_budget
+        if setup.sharded:  # FSDP: the second backward pass of low/auto would gather the sharded parameters again
+            if self.memory == "low":
+                raise ConfigError("FSDP: privacy.clipping_memory low is not supported; use fast or auto")
+            self.memory = "fast"
         clipper = self._clipper_for(setup.model)
         missing = set(setup.trainable) - set(clipper.parameter_names)
         if missing:
@@ -54,12 +63,26 @@ class ClipPlugin:
         size = batch_size_of(batch)
         if size == 0:
             return GradientSum(clipper.zero_sums(), 0)
+
+        def unit_losses(rows: dict[str, Any]) -> torch.Tensor:
+            losses = ctx.per_example_loss({k: v for k, v in rows.items() if k != UNITS_KEY})
+            if UNITS_KEY in rows:  # a user's gradient is the mean of its rows' gradients, clipped as one unit
+                losses = losses / unit_sizes(rows[UNITS_KEY].to(losses.device)).to(losses.dtype)
+            return losses
+
+        def reforward(keep: torch.Tensor) -> torch.Tensor:
+            rows = keep.cpu()
+            return unit_losses({k: v[rows.to(v.device)] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size
+                                else [x for x, flag in zip(v, rows.tolist()) if flag] if isinstance(v, list) else v
+                                for k, v in batched.items()})
+
+        batched = batch if units is None else {**batch, UNITS_KEY: units}
         with clipper.record(size):
-            losses = ctx.per_example_loss(batch)
-        if units is not None:  # a user's gradient is the mean of its rows' gradients, clipped as one unit
+            losses = unit_losses(batched)
+        if units is not None:
             units = units.to(losses.device)
-            losses = losses / unit_sizes(units).to(losses.dtype)
-        sums, norms = clipper.clipped_sum(losses, ctx.max_grad_norm, exclude=fillers, units=units)
+        sums, norms = clipper.clipped_sum(losses, ctx.max_grad_norm, exclude=fillers, units=units,
+                                          reforward=reforward)
         if units is not None:
             return GradientSum(sums, int(norms.numel()))
         return GradientSum(sums, size - (int(fillers.sum()) if fillers is not None else 0))

@@ -39,6 +39,7 @@ ARGS = {
     "ftrl_linear_regression": ["--simulate-max-d", "8", "--out", "{tmp}/ftrl_linear_regression.png",
                                "--json", "{tmp}/ftrl_linear_regression.json"],
     "gradient_snr": ["--batch", "2"],
+    "llm_scale": ["--quick", "--methods", "full", "--variants", "non-private", "low", "--out", "{tmp}/llm_scale.json"],
     "noise_cost": ["--sizes", "1000", "--repeats", "1"],
     "quickstart_templates": ["--trainer.callbacks.size", "200", "--trainer.limit_train_batches", "1",
                              "--trainer.limit_val_batches", "1", "--data.init_args.train_size", "64",
@@ -70,3 +71,15 @@ def test_benchmark_script_runs(name, tmp_path):
     out = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"benchmarks/{name}.py {' '.join(args)} failed:\n{out.stderr[-3000:]}"
+
+
+def test_llm_scale_docs_tables_are_what_table_prints(capsys):
+    """docs/benchmarks.md's LLM-scale tables are ``llm_scale.py --table`` of the committed results."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import llm_scale
+
+    results = ROOT / "benchmarks" / "results" / "llm_scale.json"
+    llm_scale.main(["--table", str(results)])
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("**") and "| T | non-private |" in printed
+    assert printed in (ROOT / "docs" / "benchmarks.md").read_text()

@@ -125,7 +125,8 @@ class PrivateEngine:
                          optimizer_name=getattr(optimizer_factory, "__name__", type(optimizer_factory).__name__),
                          replaced_hooks=replaced, seed=cfg.seed, world_size=world_size,
                          optimizer_factory=optimizer_factory, secure_noise=cfg.secure_noise, sharded=sharded,
-                         unit=unit)
+                         unit=unit, clipping_memory=cfg.clipping_memory,
+                         clipping_memory_budget=cfg.clipping_memory_budget)
         hook.validate_setup(setup=setup)
         mechanism = hook.configure_mechanism(setup=setup)
         if mechanism is None:

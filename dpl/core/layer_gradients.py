@@ -242,6 +242,52 @@ _PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding}
 _PER_EXAMPLE = {"layer_norm": _layer_norm_per_example, "rms_norm": _rms_norm_per_example, "generic": _generic}
 
 
+#: elements of the largest temporary of :func:`sq_norms` for one chunk of examples (64 MiB in float32)
+NORM_CHUNK = 1 << 24
+
+
+def sq_norms(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
+             grouping: Grouping | None) -> Tensor:
+    """The per-example (or per-unit) squared norms of one module's gradient alone, a chunk of examples at a time so
+    that a Gram matrix (T x T) or a per-example weight gradient (d_out x d_in) of the whole batch never exists at
+    once: at most about ``NORM_CHUNK`` elements per chunk (one example at least)."""
+    if rec.kind not in _PREPARE:
+        return prepare(rec, grads, grams, grouping).sq_norms
+    inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
+    grads = grads if grouping is None else [grouping.tokens(g) for g in grads]
+    rows = inputs[0].shape[0]
+    steps = sum(_as_3d(g).shape[1] for g in grads)
+    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(inputs[0]).shape[-1]
+    ghost = rec.kind == "embedding" or steps * (d_in + d_out) < d_in * d_out  # the choice of _prepare_linear
+    per_row = (2 * steps * steps if ghost else d_in * d_out) + steps * (d_in + d_out)
+    chunk = max(1, NORM_CHUNK // max(1, per_row))
+    if chunk >= rows:
+        return _PREPARE[rec.kind](LayerRecord(rec.module, rec.kind, rec.full_names, inputs), grads, grams).sq_norms
+    parts = []
+    for start in range(0, rows, chunk):
+        part = LayerRecord(rec.module, rec.kind, rec.full_names, [x[start:start + chunk] for x in inputs])
+        parts.append(_PREPARE[rec.kind](part, [g[start:start + chunk] for g in grads], {}).sq_norms)
+    return torch.cat(parts)
+
+
+def per_example_gradients(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> dict[str, Tensor]:
+    """The materialised float32 per-example (or per-unit) gradients of one module's parameters (not embeddings)."""
+    if rec.kind in _PER_EXAMPLE:
+        per_example = _PER_EXAMPLE[rec.kind](rec, grads)
+        return per_example if grouping is None else {n: grouping.sum(t) for n, t in per_example.items()}
+    if rec.kind != "linear":
+        raise ValueError(f"no materialised per-example gradients for kind {rec.kind!r}")
+    inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
+    grads = grads if grouping is None else [grouping.tokens(g) for g in grads]
+    a, g = _cat_steps(inputs).float(), _cat_steps(grads).float()
+    out = {}
+    if "weight" in rec.full_names:
+        out["weight"] = torch.bmm(g.transpose(1, 2), a)  # (B, d_out, d_in)
+    if "bias" in rec.full_names:
+        out["bias"] = g.sum(1)
+    return out
+
+
 def prepare(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
             grouping: Grouping | None) -> PreparedLayer:
     """Norms and the weighted sum of one module's parameters, per example or (``grouping``) per unit."""
@@ -260,7 +306,8 @@ class Grouping:
     """The units of a batch (``units``: unit id per example, a unit's examples contiguous): per-unit sums of
     per-example tensors, and per-unit token sequences made of all the unit's examples' tokens."""
 
-    def __init__(self, units: Tensor) -> None:
+    def __init__(self, units: Tensor, cache: bool = True) -> None:
+        self.cache = cache  # keep each token sequence for the layers that read the same tensor (no: make it per use)
         _, self.inverse, counts = torch.unique_consecutive(units, return_inverse=True, return_counts=True)
         self.count, self.rows = int(counts.numel()), int(units.numel())
         if self.count != int(torch.unique(units).numel()):
@@ -285,6 +332,8 @@ class Grouping:
         """(examples, [positions,] ...) -> (units, widest * positions, ...): each unit's examples concatenated
         along the positions, padded with zeros (which add nothing to a gradient); computed once per tensor."""
         key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if not self.cache:
+            self._tokens.clear()
         if key not in self._tokens:
             x = t.unsqueeze(1) if t.dim() == 2 and t.is_floating_point() else t  # (B, d) -> (B, 1, d)
             padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])

@@ -27,14 +27,20 @@ This module records and clips; the formulas of each layer kind are in :mod:`dpl.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-from dpl.core.layer_gradients import Grouping, LayerRecord, exact_per_example, prepare, rms_normed
+from dpl.core.layer_gradients import Grouping, LayerRecord, _zero_rows, exact_per_example, prepare, rms_normed
+from dpl.core.streaming import StreamingNorms, in_backward
 from dpl.errors import ConfigError
+
+#: ``privacy.clipping_memory``: how the clipper trades memory for time (see :class:`PerExampleClipper`)
+CLIPPING_MEMORY = ("fast", "low", "auto")
+#: ``auto``'s budget of per-example gradients on a CPU when ``privacy.clipping_memory_budget`` is unset (MiB)
+DEFAULT_CPU_BUDGET_MIB = 256.0
 
 
 def _kind(module: nn.Module) -> str:
@@ -97,10 +103,27 @@ class PerExampleClipper:
 
     ``sums`` maps each trainable parameter's name to the float32 sum of the clipped per-example gradients;
     ``norms`` holds the per-example gradient norms before clipping (private: never release them).
+
+    ``memory`` (``privacy.clipping_memory``) chooses what the step holds:
+
+    * ``fast``: one backward pass; every layer's input and output gradient is held until all norms are known
+      (book-keeping: Bu et al., "Differentially private optimization on large model at small cost", ICML 2023).
+    * ``low``: norms during the first backward pass, each layer's state freed at once
+      (:mod:`dpl.core.streaming`); the clipped sum by a second backward pass of sum_i c_i * loss_i. It holds what
+      the non-private step holds plus one layer's state, and works with activation checkpointing.
+    * ``auto``: as ``low``, except that layers whose per-example gradients fit what is left of ``budget_mib``
+      (default: a quarter of the free device memory on CUDA, 256 MiB elsewhere) keep them; when every layer does,
+      there is no second pass.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, memory: str = "fast", budget_mib: float | None = None) -> None:
+        if memory not in CLIPPING_MEMORY:
+            raise ConfigError(f"privacy.clipping_memory must be one of {', '.join(CLIPPING_MEMORY)}, got {memory!r}")
         self.model = model
+        self.memory = memory
+        self.budget_mib = budget_mib
+        self.stream: StreamingNorms | None = None
+        self.peak_held_bytes = 0  # ``auto``: the most bytes of per-example gradients held in the last step
         self.records: list[LayerRecord] = []
         owners: dict[int, str] = {}
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -119,6 +142,7 @@ class PerExampleClipper:
             self.records.append(LayerRecord(module, _kind(module), full_names))
         self._batch_size = 0
         self._recording = False
+        self._armed = False  # from the forward pass to the end of clipped_sum (checkpoints recompute in between)
         self._handles = []
         for rec in self.records:
             self._handles.append(rec.module.register_forward_pre_hook(self._make_pre_hook(rec)))
@@ -139,17 +163,20 @@ class PerExampleClipper:
 
     def _make_pre_hook(self, rec: LayerRecord):
         def pre_hook(module, args):
-            if not self._recording or not args or not torch.is_tensor(args[0]):
+            if not self._armed or not args or not torch.is_tensor(args[0]):
                 return None
-            x = args[0]
+            x, expanded = args[0], None
             if x.dim() > 0 and x.shape[0] == 1 and self._batch_size > 1:
-                return (x.expand(self._batch_size, *x.shape[1:]), *args[1:])
-            return None
+                x = x.expand(self._batch_size, *x.shape[1:])
+                expanded = (x, *args[1:])
+            if self.stream is not None and in_backward():
+                self.stream.recomputed_input(rec, x)
+            return expanded
         return pre_hook
 
     def _make_hook(self, rec: LayerRecord):
         def hook(module, args, output):
-            if not self._recording:
+            if not self._recording or in_backward():  # a checkpoint's recomputation: the first pass recorded it
                 return None
             if len(args) != 1 or not torch.is_tensor(args[0]) or not torch.is_tensor(output):
                 raise ConfigError(f"cannot compute per-example gradients for {type(module).__name__}: its forward "
@@ -157,6 +184,8 @@ class PerExampleClipper:
             if output.shape[0] != self._batch_size:
                 raise ConfigError(f"{type(module).__name__} output has leading dimension {output.shape[0]}, "
                                   f"expected the batch size {self._batch_size}")
+            if self.stream is not None:
+                return self.stream.tap(rec, args[0], output) if output.requires_grad else None
             rec.inputs.append(args[0].detach())
             rec.outputs.append(output)
             return None
@@ -167,13 +196,29 @@ class PerExampleClipper:
         """Record layer inputs and outputs during a forward pass over ``batch_size`` examples."""
         self._clear()
         self._batch_size = batch_size
-        self._recording = True
+        self._recording = self._armed = True
+        if self.memory != "fast":
+            device = next((p.device for rec in self.records for p in rec.params.values()), torch.device("cpu"))
+            self.stream = StreamingNorms(device, self._budget_bytes(device))
         try:
             yield
         finally:
             self._recording = False
 
+    def _budget_bytes(self, device: torch.device) -> int | None:
+        if self.memory == "low":
+            return None
+        if self.budget_mib is not None:
+            return int(self.budget_mib * 2 ** 20)
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0] // 4)
+        return int(DEFAULT_CPU_BUDGET_MIB * 2 ** 20)
+
     def _clear(self) -> None:
+        self._armed = False
+        if self.stream is not None:
+            self.stream.finish()
+            self.stream = None
         for rec in self.records:
             rec.inputs.clear()
             rec.outputs.clear()
@@ -184,21 +229,31 @@ class PerExampleClipper:
                 for full in [rec.full_names[local]]}
 
     def clipped_sum(self, losses: Tensor, max_norm: float, exclude: Tensor | None = None,
-                    units: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
+                    units: Tensor | None = None,
+                    reforward: Callable[[Tensor], Tensor] | None = None) -> tuple[dict[str, Tensor], Tensor]:
         """Clip each example's gradient of ``losses[i]`` to ``max_norm`` and sum over the batch; examples flagged
         in ``exclude`` (bool per example: FSDP's fillers) contribute exactly zero.
 
         ``units`` (the privacy unit of every example, the examples of a unit contiguous): the gradient of each unit
         (the sum of its examples' gradients of ``losses``) is clipped as one, and ``norms`` are per unit. Linear and
         embedding layers treat a unit as one example whose tokens are all its rows' tokens (the ghost-norm and
-        direct paths as for one example); the others sum their per-example gradients by unit."""
+        direct paths as for one example); the others sum their per-example gradients by unit.
+
+        ``reforward(rows)`` (``low``/``auto``): the per-example losses of the rows flagged in ``rows`` from a new
+        forward pass, for the second backward pass when some example's gradient is not finite (its zero weight
+        would still turn the retained graph's sum into NaN)."""
         if losses.dim() != 1 or losses.shape[0] != self._batch_size:
             raise ValueError(f"expected per-example losses of shape ({self._batch_size},), got {tuple(losses.shape)}")
         # Under mixed precision (bf16-mixed) autocast would run the norms' and sums' products in bfloat16, with
         # separate roundings for the norm and for the summed gradient: an example could then add more than
         # max_norm. Both are computed in float32 from the recorded activations and output gradients.
-        with torch.autocast(device_type=losses.device.type, enabled=False):
-            return self._clipped_sum(losses, max_norm, exclude, units)
+        try:
+            if self.stream is not None:
+                return self._streamed_sum(losses, max_norm, exclude, units, reforward)
+            with torch.autocast(device_type=losses.device.type, enabled=False):
+                return self._clipped_sum(losses, max_norm, exclude, units)
+        finally:
+            self._clear()
 
     def _clipped_sum(self, losses: Tensor, max_norm: float, exclude: Tensor | None,
                      units: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
@@ -220,26 +275,92 @@ class PerExampleClipper:
         if grouping is not None and exclude is not None:
             exclude = grouping.all_rows(exclude.to(device=losses.device, dtype=torch.bool))
         norms = sq_norms.sqrt()
-        if math.isinf(max_norm):
-            factors = torch.ones_like(norms)
-        else:
-            factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-        # An example whose gradient is not finite (NaN/inf input, overflow) contributes exactly zero: otherwise
-        # one record would turn the whole release into NaN (0 * inf = NaN), an event of unbounded privacy loss.
-        finite = torch.isfinite(norms)
-        if exclude is not None:
-            finite = finite & ~exclude.to(device=finite.device, dtype=torch.bool)
-        keep = None if bool(finite.all()) else finite
-        if keep is not None:
-            factors = torch.where(keep, factors, torch.zeros_like(factors))
+        factors, keep = _clipping_factors(norms, max_norm, exclude)
         sums = {}
         for rec, state in prepared:
             for local, tensor in state.weighted_sum(factors, keep).items():
                 sums[rec.full_names[local]] = tensor
         self._clear()
-        if len(sums) < len(self.parameter_names):  # modules unused in this forward pass contribute zeros
+        return self._complete(sums), norms
+
+    def _complete(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Zeros for the parameters of modules unused in this forward pass; the parameters in the model's order
+        (the order the noise is drawn in)."""
+        if len(sums) < len(self.parameter_names):
             for rec in self.records:
                 for local, p in rec.params.items():
                     if rec.full_names[local] not in sums:
                         sums[rec.full_names[local]] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        return sums, norms
+        return {name: sums[name] for name in self.parameter_names}
+
+    def _streamed_sum(self, losses: Tensor, max_norm: float, exclude: Tensor | None, units: Tensor | None,
+                      reforward: Callable[[Tensor], Tensor] | None) -> tuple[dict[str, Tensor], Tensor]:
+        """``low``/``auto``: norms in a first backward pass (:class:`StreamingNorms`), then the kept per-example
+        gradients weighted, and a second backward pass of sum_i c_i * loss_i for the other layers."""
+        stream = self.stream
+        grouping = None if units is None else Grouping(units.to(losses.device), cache=False)
+        stream.grouping = grouping
+        count = self._batch_size if grouping is None else grouping.count
+        stream.sq_norms = torch.zeros(count, dtype=torch.float32, device=losses.device)
+        stream.listening = True
+        try:
+            torch.autograd.grad(losses.sum(), stream.sink, retain_graph=True, allow_unused=True)
+        except RuntimeError as exc:
+            if "checkpoint" in str(exc) and "reentrant" in str(exc).lower():
+                raise ConfigError("clipping_memory low/auto needs non-reentrant activation checkpointing "
+                                  "(use_reentrant=False, Hugging Face's default)") from exc
+            raise
+        stream.flush()
+        stream.listening = False
+        self.peak_held_bytes = stream.peak_held_bytes
+        norms = stream.sq_norms.sqrt()
+        if grouping is not None and exclude is not None:
+            exclude = grouping.all_rows(exclude.to(device=losses.device, dtype=torch.bool))
+        factors, keep = _clipping_factors(norms, max_norm, exclude)
+        sums: dict[str, Tensor] = {}
+        with torch.autocast(device_type=losses.device.type, enabled=False):
+            for rec, per_example in stream.kept:
+                for local, t in per_example.items():
+                    sums[rec.full_names[local]] = torch.tensordot(factors, _zero_rows(t, keep), dims=1)
+        low = [(rec.full_names[local], p) for rec in stream.low_records() for local, p in rec.params.items()]
+        stream.finish()
+        if low:
+            weights = factors if grouping is None else factors[grouping.inverse.to(factors.device)]
+            if keep is not None and not bool(torch.isfinite(losses.detach()).all() and torch.isfinite(norms).all()):
+                losses, weights = self._finite_losses(keep if grouping is None else keep[grouping.inverse],
+                                                      weights, reforward)
+            if losses is not None:
+                grads = torch.autograd.grad((losses * weights.to(losses.dtype).detach()).sum(), [p for _, p in low],
+                                            allow_unused=True)
+                for (name, p), g in zip(low, grads):
+                    sums[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if g is None else g.float()
+        return self._complete(sums), norms
+
+    def _finite_losses(self, rows: Tensor, weights: Tensor,
+                       reforward: Callable[[Tensor], Tensor] | None) -> tuple[Tensor | None, Tensor]:
+        """The losses of the ``rows`` to keep from a new forward pass (a zero weight on a non-finite gradient would
+        still make the retained graph's sum NaN)."""
+        if reforward is None:
+            raise RuntimeError("an example's gradient is not finite: clipped_sum needs reforward under "
+                               "clipping_memory low/auto")
+        if not bool(rows.any()):
+            return None, weights
+        self._batch_size = int(rows.sum())
+        return reforward(rows), weights[rows.to(weights.device)]
+
+
+def _clipping_factors(norms: Tensor, max_norm: float, exclude: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """c_i = min(1, C / (||g_i|| + 1e-6)), and the examples to keep (None: all). An example whose gradient is not
+    finite (NaN/inf input, overflow) or that is excluded contributes exactly zero: otherwise one record would turn
+    the whole release into NaN (0 * inf = NaN), an event of unbounded privacy loss."""
+    if math.isinf(max_norm):
+        factors = torch.ones_like(norms)
+    else:
+        factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    finite = torch.isfinite(norms)
+    if exclude is not None:
+        finite = finite & ~exclude.to(device=finite.device, dtype=torch.bool)
+    keep = None if bool(finite.all()) else finite
+    if keep is not None:
+        factors = torch.where(keep, factors, torch.zeros_like(factors))
+    return factors, keep

@@ -45,6 +45,14 @@ class PrivacyConfig:
             of each sampled user, the user's mean gradient clipped to C as one unit, accounted as DP-SGD over users)
             or ``rows`` (example-level sampling: each user bounded to k rows once, rows Poisson-sampled and clipped
             one by one, accounted per user with the mixture-of-Gaussians accountant).
+        clipping_memory: what the per-example clipping of the default estimator holds in memory (docs/scaling.md):
+            ``fast`` (one backward pass; every layer's input and output gradient held until all norms are known),
+            ``low`` (norms during the backward pass, each layer's state freed at once, then a second backward pass
+            for the clipped sum: the non-private step's memory, activation checkpointing included, at about one
+            more backward pass) or ``auto`` (default: ``low``, except that layers whose per-example gradients fit
+            ``clipping_memory_budget`` keep them; with all of them kept, one backward pass). No effect on privacy.
+        clipping_memory_budget: MiB of per-example gradients ``auto`` may hold; default: a quarter of the free
+            device memory on CUDA, 256 MiB on a CPU.
         adjacency: the neighbouring relation the guarantee must hold for: ``add_remove`` (one example added or
             removed), ``zero_out`` (one example's contribution replaced by zero) or ``replace_one`` (one example
             replaced by another). Default: the mechanism's own (DP-SGD: add_remove; ftrl: zero_out). A
@@ -68,6 +76,8 @@ class PrivacyConfig:
     unit: Literal["example", "user"] = "example"
     max_rows_per_user: int | None = None
     user_sampling: Literal["users", "rows"] = "users"
+    clipping_memory: Literal["fast", "low", "auto"] = "auto"
+    clipping_memory_budget: float | None = None
 
     def validate(self) -> None:
         """Raise :class:`~dpl.errors.ConfigError` with one line for an unusable setting."""
@@ -94,6 +104,10 @@ class PrivacyConfig:
         if self.unit == "user" and self.max_rows_per_user is None:
             raise ConfigError("privacy.unit: user needs privacy.max_rows_per_user (k, the most rows one user "
                               "contributes)")
+        if self.clipping_memory not in ("fast", "low", "auto"):
+            raise ConfigError(f"privacy.clipping_memory must be fast, low or auto, got {self.clipping_memory!r}")
+        if self.clipping_memory_budget is not None and not self.clipping_memory_budget >= 0:
+            raise ConfigError(f"privacy.clipping_memory_budget (MiB) must be >= 0, got {self.clipping_memory_budget}")
         if self.max_rows_per_user is not None and self.max_rows_per_user < 1:
             raise ConfigError(f"privacy.max_rows_per_user must be >= 1, got {self.max_rows_per_user}")
 

@@ -43,6 +43,8 @@ class RunSetup:
     sharded: bool = False  # parameters sharded over the ranks (FSDP, dpl.lightning.fsdp): hooks see full-size tensors
     unit: PrivacyUnit = field(default_factory=PrivacyUnit)  # the privacy unit: its flags (samples_users: batches
     # carry UNITS_KEY; bounds_rows: ELS), k (max_rows) and the users
+    clipping_memory: str = "auto"  # privacy.clipping_memory: "fast", "low" or "auto" (the default estimator)
+    clipping_memory_budget: float | None = None  # privacy.clipping_memory_budget (MiB)
 
 
 @dataclass

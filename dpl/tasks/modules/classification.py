@@ -54,15 +54,21 @@ class FinetuneOptions:
         method: ``full`` (every parameter but the frozen ones) or ``lora`` (LoRA adapters + the head).
         lora: LoRA settings, used with ``method: lora``.
         freeze: glob patterns of parameter names to freeze (e.g. ``"*embeddings*"``).
+        gradient_checkpointing: Hugging Face activation checkpointing (non-reentrant): each layer's activations are
+            recomputed in the backward pass instead of kept. Saves memory with ``privacy.clipping_memory`` low or
+            auto (docs/scaling.md), at about one more forward pass.
     """
 
     method: Literal["full", "lora"] = "full"
     lora: LoraOptions = field(default_factory=LoraOptions)
     freeze: list[str] = field(default_factory=list)
+    gradient_checkpointing: bool = False
 
 
 def apply_finetuning(model: nn.Module, options: FinetuneOptions, task_type: str) -> nn.Module:
     """Freeze parameters and wrap with LoRA as ``options`` says; return the model to train."""
+    if options.gradient_checkpointing:
+        enable_checkpointing(model)
     if options.method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -77,6 +83,18 @@ def apply_finetuning(model: nn.Module, options: FinetuneOptions, task_type: str)
         raise ConfigError(f"finetuning.method must be 'full' or 'lora', got {options.method!r}")
     freeze_parameters(model, options.freeze)
     return model
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Hugging Face activation checkpointing without reentrance (what per-example clipping supports)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"finetuning.gradient_checkpointing: {type(model).__name__} does not support activation "
+                          "checkpointing")
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def freeze_parameters(model: nn.Module, patterns: list[str]) -> None:

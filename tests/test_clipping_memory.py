@@ -1,0 +1,220 @@
+"""privacy.clipping_memory: the clipped sums of fast, low and auto equal a one-example-at-a-time loop (full fine-tuning
+and LoRA, with and without activation checkpointing, per example and per user); low holds no layer input that
+checkpointing drops; auto holds no more per-example gradients than its budget; plugins train alike in every mode."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import random_batch, reference_clipped_sum, tiny_bert, tiny_llama
+
+from dpl import PrivateTraining
+from dpl.core.per_example import PerExampleClipper
+from dpl.core.privacy import PrivacyConfig
+from dpl.errors import ConfigError, PrivacyWarning
+from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+
+#: (mode, auto's budget in MiB): auto with room for every layer, and with room for a few only
+MODES = [("fast", None), ("low", None), ("auto", None), ("auto", 0.004)]
+MODE_IDS = ["fast", "low", "auto", "auto-small-budget"]
+
+
+def _loss_fn(model):
+    def losses(batch):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return F.cross_entropy(out.logits, batch["labels"], reduction="none")
+    return losses
+
+
+def _build(name: str, checkpointing: bool):
+    model = (tiny_bert if name.startswith("bert") else tiny_llama)()
+    options = FinetuneOptions(method="lora" if name.endswith("lora") else "full", gradient_checkpointing=checkpointing,
+                              lora=LoraOptions(r=2, target_modules=None))
+    return apply_finetuning(model, options, "SEQ_CLS").double()
+
+
+def _clipped(model, batch, mode, budget, max_norm, units=None, reforward=None):
+    clipper = PerExampleClipper(model, memory=mode, budget_mib=budget)
+    size = batch["labels"].shape[0]
+    with clipper.record(size):
+        losses = _loss_fn(model)(batch)
+    if units is not None:
+        losses = losses / torch.bincount(units)[units].to(losses.dtype)
+    sums, norms = clipper.clipped_sum(losses, max_norm, units=units, reforward=reforward)
+    return sums, norms, clipper
+
+
+def _assert_matches(sums, norms, expected, expected_norms):
+    assert set(sums) == set(expected)
+    torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-5, atol=1e-6)
+    for name in expected:
+        torch.testing.assert_close(sums[name].double(), expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode,budget", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("name", ["bert-full", "llama-full", "bert-lora", "llama-lora"])
+@pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])  # 16x16 layers: Gram below T = 8
+def test_matches_loop(name, checkpointing, mode, budget, length):
+    model = _build(name, checkpointing)
+    batch = random_batch(batch_size=5, length=length)
+    sums, norms, _ = _clipped(model, batch, mode, budget, 0.05)
+    _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05))
+
+
+@pytest.mark.parametrize("mode,budget", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_user_units_match_loop(mode, budget, checkpointing):
+    model = _build("llama-full", checkpointing)
+    batch = random_batch(batch_size=6, length=12)
+    units = torch.tensor([0, 0, 0, 1, 2, 2])
+    sums, norms, _ = _clipped(model, batch, mode, budget, 0.05, units=units)
+    expected = reference_clipped_sum(_loss_fn(model), model, batch, 0.05, units=units)
+    _assert_matches(sums, norms, *expected)
+
+
+def test_the_paths_that_run():
+    """Both the Gram and the per-example-gradient norms run in low mode at the lengths above (they are chosen by
+    cost), and auto's small budget keeps some layers' gradients and sends the others to the second pass."""
+    from dpl.core import layer_gradients
+
+    seen = []
+    original = layer_gradients._input_gram
+
+    def spy(*args):
+        seen.append("gram")
+        return original(*args)
+
+    layer_gradients._input_gram = spy
+    try:
+        model = _build("llama-full", False)
+        _clipped(model, random_batch(batch_size=5, length=6), "low", None, 0.05)
+        assert seen
+        _, _, clipper = _clipped(model, random_batch(batch_size=5, length=6), "auto", 0.004, 0.05)
+        assert 0 < clipper.peak_held_bytes <= 0.004 * 2 ** 20
+    finally:
+        layer_gradients._input_gram = original
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.001, 0.004, 0.02])
+def test_auto_holds_no_more_than_its_budget(budget):
+    model = _build("llama-full", True)
+    batch = random_batch(batch_size=5, length=12)
+    sums, norms, clipper = _clipped(model, batch, "auto", budget, 0.05)
+    assert clipper.peak_held_bytes <= budget * 2 ** 20
+    if budget == 0.0:
+        assert clipper.peak_held_bytes == 0
+    _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05))
+
+
+def test_auto_with_room_keeps_every_layer_and_needs_no_second_pass(monkeypatch):
+    model = _build("llama-lora", False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    calls = []
+    original = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or original(*a, **k))
+    _, _, clipper = _clipped(model, random_batch(batch_size=5, length=12), "auto", 64.0, 0.05)
+    assert len(calls) == 1  # the norms' pass only
+    embedding = 0  # LoRA: the embedding is frozen, every trainable layer is kept
+    assert clipper.peak_held_bytes == 4 * 5 * (trainable - embedding)
+
+
+def test_low_keeps_no_checkpointed_input_after_the_forward_pass():
+    """Under checkpointing, low holds no layer input between the forward and the backward pass (fast holds all)."""
+    model = _build("llama-full", True)
+    batch = random_batch(batch_size=5, length=12)
+    for mode in ("fast", "low"):
+        clipper = PerExampleClipper(model, memory=mode)
+        with clipper.record(5):
+            losses = _loss_fn(model)(batch)
+        if mode == "fast":
+            held = sum(len(rec.inputs) for rec in clipper.records)
+            assert held == len(clipper.records)
+        else:
+            calls = [c for _, layer in clipper.stream.layers.values() for c in layer.calls]
+            decoder = [c for c in calls if c.deferred]
+            assert len(decoder) == 2 * 9  # 2 layers x (q, k, v, o, gate, up, down, 2 norms)
+            assert all(c.a is None for c in decoder)
+        clipper.clipped_sum(losses, 0.05)
+        clipper.remove()
+
+
+@pytest.mark.parametrize("mode", ["low", "auto"])
+def test_non_finite_example_contributes_zero(mode):
+    model = _build("llama-full", False)
+    batch = random_batch(batch_size=5, length=12)
+    batch["input_ids"][0, 0] = 49
+    batch["input_ids"][1:][batch["input_ids"][1:] == 49] = 48
+    with torch.no_grad():
+        model.get_input_embeddings().weight[49] = float("nan")
+
+    def reforward(rows):
+        return _loss_fn(model)({k: v[rows] for k, v in batch.items()})
+
+    sums, norms, _ = _clipped(model, batch, mode, 0.0 if mode == "auto" else None, 0.05, reforward=reforward)
+    assert not math.isfinite(float(norms[0]))
+    rest = {k: v[1:] for k, v in batch.items()}
+    expected, _ = reference_clipped_sum(_loss_fn(model), model, rest, 0.05)
+    for name in expected:
+        assert torch.isfinite(sums[name]).all(), name
+        torch.testing.assert_close(sums[name].double(), expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bad_value_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        PrivacyConfig(clipping_memory="medium").validate()
+    assert "\n" not in str(info.value) and "fast, low or auto" in str(info.value)
+    with pytest.raises(ConfigError, match="clipping_memory_budget"):
+        PrivacyConfig(clipping_memory_budget=-1).validate()
+    with pytest.raises(ConfigError, match="clipping_memory"):
+        PerExampleClipper(tiny_llama(), memory="medium")
+
+
+def _rows(count: int = 48, length: int = 10) -> list[dict[str, torch.Tensor]]:
+    batch = random_batch(batch_size=count, length=length, seed=3)
+    return [{k: v[i] for k, v in batch.items()} for i in range(count)]
+
+
+@pytest.mark.parametrize("plugins", [{}, {"denoise": {}}, {"adambc": {}}, {"ftrl": {"noise": "independent"}}],
+                         ids=["default", "denoise", "adambc", "ftrl"])
+def test_plugins_train_alike_in_every_mode(plugins):
+    """Same seed, same noise: the parameters after a few steps agree across fast, low and auto (checkpointing on)."""
+    results = {}
+    for mode in ("fast", "low", "auto"):
+        model = _build("llama-full", True)
+        privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=0.5, batch_size=8, physical_batch_size=3,
+                                max_grad_norm=0.1, seed=0, clipping_memory=mode, clipping_memory_budget=0.002)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrivacyWarning)
+            training = PrivateTraining(model, _loss_fn(model), privacy, data=_rows(), steps=3, plugins=plugins,
+                                       optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        plugin = dict(training.engine.plugin_manager.list_name_plugin())["clip"]
+        assert plugin.memory == mode
+        training.run()
+        results[mode] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for mode in ("low", "auto"):
+        for name, value in results["fast"].items():
+            torch.testing.assert_close(results[mode][name], value, rtol=1e-6, atol=1e-8, msg=f"{mode} {name}")
+
+
+def test_gradient_checkpointing_option_turns_it_on():
+    model = _build("llama-lora", True)
+    assert model.base_model.model.is_gradient_checkpointing
+    assert not _build("llama-full", False).is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])
+def test_norms_chunked_over_examples_match_loop(monkeypatch, length):
+    """low computes each layer's norms a few examples at a time (no Gram or per-example gradient of the whole batch)."""
+    from dpl.core import layer_gradients
+
+    monkeypatch.setattr(layer_gradients, "NORM_CHUNK", 200)
+    for units in (None, torch.tensor([0, 0, 1, 2, 2])):
+        model = _build("llama-full", True)
+        batch = random_batch(batch_size=5, length=length)
+        sums, norms, _ = _clipped(model, batch, "low", None, 0.05, units=units)
+        _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05, units=units))
