@@ -218,3 +218,33 @@ def test_norms_chunked_over_examples_match_loop(monkeypatch, length):
         batch = random_batch(batch_size=5, length=length)
         sums, norms, _ = _clipped(model, batch, "low", None, 0.05, units=units)
         _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05, units=units))
+
+
+@pytest.mark.parametrize("budget", [0.0, None], ids=["nothing-kept", "default-budget"])
+def test_auto_bounds_every_contribution_under_bf16_autocast(budget):
+    """Under bf16 autocast a second backward pass would round each clipped gradient apart from its norm: auto keeps
+    the book of the layers it does not keep (float32 products, one backward pass), so no example adds more than C."""
+    model = _build("bert-full", False).float()
+    batch = random_batch(batch_size=6)
+    clipper = PerExampleClipper(model, memory="auto", budget_mib=budget)
+    for i in range(6):
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with clipper.record(1):
+                losses = _loss_fn(model)(one).float()
+            sums, norms = clipper.clipped_sum(losses, 0.1)
+        assert norms[0] > 0.1
+        total = torch.sqrt(sum(t.double().pow(2).sum() for t in sums.values()))
+        assert total <= 0.1 * (1 + 1e-5)
+
+
+def test_low_refused_under_bf16():
+    model = _build("llama-full", False).float()
+    clipper = PerExampleClipper(model, memory="low")
+    with pytest.raises(ConfigError, match="clipping_memory low"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with clipper.record(2):
+                pass
+    with pytest.raises(ConfigError, match="clipping_memory low"):
+        with PerExampleClipper(model.to(torch.bfloat16), memory="low").record(2):
+            pass

@@ -113,7 +113,9 @@ class PerExampleClipper:
       the non-private step holds plus one layer's state, and works with activation checkpointing.
     * ``auto``: as ``low``, except that layers whose per-example gradients fit what is left of ``budget_mib``
       (default: a quarter of the free device memory on CUDA, 256 MiB elsewhere) keep them; when every layer does,
-      there is no second pass.
+      there is no second pass. Under bf16 (autocast or 16-bit parameters) the other layers keep ``fast``'s state
+      instead of a second pass, whose bf16 products would round each clipped gradient apart from its norm; ``low``
+      is refused there.
     """
 
     def __init__(self, model: nn.Module, memory: str = "fast", budget_mib: float | None = None) -> None:
@@ -196,10 +198,15 @@ class PerExampleClipper:
         """Record layer inputs and outputs during a forward pass over ``batch_size`` examples."""
         self._clear()
         self._batch_size = batch_size
-        self._recording = self._armed = True
         if self.memory != "fast":
             device = next((p.device for rec in self.records for p in rec.params.values()), torch.device("cpu"))
-            self.stream = StreamingNorms(device, self._budget_bytes(device))
+            book = _low_precision(self.records, device)
+            if book and self.memory == "low":
+                raise ConfigError("privacy.clipping_memory low needs float32 parameters without autocast (its second "
+                                  "backward pass would round each clipped gradient apart from its norm); use auto or "
+                                  "fast under bf16")
+            self.stream = StreamingNorms(device, self._budget_bytes(device), book=book)
+        self._recording = self._armed = True
         try:
             yield
         finally:
@@ -322,6 +329,9 @@ class PerExampleClipper:
             for rec, per_example in stream.kept:
                 for local, t in per_example.items():
                     sums[rec.full_names[local]] = torch.tensordot(factors, _zero_rows(t, keep), dims=1)
+            for rec, prepared in stream.booked:
+                for local, t in prepared.weighted_sum(factors, keep).items():
+                    sums[rec.full_names[local]] = t
         low = [(rec.full_names[local], p) for rec in stream.low_records() for local, p in rec.params.items()]
         stream.finish()
         if low:
@@ -347,6 +357,15 @@ class PerExampleClipper:
             return None, weights
         self._batch_size = int(rows.sum())
         return reforward(rows), weights[rows.to(weights.device)]
+
+
+def _low_precision(records: list[LayerRecord], device: torch.device) -> bool:
+    """Whether the step runs in less than float32 (autocast to a 16-bit type, or 16-bit trainable parameters): a second
+    backward pass would then form the clipped sum in those products, rounded apart from the norms."""
+    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) not in (torch.float32,
+                                                                                                 torch.float64):
+        return True
+    return any(p.dtype not in (torch.float32, torch.float64) for rec in records for p in rec.params.values())
 
 
 def _clipping_factors(norms: Tensor, max_norm: float, exclude: Tensor | None) -> tuple[Tensor, Tensor | None]:

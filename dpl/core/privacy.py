@@ -50,7 +50,8 @@ class PrivacyConfig:
             ``low`` (norms during the backward pass, each layer's state freed at once, then a second backward pass
             for the clipped sum: the non-private step's memory, activation checkpointing included, at about one
             more backward pass) or ``auto`` (default: ``low``, except that layers whose per-example gradients fit
-            ``clipping_memory_budget`` keep them; with all of them kept, one backward pass). No effect on privacy.
+            ``clipping_memory_budget`` keep them; with all of them kept, one backward pass; under bf16 the others
+            keep ``fast``'s state). No effect on privacy.
         clipping_memory_budget: MiB of per-example gradients ``auto`` may hold; default: a quarter of the free
             device memory on CUDA, 256 MiB on a CPU.
         adjacency: the neighbouring relation the guarantee must hold for: ``add_remove`` (one example added or

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dpl.core.layer_gradients import Grouping, LayerRecord, per_example_gradients, sq_norms
+from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, per_example_gradients, prepare, sq_norms
 
 
 def in_backward() -> bool:
@@ -75,9 +75,11 @@ class StreamingNorms:
     ``held_bytes`` / ``peak_held_bytes``: what the kept per-example gradients hold (the engine's retained state).
     """
 
-    def __init__(self, device: torch.device, budget_bytes: int | None) -> None:
+    def __init__(self, device: torch.device, budget_bytes: int | None, book: bool = False) -> None:
         self.sink = torch.zeros((), device=device, requires_grad=True)
         self.budget_bytes = budget_bytes
+        self.book = book  # keep (a, g) of the layers not kept, for a float32 weighted sum (no second pass)
+        self.booked: list[tuple[LayerRecord, PreparedLayer]] = []
         self.layers: dict[int, tuple[LayerRecord, _Layer]] = {}
         self.kept: list[tuple[LayerRecord, dict[str, Tensor]]] = []
         self.held_bytes = 0
@@ -133,6 +135,10 @@ class StreamingNorms:
             self.held_bytes += sum(t.numel() * t.element_size() for t in per_example.values())
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             return sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
+        if self.book:
+            prepared = prepare(view, grads, {}, self.grouping)
+            self.booked.append((rec, prepared))
+            return prepared.sq_norms
         return sq_norms(view, grads, self._gram_cache(inputs), self.grouping)
 
     def _fits(self, rec: LayerRecord) -> bool:
@@ -167,13 +173,14 @@ class StreamingNorms:
                 self._maybe_account(rec, layer)
 
     def low_records(self) -> list[LayerRecord]:
-        return [rec for rec, layer in self.layers.values() if layer.decided == "low"]
+        return [rec for rec, layer in self.layers.values() if layer.decided == "low" and not self.book]
 
     def finish(self) -> None:
         """Drop every per-layer reference (the kept gradients are read before)."""
         self.listening = False
         self.layers.clear()
         self.kept.clear()
+        self.booked.clear()
         self._grams.clear()
         self._gram_owner = []
         self.held_bytes = 0
