@@ -42,6 +42,8 @@ class Mechanism(Protocol):
         accountant: ``prv`` or ``rdp``, for its Poisson-subsampled Gaussian steps.
         resumable_with_changes: whether a resume may change sigma or the sampling rate (``privacy.force_resume``):
             true where its segments compose as independent events; false for one analysis over the whole stream.
+        noise_scale: the factor of sigma * C in one step's released noise (1 for DP-SGD; ftrl: its sensitivity);
+            ``dpl plan`` and the noise-regime warning read it.
 
     Everything else about its privacy is the *event* it declares (:meth:`event`): calibration, composition, resume and
     the data ledger are generic over events (:mod:`dpl.core.accounting.events`).
@@ -56,6 +58,7 @@ class Mechanism(Protocol):
     accounting: str
     accountant: str
     resumable_with_changes: bool
+    noise_scale: float
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:
@@ -102,6 +105,7 @@ class PoissonGaussian:
     adjacencies = ("add_remove", "zero_out")
     sampling = "poisson"
     resumable_with_changes = True
+    noise_scale = 1.0
 
     def __init__(self, sample_rate: float, accountant: str = "prv", unit: str = "example") -> None:
         self.sample_rate = sample_rate

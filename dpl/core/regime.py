@@ -47,9 +47,9 @@ class NoiseRegime:
 
     @classmethod
     def of(cls, noise_multiplier: float, mechanism: Any, privacy: Any, dimension: int) -> NoiseRegime:
-        """A run's regime: its sigma times the mechanism's ``noise_scale`` where it declares one (ftrl: its
+        """A run's regime: its sigma times the mechanism's declared ``noise_scale`` (1 for DP-SGD; ftrl: its
         sensitivity; the first step's marginal, later steps' are at least as large), B and C from ``privacy``."""
-        return cls(noise_multiplier * float(getattr(mechanism, "noise_scale", 1.0)), float(privacy.batch_size),
+        return cls(noise_multiplier * float(mechanism.noise_scale), float(privacy.batch_size),
                    dimension, float(privacy.max_grad_norm))
 
     @property

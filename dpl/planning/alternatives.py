@@ -69,7 +69,7 @@ def row_of(engine: Any, current: bool = False) -> Row:
                epochs=plan.steps * plan.expected_batch_size / plan.population,
                noise_multiplier=float(engine.noise_multiplier), epsilon=planned_epsilon(engine),
                regime=engine.noise_regime(), current=current,
-               noise_scale=float(getattr(engine.mechanism, "noise_scale", 1.0)))
+               noise_scale=float(engine.mechanism.noise_scale))
 
 
 def same_compute(batch_size: int, steps: int, population: int) -> list[tuple[int, int]]:
