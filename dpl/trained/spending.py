@@ -95,7 +95,7 @@ def select(target: str, ledgers: list[str] | None = None) -> tuple[list[Path], l
             raise ConfigError(f"no privacy ledger ({LEDGER_NAME}) found in {Path.cwd()} or the {SEARCH_DEPTH - 1} "
                               f"folder levels below it: give the runs' root folder (trainer.default_root_dir) with "
                               f"--ledger")
-    latest: dict[str, dict[str, Any]] = {}  # a run written again (a tuning, as its trials finish): its last line
+    latest: dict[str, dict[str, Any]] = {}  # a run written again (a tuning, when it ends): its last line
     skipped = 0
     for file in files:
         found, bad = read_entries(file)

@@ -319,7 +319,6 @@ def _trial(state: TuningState, index: int, config: dict[str, str]) -> int:
     if better:
         state.best = index
     state.running = None
-    _ledger_update(state)
     state.save()
     if loser is not None:
         shutil.rmtree(root / loser, ignore_errors=True)
@@ -384,13 +383,12 @@ def _release(state: TuningState) -> None:
     _say_released(state)
 
 
-def _ledger_update(state: TuningState, **changes: Any) -> None:
-    """Write the tuning's line again (trials finished, status), if a trial has started training."""
+def _ledger_update(state: TuningState, status: str) -> None:
+    """Write the tuning's line again with its final ``status``, if a trial has started training. Never per trial, and
+    with no count of trials, steps or end time: each would reveal the secret number of trials K."""
     if state.ledger_line is None or state.ledger_root is None:
         return
-    steps = sum(int(t["report"].get("steps_taken") or 0) for t in state.finished)
-    state.ledger_line = ledger_line.write(state.ledger_root, state.ledger_line, trials_finished=len(state.finished),
-                                          steps=steps, **changes)
+    state.ledger_line = ledger_line.write(state.ledger_root, state.ledger_line, status=status)
     state.save()
 
 
