@@ -55,6 +55,11 @@ class PrivateTraining:
         log_metric: receives the metrics the plugins log during a step (``name, value``).
         seed_namespace: with ``privacy.seed`` (experiments only), the prefix of the purposes its per-purpose seeds
             are derived for (:class:`~dpl.core.engine.PrivateEngine`), so that a study keeps its own streams.
+        probe_batch: under ``privacy.physical_batch_size: auto``, ``probe_batch(b) -> batch``: a collated batch of
+            b *public* examples as long as the longest training example may be (e.g. random token ids at the
+            tokenizer's ``max_length``), on which the private step is probed to choose the micro-batch
+            (:meth:`~dpl.core.engine.PrivateEngine.fit_micro_batch`; never pass training examples).
+        probe_tokens: the probe batch's sequence length, for the log line.
     """
 
     def __init__(self, model: nn.Module, per_example_loss: Callable[[dict[str, Any]], Tensor],
@@ -63,7 +68,8 @@ class PrivateTraining:
                  plugins: Mapping[str, Any] | None = None, trainable: Mapping[str, Tensor] | None = None,
                  scheduler: SchedulerFactory | None = None, users: Sequence[Hashable] | None = None,
                  sampling_rate: float | None = None,
-                 log_metric: Callable[[str, float], None] | None = None, seed_namespace: str = "") -> None:
+                 log_metric: Callable[[str, float], None] | None = None, seed_namespace: str = "",
+                 probe_batch: Callable[[int], dict[str, Any]] | None = None, probe_tokens: int | None = None) -> None:
         if (data is None) == (num_examples is None):
             raise ConfigError("give the training data or its size (num_examples), not both")
         if data is not None:
@@ -77,6 +83,9 @@ class PrivateTraining:
             n: p for n, p in model.named_parameters() if p.requires_grad}
         self.log_metric = log_metric
         self.engine = PrivateEngine(privacy, plugins, seed_namespace=seed_namespace)
+        if self.engine.privacy.physical_batch_size == "auto" and probe_batch is None:
+            raise ConfigError("privacy.physical_batch_size auto needs probe_batch (b -> a collated batch of b public "
+                              "examples at the longest length): the micro-batch is probed on it, never on the data")
         factory = optimizer if not isinstance(optimizer, torch.optim.Optimizer) else _answering(optimizer)
         unit = PrivacyUnit.from_keys(self.engine.privacy, self.num_examples, users)
         self.engine.setup(model, num_rows=self.num_examples, steps=steps, trainable=self.trainable,
@@ -86,6 +95,10 @@ class PrivateTraining:
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.device = next(iter(self.trainable.values())).device
         self.engine.start(self.device)
+        if self.engine.privacy.physical_batch_size == "auto":
+            self.engine.fit_micro_batch(model=model, trainable=self.trainable, per_example_loss=per_example_loss,
+                                        probe_batch=lambda b: _to_device(probe_batch(b), self.device),
+                                        tokens=probe_tokens)
         self._sampler = self.engine.batch_sampler()
         self._batches: Iterator[list[int]] | None = None
 

@@ -33,6 +33,7 @@ from torch.utils.data import Sampler
 
 from dpl.core.gradients import GradientSum
 from dpl.core.ledger import Plan, PrivacyLedger, make_plan
+from dpl.core.micro_batch import MIB, MicroBatch, choose_micro_batch, default_budget_bytes
 from dpl.core.mechanism import Mechanism, apply_adjacency
 from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source
 from dpl.core.per_example import model_is_per_example
@@ -42,7 +43,7 @@ from dpl.core.privacy import PrivacyConfig, warn_if_seeded
 from dpl.core.regime import NoiseRegime
 from dpl.core.sampling import derive_key, derive_seed, secure_generator
 from dpl.core.step import RunSetup, StepContext, private_step
-from dpl.core.privacy_unit import PrivacyUnit
+from dpl.core.privacy_unit import UNITS_KEY, PrivacyUnit
 from dpl.core.units import Users
 from dpl.errors import ConfigError, PrivacyWarning
 
@@ -82,6 +83,7 @@ class PrivateEngine:
         self._announced = False
         self.resumed_from: str | None = None  # the checkpoint this run continues (set by the driver)
         self.release_dimension: int | None = None  # coordinates the noise goes on (None: a plugin's own estimate)
+        self.micro_batch: MicroBatch | None = None  # what physical_batch_size: auto chose (fit_micro_batch)
 
     # --- setup --------------------------------------------------------------------------------------------
     @property
@@ -251,10 +253,70 @@ class PrivateEngine:
             raise RuntimeError("the engine is not started (PrivateEngine.start)")
         ctx = self.step_context(model=model, trainable=trainable, per_example_loss=per_example_loss,
                                 optimizer=optimizer, log_metric=log_metric)
-        direction = private_step(self.plugin_manager.hook, ctx, batch, self.privacy.physical_batch_size,
+        direction = private_step(self.plugin_manager.hook, ctx, batch, self.physical_batch_size,
                                  reduce_sum=reduce_sum, mechanism=self.mechanism.name)
         self.ledger.steps_done += 1
         return direction
+
+    @property
+    def physical_batch_size(self) -> int:
+        """The examples per forward/backward pass: ``privacy.physical_batch_size``, or under ``auto`` what
+        :meth:`fit_micro_batch` chose."""
+        size = self.privacy.physical_batch_size
+        if size != "auto":
+            return int(size)
+        if self.micro_batch is None:
+            raise RuntimeError("privacy.physical_batch_size is auto: call PrivateEngine.fit_micro_batch before the "
+                               "first step")
+        return self.micro_batch.size
+
+    def fit_micro_batch(self, *, model: nn.Module, trainable: Mapping[str, Tensor],
+                        per_example_loss: Callable[[dict[str, Any]], Tensor],
+                        probe_batch: Callable[[int], dict[str, Any]], tokens: int | None = None,
+                        context: Callable[[], Any] | None = None) -> MicroBatch:
+        """Choose the micro-batch of ``physical_batch_size: auto`` (:mod:`dpl.core.micro_batch`) by running
+        ``estimate_gradient`` on ``probe_batch(b)``, a public batch of b examples at the longest configured length
+        (``tokens``), never training data; ``context`` (e.g. the trainer's autocast) wraps each probe as it wraps
+        the step. No ledger step, no noise, no generator of the run is drawn from; torch's global generators are
+        restored after. Logs the choice (public figures only) and returns it."""
+        cfg = self.privacy
+        if cfg.physical_batch_size != "auto":
+            raise RuntimeError("fit_micro_batch is for privacy.physical_batch_size: auto")
+        self._configured_plan()
+        trainable = dict(trainable)
+        device = next(iter(trainable.values())).device
+        budget = (int(cfg.physical_batch_memory * MIB) if cfg.physical_batch_memory is not None
+                  else default_budget_bytes(device))
+        # kept free for what the step holds besides the passes: the running clipped sum, the noisy release and two
+        # optimizer states, float32 per trainable coordinate each
+        reserve = 4 * 4 * sum(t.numel() for t in trainable.values())
+        upper = cfg.batch_size * (self.unit.max_rows or 1)
+        ctx = StepContext(model=model, trainable=trainable, per_example_loss=per_example_loss,
+                          max_grad_norm=cfg.max_grad_norm, noise_multiplier=self.noise_multiplier,
+                          expected_batch_size=cfg.batch_size, step=self.steps_done, noise_source=self.noise_source,
+                          log=_ignore, public_seed=0, optimizer=None)
+        hook = self.plugin_manager.hook
+
+        def probe(size: int) -> None:
+            batch = probe_batch(size)
+            if self.unit.samples_users:  # the step's per-unit path, every probe example its own unit
+                batch = {**batch, UNITS_KEY: torch.arange(size, device=device)}
+            ctx.scratch.clear()
+            with context() if context is not None else _no_context():
+                part = hook.estimate_gradient(ctx=ctx, batch=batch)
+            if part is not None:
+                part.wipe()
+            ctx.scratch.clear()
+
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            choice = choose_micro_batch(probe, upper=upper, budget_bytes=budget, reserve_bytes=reserve,
+                                        device=device, tokens=tokens)
+        for p in trainable.values():
+            p.grad = None
+        self.micro_batch = choice
+        log.info("dpl: %s", choice.describe())
+        return choice
 
     def step_context(self, *, model: nn.Module, trainable: Mapping[str, Tensor],
                      per_example_loss: Callable[[dict[str, Any]], Tensor],
@@ -426,6 +488,14 @@ class PrivateEngine:
         for name, sub in secret["states"].items():
             if name in named and callable(getattr(named[name], "load_secret_state_dict", None)):
                 named[name].load_secret_state_dict(sub)
+
+
+class _no_context:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def _ignore(name: str, value: float) -> None:

@@ -28,7 +28,11 @@ class PrivacyConfig:
         max_grad_norm: clipping bound C on each example's gradient (its L2 norm); ``.inf`` disables
             clipping (only meaningful with ``noise_multiplier: 0``, i.e. non-private training).
         batch_size: expected logical batch size B; Poisson sampling rate q = B / N.
-        physical_batch_size: most examples per forward/backward pass (bounds memory; no effect on privacy).
+        physical_batch_size: most examples per forward/backward pass (bounds memory; no effect on privacy), or
+            ``auto``: the largest that fits ``physical_batch_memory``, found before training by probing the private
+            step on a public batch at the longest configured length (:mod:`dpl.core.micro_batch`; one process).
+        physical_batch_memory: MiB the private step may use under ``physical_batch_size: auto``, above what is
+            allocated before it (the model); default: 90% of the free CUDA memory, half the available RAM on a CPU.
         accountant: ``prv`` (default; falls back to ``rdp`` if PRV fails) or ``rdp``.
         seed: seed of the noise and sampling generators. Only for reproducible experiments: a seed that is
             known makes the noise known. Default: OS entropy (the generators' whole state).
@@ -66,7 +70,8 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     max_grad_norm: float = 1.0
     batch_size: int = 64
-    physical_batch_size: int = 32
+    physical_batch_size: int | Literal["auto"] = 32
+    physical_batch_memory: float | None = None
     accountant: Literal["prv", "rdp"] = "prv"
     seed: int | None = None
     max_epsilon: float | None = None
@@ -94,8 +99,14 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.max_grad_norm (C) must be > 0, got {self.max_grad_norm}")
         if math.isinf(self.max_grad_norm) and (self.noise_multiplier or 0) > 0:
             raise ConfigError("privacy.max_grad_norm is infinite: noise would be infinite too; set a finite C")
-        if self.batch_size < 1 or self.physical_batch_size < 1:
-            raise ConfigError("privacy.batch_size and privacy.physical_batch_size must be >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"privacy.batch_size must be >= 1, got {self.batch_size}")
+        if self.physical_batch_size != "auto" and (isinstance(self.physical_batch_size, bool) or not isinstance(
+                self.physical_batch_size, int) or self.physical_batch_size < 1):
+            raise ConfigError(f"privacy.physical_batch_size must be an integer >= 1 or auto, got "
+                              f"{self.physical_batch_size!r}")
+        if self.physical_batch_memory is not None and not self.physical_batch_memory > 0:
+            raise ConfigError(f"privacy.physical_batch_memory (MiB) must be > 0, got {self.physical_batch_memory}")
         if self.max_epsilon is not None and not self.max_epsilon > 0:
             raise ConfigError(f"privacy.max_epsilon must be > 0, got {self.max_epsilon}")
         if self.secure_noise and self.seed is not None:

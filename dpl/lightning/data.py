@@ -38,6 +38,16 @@ class DPDataModule(L.LightningDataModule):
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         raise NotImplementedError
 
+    #: the longest training example's length in tokens, where the data module bounds it (``max_length``)
+    max_length: int | None = None
+
+    def probe_batch(self, size: int) -> dict[str, Any]:
+        """A training batch of ``size`` *public* examples as long as a training example may be (random token ids at
+        ``max_length``; no training data), on which ``privacy.physical_batch_size: auto`` probes the private step
+        (:mod:`dpl.core.micro_batch`). A data module that cannot build one refuses ``auto``."""
+        raise ConfigError(f"privacy.physical_batch_size auto: {type(self).__name__} builds no probe batch "
+                          "(probe_batch): set privacy.physical_batch_size to a number")
+
     @staticmethod
     def splits_for(stage: str | None, available: Collection[str]) -> list[str]:
         """The configured splits (``train``, ``validation``, ``test``) a Lightning ``stage`` needs; testing falls

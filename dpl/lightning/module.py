@@ -202,6 +202,9 @@ class DPModule(L.LightningModule):
             raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
                               f"({unit.population} {unit.population_name})")
         steps = self.planned_total_steps(trainer, steps_per_epoch(unit.population, cfg.batch_size))
+        if cfg.physical_batch_size == "auto" and trainer.world_size > 1:
+            raise ConfigError("privacy.physical_batch_size auto runs in one process (each rank would probe its own "
+                              "device): set a number under several processes")
         if unit.samples_users and dp.shards_parameters:
             raise ConfigError("privacy.unit: user with user_sampling: users is not supported under FSDP yet (its "
                               "filler rows would split users); use strategy ddp or one process")
@@ -229,6 +232,22 @@ class DPModule(L.LightningModule):
         dp = self.dp
         self.engine.start(next(self.model.parameters()).device, secure_source=dp.secure_noise_source)
         dp.sync_run_state(self.engine)  # several ranks: every rank takes rank 0's generators and plugin secrets
+        if self.privacy.physical_batch_size == "auto" and self.engine.micro_batch is None:
+            self.fit_micro_batch()
+
+    def fit_micro_batch(self) -> None:
+        """``physical_batch_size: auto``: probe the private step on the data module's public probe batch at its
+        ``max_length`` (:meth:`~dpl.lightning.data.DPDataModule.probe_batch`), under the trainer's precision."""
+        datamodule = self.datamodule
+        if datamodule is None:
+            raise ConfigError("privacy.physical_batch_size auto needs a dpl data module (its probe batch)")
+        device = next(self.model.parameters()).device
+        precision = self.trainer.precision_plugin
+        self.engine.fit_micro_batch(
+            model=self.model, trainable=self.trainable, per_example_loss=self.per_example_loss,
+            probe_batch=lambda b: {k: v.to(device) if torch.is_tensor(v) else v
+                                   for k, v in datamodule.probe_batch(b).items()},
+            tokens=getattr(datamodule, "max_length", None), context=precision.train_step_context)
 
     # --- the private step -----------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -368,6 +368,21 @@ class ClassificationDataModule(FileDataModule):
         batch["labels"] = torch.tensor([int(e["labels"]) for e in examples], dtype=torch.long)
         return batch
 
+    def probe_batch(self, size: int) -> dict[str, torch.Tensor]:
+        """``size`` public examples of ``max_length`` random token ids, labelled with the first class
+        (:meth:`~dpl.lightning.data.DPDataModule.probe_batch`)."""
+        from dpl.tasks.data.padding import probe_ids
+
+        rows = [self.probe_row(ids) for ids in probe_ids(self.tokenizer, size, self.max_length)]
+        fill = {"attention_mask": 1, "token_type_ids": 0}
+        examples = [{**{k: [fill[k]] * len(ids) for k in self._input_keys if k in fill}, "input_ids": ids, "labels": 0}
+                    for ids in rows]
+        return self.collate(examples)
+
+    def probe_row(self, ids: list[int]) -> list[int]:
+        """One probe example's token ids (a subclass may place a token its model needs)."""
+        return ids
+
     def state_dict(self) -> dict[str, Any]:
         """Saved in checkpoints: the label map, so a resumed run can check that class ids still mean the same."""
         return {"label_map": dict(self.label_map)}

@@ -481,6 +481,14 @@ class GenerationDataModule(FileDataModule):
 
     # ------------------------------------------------------------------------------------ batches
 
+    def probe_batch(self, size: int) -> dict[str, Any]:
+        """``size`` public examples of ``max_length`` random token ids, every token a completion token (the output
+        layer runs at every position, as for the longest completion) (:meth:`DPDataModule.probe_batch`)."""
+        from dpl.tasks.data.padding import probe_ids
+
+        return self.collate([{"input_ids": ids, "labels": ids} for ids in probe_ids(self.tokenizer, size,
+                                                                                   self.max_length)])
+
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         """A batch of LongTensors.
 

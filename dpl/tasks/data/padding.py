@@ -11,6 +11,18 @@ import torch
 IGNORE_INDEX = -100
 
 
+def probe_ids(tokenizer: Any, size: int, length: int) -> list[list[int]]:
+    """``size`` rows of ``length`` random ordinary token ids (no special token), from a fixed public generator: the
+    public stand-in for the longest training examples on which ``physical_batch_size: auto`` probes the step."""
+    high = int(getattr(tokenizer, "vocab_size", None) or len(tokenizer))
+    special = sorted({i for i in (getattr(tokenizer, "all_special_ids", None) or []) if 0 <= i < high})
+    plain = [i for i in range(high) if i not in set(special)]
+    ids = torch.randint(0, high, (size, length), generator=torch.Generator().manual_seed(0))
+    if special and plain:  # (a toy vocabulary may hold nothing but special tokens)
+        ids[torch.isin(ids, torch.tensor(special))] = plain[0]
+    return ids.tolist()
+
+
 def training_batch(examples: list[dict[str, Any]], pad: int) -> dict[str, torch.Tensor]:
     """``input_ids`` (``pad``), ``attention_mask`` (1/0) and ``labels`` (``IGNORE_INDEX`` on padding), right-padded
     to the longest example, each ``[b, longest]``, in the given order; no examples: three ``[0, 0]`` tensors."""

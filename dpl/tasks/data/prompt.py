@@ -92,6 +92,10 @@ class PromptClassificationDataModule(ClassificationDataModule):
             raise DataError(f"tokenizer {self.tokenizer_location!r} has no mask token: prompts need a masked LM")
         return tokenizer
 
+    def probe_row(self, ids: list[int]) -> list[int]:
+        """The mask token last: the model reads its prediction there."""
+        return [*ids[:-1], int(self.tokenizer.mask_token_id)]
+
     def _encoder(self, split: SplitData) -> tuple[Any, list[Any]]:
         fn = partial(_encode_prompt, tokenizer=self.tokenizer, template=self.template, text_column=self.text_column,
                      label_column=self.label_column, label_map=self.label_map, label_names=split.label_names,

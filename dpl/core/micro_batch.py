@@ -1,0 +1,168 @@
+"""``privacy.physical_batch_size: auto``: the largest micro-batch whose private step fits a memory budget.
+
+The private step is probed before training on a *public* batch: random token ids at the configured longest length
+(``data.max_length``), never a training example, so the micro-batch chosen (and logged) depends on the model, the
+length, the settings and the device, not on the data. A real batch is never longer than the probe's, so its step
+holds no more. The probe runs ``estimate_gradient`` alone (no noise, no ledger step, no optimizer step), under forks
+of torch's global generators (dropout draws the same masks afterwards), and the sampler and per-step public
+generators are not touched: the sampled batches, the noise and the accounting are those of a run with a fixed
+micro-batch; only how each logical batch is cut into forward/backward passes changes.
+
+Memory is measured above what is allocated before the probe: on CUDA by the allocator's peak
+(``torch.cuda.max_memory_allocated``; an out-of-memory error counts as too large), elsewhere by
+:class:`LiveBytes`, which counts the storages torch allocates while the step runs. The step's memory is affine in
+the micro-batch b, so b = 1 and b = 2 give the line, the largest b under the budget is read off it and then
+probed itself (and lowered while it does not fit).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dpl.errors import ConfigError
+
+log = logging.getLogger("dpl")
+
+MIB = 1 << 20
+#: share of the free device memory (CUDA) or of the available RAM (CPU) that the default budget takes
+CUDA_SHARE, CPU_SHARE = 0.9, 0.5
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch ``physical_batch_size: auto`` chose, and the public figures it was chosen from (bytes)."""
+
+    size: int
+    peak_bytes: int  # the probed private step's peak at ``size``, above what was allocated before it
+    budget_bytes: int  # what the step may use (``privacy.physical_batch_memory``)
+    reserve_bytes: int  # kept free for the clipped sum, the noisy release and two optimizer states
+    tokens: int | None  # the probe's sequence length
+
+    def describe(self) -> str:
+        at = f" at {self.tokens:,} tokens" if self.tokens else ""
+        return (f"physical_batch_size auto: {self.size} (the private step probed{at} on a public batch: peak "
+                f"{mib(self.peak_bytes)} of a {mib(self.budget_bytes)} budget, {mib(self.reserve_bytes)} of it kept "
+                "for the clipped sum, the noise and the optimizer)")
+
+
+def mib(size: float) -> str:
+    """``size`` bytes in MiB, to a tenth below 10 MiB."""
+    return f"{size / MIB:,.1f} MiB" if size < 10 * MIB else f"{size / MIB:,.0f} MiB"
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages torch allocates while the mode is on, live now (``live``) and at most (``peak``).
+
+    A storage counts from the op that creates it until it is freed; an op's output that shares an input's storage
+    (a view, an in-place op) adds nothing, and tensors that existed before are not counted. Works on any device,
+    ``meta`` included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self._sizes:
+                continue
+            self._sizes[key] = size = storage.nbytes()
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+def measure_peak(run: Callable[[], Any], device: torch.device) -> int:
+    """The peak bytes ``run()`` allocates above what is allocated before it (CUDA: the allocator's statistics;
+    elsewhere :class:`LiveBytes`)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - start)
+    with LiveBytes() as tracker:
+        run()
+    return tracker.peak
+
+
+def default_budget_bytes(device: torch.device) -> int:
+    """What the step may use by default: 90% of the free CUDA memory (torch's cached blocks included), else half
+    of the available RAM (``MemAvailable``)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(CUDA_SHARE * (free + cached))
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(CPU_SHARE * int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return int(CPU_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def choose_micro_batch(probe: Callable[[int], None], *, upper: int, budget_bytes: int, reserve_bytes: int,
+                       device: torch.device, tokens: int | None = None) -> MicroBatch:
+    """The largest micro-batch b <= ``upper`` whose probed step (``probe(b)``) peaks at most at ``budget_bytes`` -
+    ``reserve_bytes``. Refused in one line where one example does not fit."""
+    room = budget_bytes - reserve_bytes
+    peaks: dict[int, float] = {}
+
+    def peak(b: int) -> float:
+        if b not in peaks:
+            try:
+                peaks[b] = float(measure_peak(lambda: probe(b), device))
+            except (RuntimeError, torch.OutOfMemoryError) as exc:
+                if not _is_oom(exc):
+                    raise
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                peaks[b] = math.inf
+        return peaks[b]
+
+    if peak(1) > room:
+        shown = "more than the device has" if math.isinf(peak(1)) else mib(peak(1))
+        at = f" of {tokens:,} tokens" if tokens else ""
+        raise ConfigError(f"physical_batch_size auto: the private step of one example{at} needs {shown}, more than "
+                          f"the {mib(room)} left of privacy.physical_batch_memory ({mib(budget_bytes)}) after the sum, noise and optimizer state: lower data.max_length, use "
+                          "privacy.clipping_memory: low, gradient checkpointing or LoRA, or raise the budget")
+    size = 1
+    if upper >= 2 and peak(2) <= room:
+        slope = max(peak(2) - peak(1), 1.0)
+        size = max(2, min(upper, int((room - (peak(1) - slope)) // slope)))
+        for _ in range(8):  # the line's prediction, lowered while its probe does not fit
+            if peak(size) <= room or size <= 2:
+                break
+            shrunk = int(size * room / peak(size)) if math.isfinite(peak(size)) else size // 2
+            size = max(2, min(size - 1, shrunk))
+        if peak(size) > room:
+            size = 2
+    return MicroBatch(size=size, peak_bytes=int(peak(size)), budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
+                      tokens=tokens)
