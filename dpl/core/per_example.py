@@ -26,6 +26,8 @@ This module records and clips; the formulas of each layer kind are in :mod:`dpl.
 
 from __future__ import annotations
 
+import copy
+
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,6 +70,11 @@ def _rms_norm_closed_form_holds(module: nn.Module) -> bool:
     weight = trainable.get("weight")
     if set(trainable) != {"weight"} or weight.dim() != 1 or not weight.is_floating_point():
         return False
+    if weight.device.type == "meta":  # a model without its weights (dpl plan's): check a copy on the CPU
+        module = copy.deepcopy(module).to_empty(device="cpu")
+        with torch.no_grad():
+            module.weight.copy_(torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(1)))
+        weight = module.weight
     gen = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(2, 3, weight.numel(), generator=gen, device=weight.device, dtype=weight.dtype)
     g = torch.randn(2, 3, weight.numel(), generator=gen, device=weight.device, dtype=weight.dtype)
