@@ -270,3 +270,22 @@ def test_the_bf16_book_matches_float32_within_bf16_rounding(name, mode, budget):
     error = torch.sqrt(sum((sums[k].double() - exact).pow(2).sum() for k, exact in exact_sums.items()))
     size = torch.sqrt(sum(exact.pow(2).sum() for exact in exact_sums.values()))
     assert error <= 3e-2 * size
+
+
+def test_auto_with_room_for_every_book_runs_one_backward_pass(monkeypatch):
+    """auto keeps the book of a layer whose per-example gradients do not fit but whose book does; with every layer
+    kept or booked there is no second backward pass, and the clipped sum is still the per-example loop's."""
+    from dpl.core import per_example
+
+    calls = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(per_example.torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+    for budget, passes in ((1.0, 1), (0.004, 2)):
+        calls.clear()
+        model = _build("bert-full", False)
+        batch = random_batch(batch_size=5, length=24)
+        sums, norms, clipper = _clipped(model, batch, "auto", budget, 0.05)
+        assert len(calls) == passes and clipper.peak_held_bytes <= budget * 2 ** 20
+        monkeypatch.setattr(per_example.torch.autograd, "grad", real_grad)
+        _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05))
+        monkeypatch.setattr(per_example.torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))

@@ -5,9 +5,11 @@ In the forward pass, the output of every module that owns trainable parameters p
 function (a *tap*) whose backward receives the output gradient g. The first backward runs to a scalar *sink* that
 every tap feeds, so autograd computes the activation gradients the taps need and no weight gradient. When a layer's
 input a and its g are both there, its per-example squared norms are added and (a, g) dropped. Under ``auto`` a layer
-whose per-example gradients fit what is left of a byte budget keeps them (their clip-weighted sum needs no second
-pass); the others get their clipped sum from a second backward of sum_i c_i * loss_i (Li et al., "Large language
-models can be strong differentially private learners", ICLR 2022: ghost clipping).
+whose per-example gradients fit what is left of a byte budget keeps them, else a layer whose book (a, g and, where
+cheaper than the Gram path, its per-example gradients) fits keeps that (either way its clip-weighted sum needs no
+second pass); the others get their clipped sum from a second backward of sum_i c_i * loss_i (Li et al., "Large
+language models can be strong differentially private learners", ICLR 2022: ghost clipping), which is skipped when
+no layer needs it.
 
 Activation checkpointing (``torch.utils.checkpoint`` without reentrance, Hugging Face's default): a checkpointed
 layer's input is not kept in the forward pass; the recomputation inside the backward pass hands it over (a forward
@@ -65,14 +67,17 @@ class _Call:
 @dataclass
 class _Layer:
     calls: list[_Call] = field(default_factory=list)
-    decided: str | None = None  # "kept" (per-example gradients held) or "low" (summed by the second backward)
+    decided: str | None = None  # "kept" (per-example gradients held), "booked" (its book held: a float32 weighted
+    # sum, as fast does) or "low" (summed by the second backward)
 
 
 class StreamingNorms:
     """The per-example squared norms of one micro-batch, accumulated layer by layer during the first backward.
 
-    ``budget_bytes``: None (``low``: keep nothing) or the bytes of per-example gradients ``auto`` may hold.
-    ``held_bytes`` / ``peak_held_bytes``: what the kept per-example gradients hold (the engine's retained state).
+    ``budget_bytes``: None (``low``: keep nothing) or the bytes of per-example gradients and books ``auto`` may hold.
+    ``book``: keep the book of every layer not kept (bf16: no second pass at all).
+    ``held_bytes`` / ``peak_held_bytes``: what the kept per-example gradients and books hold (the engine's retained
+    state).
     """
 
     def __init__(self, device: torch.device, budget_bytes: int | None, book: bool = False) -> None:
@@ -128,18 +133,39 @@ class StreamingNorms:
     def _account(self, rec: LayerRecord, layer: _Layer, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
         view = LayerRecord(rec.module, rec.kind, rec.full_names, inputs)
         if layer.decided is None:
-            layer.decided = "kept" if self._fits(rec) else "low"
+            layer.decided = ("kept" if self._fits(rec) else
+                             "booked" if self.book or self._book_fits(rec, inputs, grads) else "low")
         if layer.decided == "kept":
             per_example = per_example_gradients(view, grads, self.grouping)
             self.kept.append((rec, per_example))
-            self.held_bytes += sum(t.numel() * t.element_size() for t in per_example.values())
-            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+            self._hold(sum(t.numel() * t.element_size() for t in per_example.values()))
             return sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
-        if self.book:
+        if layer.decided == "booked":
             prepared = prepare(view, grads, {}, self.grouping)
             self.booked.append((rec, prepared))
+            self._hold(self._book_bytes(rec, inputs, grads))
             return prepared.sq_norms
         return sq_norms(view, grads, self._gram_cache(inputs), self.grouping)
+
+    def _hold(self, size: int) -> None:
+        self.held_bytes += size
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def _book_bytes(self, rec: LayerRecord, inputs: list[Tensor], grads: list[Tensor]) -> int:
+        """What a layer's book holds: its inputs and output gradients, and a linear layer's per-example weight
+        gradients where they are cheaper than the Gram path (the rule of :func:`~dpl.core.layer_gradients.sq_norms`)."""
+        size = sum(t.numel() * t.element_size() for t in (*inputs, *grads))
+        if rec.kind == "linear" and "weight" in rec.full_names:
+            steps = sum(g.shape[1] if g.dim() > 2 else 1 for g in grads)
+            d_in, d_out = inputs[0].shape[-1], grads[0].shape[-1]
+            if steps > 1 and steps * (d_in + d_out) >= d_in * d_out:
+                size += 4 * self.sq_norms.numel() * d_in * d_out
+        return size
+
+    def _book_fits(self, rec: LayerRecord, inputs: list[Tensor], grads: list[Tensor]) -> bool:
+        if self.budget_bytes is None or rec.kind not in ("linear", "embedding"):
+            return False
+        return self.held_bytes + self._book_bytes(rec, inputs, grads) <= self.budget_bytes
 
     def _fits(self, rec: LayerRecord) -> bool:
         if self.budget_bytes is None or rec.kind == "embedding":
@@ -173,7 +199,7 @@ class StreamingNorms:
                 self._maybe_account(rec, layer)
 
     def low_records(self) -> list[LayerRecord]:
-        return [rec for rec, layer in self.layers.values() if layer.decided == "low" and not self.book]
+        return [rec for rec, layer in self.layers.values() if layer.decided == "low"]
 
     def finish(self) -> None:
         """Drop every per-layer reference (the kept gradients are read before)."""
