@@ -168,8 +168,9 @@ def _memory(module: Any, datamodule: Any, trainer: Any) -> MemoryPlan:
     finally:
         clipper.remove()
     tokens = getattr(datamodule, "max_length", None)
-    return plan_memory(layers, physical_batch_size=cfg.physical_batch_size, tokens=tokens, mode=cfg.clipping_memory, budget_mib=cfg.clipping_memory_budget,
-                       precision=str(trainer.precision), batch_memory_mib=cfg.physical_batch_memory)
+    return plan_memory(layers, physical_batch_size=cfg.physical_batch_size, tokens=tokens, mode=cfg.clipping_memory,
+                       budget_mib=cfg.clipping_memory_budget, precision=str(trainer.precision),
+                       batch_memory_mib=cfg.physical_batch_memory, batch_size=cfg.batch_size)
 
 
 def _estimator(engine: Any) -> str | None:
@@ -220,7 +221,8 @@ def format_report(report: PlanReport) -> str:
     lines.append("  noise    " + _noise_line(r))
     lines.append("  regime   " + _regime_line(r))
     if r.memory is None:
-        lines.append(f"  memory   not predicted: the gradient estimate is {r.estimator}'s own, not per-example clipping")
+        lines.append(f"  memory   not predicted: the gradient estimate is {r.estimator}'s own, not per-example "
+                     "clipping")
     else:
         block = memory_lines(r.memory)
         lines += ["  memory   " + block[0], *("           " + line for line in block[1:])]

@@ -149,6 +149,7 @@ class MemoryPlan:
     (bytes held above the non-private step; ``*_transient``: the largest temporary of one layer)."""
 
     micro_batch: int | None  # privacy.physical_batch_size; None: auto (predicted for one example)
+    batch_size: int  # privacy.batch_size, the expected batch (a micro-batch never holds more than the sampled one)
     batch_memory_mib: float | None  # privacy.physical_batch_memory as configured
     tokens: int | None  # T: data.max_length (None: the data module has none)
     mode: str
@@ -166,7 +167,8 @@ class MemoryPlan:
 
 
 def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tokens: int | None, mode: str,
-                budget_mib: float | None, precision: str, batch_memory_mib: float | None = None) -> MemoryPlan:
+                budget_mib: float | None, precision: str, batch_memory_mib: float | None = None,
+                batch_size: int = 0) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``layers`` (in the order of the backward pass: last layer first)."""
     auto_batch = physical_batch_size == "auto"
     batch = 1 if auto_batch else int(physical_batch_size)
@@ -191,8 +193,8 @@ def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tok
             auto=None if None in booked else kept + sum(booked)))
     known = tokens is not None
     return MemoryPlan(
-        micro_batch=None if auto_batch else batch, batch_memory_mib=batch_memory_mib, tokens=tokens, mode=mode,
-        budget_mib=budget_mib, precision=precision, kinds=kinds,
+        micro_batch=None if auto_batch else batch, batch_size=batch_size, batch_memory_mib=batch_memory_mib,
+        tokens=tokens, mode=mode, budget_mib=budget_mib, precision=precision, kinds=kinds,
         fast=sum(k.fast for k in kinds) if known else None,
         fast_transient=max((gram_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
         low_transient=max((low_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
@@ -223,7 +225,9 @@ def memory_lines(m: MemoryPlan) -> list[str]:
                  f"data.max_length tokens within privacy.physical_batch_memory ({within})",
                  f"predicted per example (b = 1), {length}"]
     else:
-        lines = [f"micro-batch b = {m.micro_batch:,} (privacy.physical_batch_size), {length}"]
+        larger = m.micro_batch > m.batch_size > 0
+        note = f"; at most: the sampled batch, B = {m.batch_size:,} expected, is cut no further" if larger else ""
+        lines = [f"micro-batch b = {m.micro_batch:,} (privacy.physical_batch_size{note}), {length}"]
     budget = f"{m.budget_mib:g} MiB" if m.budget_mib is not None else \
         "256 MiB on a CPU (default; on CUDA a quarter of the free memory)"
     dtype = {"bf16-mixed": "g of linear layers in bfloat16 (bf16-mixed)", "bf16-true": "g in bfloat16 (bf16-true)"}

@@ -277,7 +277,7 @@ def _memory(layers: list[LayerShape], privacy: PrivacyConfig, tokens: int, preci
     precision = {"32": "32-true", "64": "64-true"}.get(precision, precision)
     return plan_memory(layers[::-1], physical_batch_size=privacy.physical_batch_size, tokens=tokens,
                        mode=privacy.clipping_memory, budget_mib=budget, precision=precision,
-                       batch_memory_mib=privacy.physical_batch_memory)
+                       batch_memory_mib=privacy.physical_batch_memory, batch_size=privacy.batch_size)
 
 
 def _set_up(privacy: PrivacyConfig, rows: int, steps: int, dimension: int) -> _Planned:
