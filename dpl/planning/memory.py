@@ -226,7 +226,7 @@ def memory_lines(m: MemoryPlan) -> list[str]:
                  f"predicted per example (b = 1), {length}"]
     else:
         larger = m.micro_batch > m.batch_size > 0
-        note = f"; at most: the sampled batch, B = {m.batch_size:,} expected, is cut no further" if larger else ""
+        note = f"; an upper bound: a sampled batch, B = {m.batch_size:,} expected, mostly fits in one" if larger else ""
         lines = [f"micro-batch b = {m.micro_batch:,} (privacy.physical_batch_size{note}), {length}"]
     budget = f"{m.budget_mib:g} MiB" if m.budget_mib is not None else \
         "256 MiB on a CPU (default; on CUDA a quarter of the free memory)"
