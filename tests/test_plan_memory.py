@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import save_tiny_llama_lm, tiny_llama_lm
+from helpers import save_tiny_bert, save_tiny_llama_lm, tiny_llama_lm
 
 from dpl.cli import main
 from dpl.core import layer_gradients, per_example
@@ -20,6 +20,7 @@ from dpl.planning.memory import (
     LayerShape,
     auto_keeps,
     keeps_in_any_order,
+    memory_lines,
     plan_memory,
     shape_of,
 )
@@ -99,6 +100,8 @@ def test_unknown_length_keeps_what_does_not_need_it():
     m = plan_memory([LayerShape("linear", 8, 4, 36)], physical_batch_size=2, tokens=None, mode="auto",
                     budget_mib=None, precision="32-true")
     assert m.fast is None and m.auto == 4 * 2 * 36
+    text = "\n".join(memory_lines(m))
+    assert "T unknown: the data module sets no max_length" in text and "fast needs T" in text
 
 
 # ------------------------------------------------------------------------------------------- the plan
@@ -117,6 +120,16 @@ def test_the_quickstart_plan_prints_the_block(capsys):
     assert "linear      25       9,986" in out and "25 (4.88 MiB)" in out
     assert "above the non-private step (auto): 4.88 MiB (every layer kept: one backward pass)" in out
     assert "low refused under bf16" in out
+
+
+def test_a_plugins_own_gradient_estimate_is_not_predicted(tmp_path, capsys):
+    bert = save_tiny_bert(tmp_path / "bert")
+    main(["plan", "--config", str(ROOT / "configs/quickstart.yaml"), "--model.init_args.model", bert,
+          "--data.init_args.tokenizer", bert, "--data.init_args.train_size", "400", "--data.init_args.validation_size",
+          "20", "--trainer.precision", "32-true", "--model.init_args.plugins", "{dpzero: {}}",
+          "--model.init_args.privacy.batch_size", "16", "--model.init_args.optimizer", "torch.optim.SGD"])
+    out = capsys.readouterr().out
+    assert "  memory   not predicted: the gradient estimate is dpzero's own, not per-example clipping" in out
 
 
 def test_the_skeleton_has_the_real_models_layers(tmp_path):

@@ -205,9 +205,9 @@ def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tok
 
 
 def mib(size: int | None) -> str:
-    """``39 KiB``, ``4.88 MiB``, ``1,024 MiB``; ``? MiB`` for an unknown size."""
+    """``39 KiB``, ``4.88 MiB``, ``1,024 MiB``; ``needs T`` for a size that depends on the unknown length."""
     if size is None:
-        return "? MiB"
+        return "needs T"
     if 0 < size < MIB:
         return f"{size / 1024:.3g} KiB"
     value = size / MIB
