@@ -6,7 +6,9 @@ classes are instantiated, N is counted without tokenizing, the model is built wi
 (:meth:`~dpl.lightning.module.DPModule.prepare_privacy`: plugins, mechanism, calibration, budget). So sigma is the one
 ``dpl fit`` would train with. Printed: N, B, q, steps, epochs, (epsilon, delta), the mechanism, d, sigma, the
 noise-batch ratio sigma / B and the noise on the mean update against the clipped signal
-(:mod:`dpl.core.regime`), then the alternatives at the same epsilon and compute (:mod:`~dpl.planning.alternatives`).
+(:mod:`dpl.core.regime`), the memory per-example clipping holds in each ``privacy.clipping_memory`` mode
+(:mod:`~dpl.planning.memory`), then the alternatives at the same epsilon and compute
+(:mod:`~dpl.planning.alternatives`).
 A config that needs no model code (the quickstart's kind) is planned by :mod:`~dpl.planning.quick` first, without
 importing torch or Lightning; the report is the same.
 """
@@ -31,7 +33,8 @@ USAGE = "usage: dpl plan --config CONFIG [--config CONFIG ...] [--KEY VALUE ...]
 HELP = (f"{USAGE}\n\n"
         "The privacy plan of a dpl fit config, without training: N, B, q, steps, (epsilon, delta), sigma as\n"
         "dpl fit calibrates it, the noise-batch ratio sigma/B and the noise on the mean update sigma C sqrt(d)/B\n"
-        "against the clipped signal (<= C), and the batch sizes at the same epsilon and compute (B x steps).\n"
+        "against the clipped signal (<= C), the memory per-example clipping holds in each clipping_memory mode,\n"
+        "and the batch sizes at the same epsilon and compute (B x steps).\n"
         "Takes the configs and options of dpl fit (dpl fit --help); loads no weights, and dpl's data modules\n"
         "tokenize no data for it.\n"
         "See docs/planning.md.")

@@ -7,7 +7,8 @@ header and the accountant, with the ledger ``dpl fit`` calibrates with (:class:`
 (``DPClassificationModule`` with ``pooling: mean``, ``finetuning.method: lora`` with named ``target_modules``) on
 dpl's generated data (``QuickstartDataModule`` with ``train_size``), example-level DP-SGD without plugins, one
 process. d is LoRA's r x (rows + columns) of every adapted matrix of the checkpoint plus the new head (hidden x
-labels + labels).
+labels + labels); the memory block (:mod:`~dpl.planning.memory`) comes from the same shapes, where ``auto``'s budget
+keeps the same bytes in any order of the layers.
 
 Anything else - another key, class, plugin or value type, a key this module does not know, an invalid value - returns
 ``None``, and :func:`~dpl.planning.command.plan_config` plans the config with ``dpl fit``'s own parser and classes
