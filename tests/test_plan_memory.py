@@ -74,6 +74,19 @@ def test_norm_and_embedding_layers():
     assert m.auto == 4 * 2 * 16  # the norm kept, never the embedding
 
 
+def test_auto_under_bf16_keeps_fasts_state_for_the_layers_not_kept():
+    linear, embedding = LayerShape("linear", 8, 4, 36), LayerShape("embedding", 50, 8, 400)
+    # room for one linear layer's per-example gradients (4 x 4 x 36 = 576 bytes), not two
+    m = plan_memory([linear, embedding, linear], physical_batch_size=4, tokens=10, mode="auto",
+                    budget_mib=600 / MIB, precision="bf16-mixed")
+    kept, linear_fast, embedding_fast = 576, 2 * 4 * 10 * 4 + 576, 4 * 4 * 10 * 8
+    assert m.auto == kept + linear_fast + embedding_fast
+    assert [(k.kind, k.kept_layers, k.kept, k.auto) for k in m.kinds] == [
+        ("linear", 1, kept, kept + linear_fast), ("embedding", 0, 0, embedding_fast)]
+    text = "\n".join(memory_lines(m))
+    assert "(auto): 2.69 KiB (1 layer kept, 2 with fast's state)" in text and "low refused under bf16" in text
+
+
 def test_auto_keeps_layers_only_while_they_fit():
     layers = [LayerShape("linear", 16, 16, 272), LayerShape("embedding", 50, 16, 800),
               LayerShape("layer_norm", 16, 16, 32), LayerShape("linear", 16, 32, 544)]

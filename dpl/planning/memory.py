@@ -233,9 +233,10 @@ def memory_lines(m: MemoryPlan) -> list[str]:
     dtype = {"bf16-mixed": "g of linear layers in bfloat16 (bf16-mixed)", "bf16-true": "g in bfloat16 (bf16-true)"}
     lines.append(f"clipping_memory {m.mode}, auto's budget {budget}; per-example gradients in float32, "
                  + dtype.get(m.precision, "g in float64" if m.precision.startswith("64") else "g in float32"))
-    header = ("kind", "layers", "parameters", "fast", "auto keeps")
-    rows = [header] + [(k.kind, f"{k.layers:,}", f"{k.params:,}", mib(k.fast), f"{k.kept_layers:,} ({mib(k.kept)})")
-                       for k in m.kinds]
+    booked = any(k.auto != k.kept for k in m.kinds)  # bf16: auto's other layers hold fast's state
+    header = ("kind", "layers", "parameters", "fast", "auto keeps", *(("auto",) if booked else ()))
+    rows = [header] + [(k.kind, f"{k.layers:,}", f"{k.params:,}", mib(k.fast), f"{k.kept_layers:,} ({mib(k.kept)})",
+                        *((mib(k.auto),) if booked else ())) for k in m.kinds]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                                for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
@@ -256,6 +257,7 @@ def _mode(m: MemoryPlan, mode: str) -> str:
     rest = sum(k.layers for k in m.kinds) - kept
     if not rest:
         return f"{mib(m.auto)} (every layer kept: one backward pass)"
+    kept_text = f"{kept:,} layer{'' if kept == 1 else 's'} kept"
     if m.bf16:
-        return f"{mib(m.auto)} ({kept:,} layers kept, {rest:,} with fast's state)"
-    return f"{mib(m.auto)} ({kept:,} layers kept; {rest:,} as low: a second backward pass)"
+        return f"{mib(m.auto)} ({kept_text}, {rest:,} with fast's state)"
+    return f"{mib(m.auto)} ({kept_text}; {rest:,} as low: a second backward pass)"
