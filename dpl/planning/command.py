@@ -6,7 +6,9 @@ classes are instantiated, N is counted without tokenizing, the model is built wi
 (:meth:`~dpl.lightning.module.DPModule.prepare_privacy`: plugins, mechanism, calibration, budget). So sigma is the one
 ``dpl fit`` would train with. Printed: N, B, q, steps, epochs, (epsilon, delta), the mechanism, d, sigma, the
 noise-batch ratio sigma / B and the noise on the mean update against the clipped signal
-(:mod:`dpl.core.regime`), then the alternatives at the same epsilon and compute (:mod:`~dpl.planning.alternatives`).
+(:mod:`dpl.core.regime`), the memory per-example clipping holds in each ``privacy.clipping_memory`` mode
+(:mod:`~dpl.planning.memory`), then the alternatives at the same epsilon and compute
+(:mod:`~dpl.planning.alternatives`).
 A config that needs no model code (the quickstart's kind) is planned by :mod:`~dpl.planning.quick` first, without
 importing torch or Lightning; the report is the same.
 """
@@ -25,12 +27,14 @@ from typing import Any
 
 from dpl.core.regime import HOPELESS, QUIET
 from dpl.planning.alternatives import PlanReport, finish_report, row_of
+from dpl.planning.memory import MemoryPlan, memory_lines, plan_memory, shape_of
 
 USAGE = "usage: dpl plan --config CONFIG [--config CONFIG ...] [--KEY VALUE ...]"
 HELP = (f"{USAGE}\n\n"
         "The privacy plan of a dpl fit config, without training: N, B, q, steps, (epsilon, delta), sigma as\n"
         "dpl fit calibrates it, the noise-batch ratio sigma/B and the noise on the mean update sigma C sqrt(d)/B\n"
-        "against the clipped signal (<= C), and the batch sizes at the same epsilon and compute (B x steps).\n"
+        "against the clipped signal (<= C), the memory per-example clipping holds in each clipping_memory mode,\n"
+        "and the batch sizes at the same epsilon and compute (B x steps).\n"
         "Takes the configs and options of dpl fit (dpl fit --help); loads no weights, and dpl's data modules\n"
         "tokenize no data for it.\n"
         "See docs/planning.md.")
@@ -134,6 +138,8 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
         adjacency=mechanism.adjacency, max_grad_norm=float(cfg.max_grad_norm), current=current,
         trainable=sum(p.numel() for p in trainable.values()), estimator=_estimator(engine), lora=_lora(module))
+    if report.estimator is None:
+        report.memory = _memory(module, datamodule, trainer)
     return finish_report(report, engine, partial(_replan, module, trainer, float(target)))
 
 
@@ -151,6 +157,23 @@ def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: i
                      optimizer_factory=module.optimizer_factory, world_size=trainer.world_size,
                      sharded=dp_strategy(trainer).shards_parameters, users=base.unit.users)
     return engine
+
+
+def _memory(module: Any, datamodule: Any, trainer: Any) -> MemoryPlan:
+    """The memory block of the model without weights: its clipper's layers, last first (the backward pass's order,
+    up to the order within a block)."""
+    from dpl.core.per_example import PerExampleClipper
+
+    cfg = module.privacy
+    clipper = PerExampleClipper(module.model, memory=cfg.clipping_memory, budget_mib=cfg.clipping_memory_budget)
+    try:
+        layers = [shape_of(rec) for rec in reversed(clipper.records)]
+    finally:
+        clipper.remove()
+    tokens = getattr(datamodule, "max_length", None)
+    return plan_memory(layers, physical_batch_size=cfg.physical_batch_size, tokens=tokens, mode=cfg.clipping_memory,
+                       budget_mib=cfg.clipping_memory_budget, precision=str(trainer.precision),
+                       batch_memory_mib=cfg.physical_batch_memory, batch_size=cfg.batch_size)
 
 
 def _estimator(engine: Any) -> str | None:
@@ -200,6 +223,12 @@ def format_report(report: PlanReport) -> str:
     lines.append(f"  model    d = {r.trainable:,} trainable parameters{lora}")
     lines.append("  noise    " + _noise_line(r))
     lines.append("  regime   " + _regime_line(r))
+    if r.memory is None:
+        lines.append(f"  memory   not predicted: the gradient estimate is {r.estimator}'s own, not per-example "
+                     "clipping")
+    else:
+        block = memory_lines(r.memory)
+        lines += ["  memory   " + block[0], *("           " + line for line in block[1:])]
     if len(r.rows) > 1 or r.recommended is not None:
         lines += ["", f"alternatives at epsilon = {r.target_epsilon:g} and the same compute (B x steps = "
                       f"{cur.batch_size * cur.steps:,} {units}):", _table(r)]

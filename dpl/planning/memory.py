@@ -1,0 +1,263 @@
+"""What per-example clipping holds above the non-private step, predicted from the layers' shapes alone.
+
+``dpl plan``'s memory block: for one micro-batch of b examples of T tokens, the bytes each
+``privacy.clipping_memory`` mode keeps while the norms are computed (docs/scaling.md, "Memory of one process"):
+
+* ``fast``: every layer's output gradient g (b T d_out, in the step's dtype) until all norms are known, plus the
+  float32 per-example gradients of the layers whose norms need them (norm layers, ``generic`` layers, and linear
+  layers where they are cheaper than the Gram matrices: T^2 (d_in + d_out) >= d_in d_out T); the Gram path's two
+  (b, T, T) matrices are transient.
+* ``low``: nothing across layers; one layer's norm temporaries at a time (at most about :data:`NORM_CHUNK` float32
+  elements), and a second backward pass. Refused under bf16.
+* ``auto``: in the order of the backward pass, each layer but the embeddings keeps its float32 per-example gradients
+  (4 b numel bytes) while they fit what is left of the budget; the others as ``low`` (under bf16: as ``fast``).
+
+Layer inputs are not counted: they are autograd's saved activations, which the non-private step holds too. Pure
+Python (no torch): both :mod:`~dpl.planning.command` and the torch-free :mod:`~dpl.planning.quick` use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: elements of the largest norm temporary of ``low`` (``dpl.core.layer_gradients.NORM_CHUNK``; a test checks)
+NORM_CHUNK = 1 << 24
+#: ``auto``'s budget on a CPU when ``privacy.clipping_memory_budget`` is unset (``dpl.core.per_example``'s)
+DEFAULT_BUDGET_MIB = 256.0
+KINDS = ("linear", "embedding", "layer_norm", "rms_norm", "generic")
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer the clipper records: its kind, input and output widths and trainable parameters (``matrix``: a
+    linear layer's weight is trainable, not only its bias)."""
+
+    kind: str
+    d_in: int
+    d_out: int
+    numel: int
+    matrix: bool = True
+
+
+def shape_of(record: Any) -> LayerShape:
+    """The :class:`LayerShape` of a :class:`~dpl.core.layer_gradients.LayerRecord` (read from its module's
+    attributes and parameter shapes: works without weights)."""
+    module, params = record.module, record.params
+    numel = sum(p.numel() for p in params.values())
+    if record.kind == "linear":
+        return LayerShape("linear", module.in_features, module.out_features, numel, "weight" in params)
+    if record.kind == "embedding":
+        return LayerShape("embedding", module.num_embeddings, module.embedding_dim, numel)
+    first = next(iter(params.values()))
+    width = int(first.shape[-1]) if first.dim() else 1
+    return LayerShape(record.kind, width, width, numel)
+
+
+def per_example_path(layer: LayerShape, tokens: int) -> bool:
+    """Whether a linear layer's weight norm materialises per-example gradients (else Gram matrices; T = 1: neither)
+    - the choice of ``dpl.core.layer_gradients._prepare_linear``."""
+    d_in, d_out = layer.d_in, layer.d_out
+    return (layer.kind == "linear" and layer.matrix and tokens > 1
+            and tokens * tokens * (d_in + d_out) >= d_in * d_out * tokens)
+
+
+def grad_bytes(kind: str, precision: str) -> int:
+    """Bytes of one element of a layer's output gradient g under the trainer's precision: bf16-mixed autocasts linear
+    layers only (the others' outputs stay float32); bf16-true keeps everything in bfloat16."""
+    if precision.startswith("64"):
+        return 8
+    if precision == "bf16-true" or (precision.startswith("bf16") and kind == "linear"):
+        return 2
+    return 4
+
+
+def kept_bytes(layer: LayerShape, batch: int) -> int:
+    """The float32 per-example gradients of the layer's trainable parameters."""
+    return 4 * batch * layer.numel
+
+
+def fast_bytes(layer: LayerShape, batch: int, tokens: int, precision: str) -> int:
+    """What ``fast`` holds of one layer until all norms are known: g and the per-example state."""
+    if layer.kind == "embedding":  # g in float32 (the token-identity norm and sum read it)
+        return max(4, grad_bytes("embedding", precision)) * batch * tokens * layer.d_out
+    held = grad_bytes(layer.kind, precision) * batch * tokens * layer.d_out
+    if layer.kind != "linear" or per_example_path(layer, tokens):
+        return held + kept_bytes(layer, batch)
+    bias = layer.numel - (layer.d_in * layer.d_out if layer.matrix else 0)
+    return held + 4 * batch * bias
+
+
+def gram_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
+    """``fast``'s transient (b, T, T) float32 pair of a layer that takes the Gram path (embeddings, linear)."""
+    if layer.kind == "embedding" or (layer.kind == "linear" and layer.matrix and tokens > 1
+                                     and not per_example_path(layer, tokens)):
+        return 2 * 4 * batch * tokens * tokens
+    return 0
+
+
+def low_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
+    """``low``'s transient norm temporaries of one layer: a chunk of examples at a time for linear and embedding
+    layers (``dpl.core.layer_gradients.sq_norms``), the per-example gradients of the others."""
+    if layer.kind not in ("linear", "embedding"):
+        return kept_bytes(layer, batch)
+    d_in, d_out = layer.d_in, layer.d_out
+    ghost = layer.kind == "embedding" or tokens * (d_in + d_out) < d_in * d_out
+    per_row = (2 * tokens * tokens if ghost else d_in * d_out) + tokens * (d_in + d_out)
+    rows = min(batch, max(1, NORM_CHUNK // max(1, per_row)))
+    return 4 * rows * per_row
+
+
+def keeps_in_any_order(layers: list[LayerShape], batch: int, budget_bytes: int) -> bool:
+    """Whether :func:`auto_keeps` keeps as many bytes whatever the layers' order: all fit together, none fits alone,
+    or all are of one size."""
+    sizes = [kept_bytes(layer, batch) for layer in layers if layer.kind != "embedding"]
+    return not sizes or sum(sizes) <= budget_bytes or min(sizes) > budget_bytes or len(set(sizes)) == 1
+
+
+def auto_keeps(layers: list[LayerShape], batch: int, budget_bytes: int) -> list[bool]:
+    """``auto``'s choice for each layer (in the order of the backward pass): keep its per-example gradients if they
+    fit what is left of the budget, never an embedding's (``dpl.core.streaming.StreamingNorms._fits``)."""
+    held, keeps = 0, []
+    for layer in layers:
+        need = kept_bytes(layer, batch)
+        keep = layer.kind != "embedding" and held + need <= budget_bytes
+        held += need if keep else 0
+        keeps.append(keep)
+    return keeps
+
+
+@dataclass(frozen=True)
+class KindMemory:
+    """One layer kind's share: layers, trainable parameters, ``fast``'s bytes, and the layers ``auto`` keeps, their
+    bytes and all ``auto`` holds of the kind (the kept bytes, plus under bf16 the others' ``fast`` state). ``None``:
+    needs T."""
+
+    kind: str
+    layers: int
+    params: int
+    fast: int | None
+    kept_layers: int
+    kept: int
+    auto: int | None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory block of ``dpl plan``: the setting it was predicted for, per kind, and the totals of each mode
+    (bytes held above the non-private step; ``*_transient``: the largest temporary of one layer)."""
+
+    micro_batch: int | None  # privacy.physical_batch_size; None: auto (predicted for one example)
+    batch_size: int  # privacy.batch_size, the expected batch (a micro-batch never holds more than the sampled one)
+    batch_memory_mib: float | None  # privacy.physical_batch_memory as configured
+    tokens: int | None  # T: data.max_length (None: the data module has none)
+    mode: str
+    budget_mib: float | None  # privacy.clipping_memory_budget as configured (None: the default)
+    precision: str
+    kinds: list[KindMemory]
+    fast: int | None
+    fast_transient: int | None
+    low_transient: int | None
+    auto: int | None
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision.startswith("bf16")
+
+
+def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tokens: int | None, mode: str,
+                budget_mib: float | None, precision: str, batch_memory_mib: float | None = None,
+                batch_size: int = 0) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``layers`` (in the order of the backward pass: last layer first)."""
+    auto_batch = physical_batch_size == "auto"
+    batch = 1 if auto_batch else int(physical_batch_size)
+    budget = int((DEFAULT_BUDGET_MIB if budget_mib is None else budget_mib) * MIB)
+    bf16 = precision.startswith("bf16")
+    keeps = auto_keeps(layers, batch, budget)
+
+    def fast(layer: LayerShape) -> int | None:
+        return None if tokens is None else fast_bytes(layer, batch, tokens, precision)
+
+    kinds = []
+    for kind in KINDS:
+        mine = [(layer, keep) for layer, keep in zip(layers, keeps) if layer.kind == kind]
+        if not mine:
+            continue
+        fasts = [fast(layer) for layer, _ in mine]
+        kept = sum(kept_bytes(layer, batch) for layer, keep in mine if keep)
+        booked = [f for f, (_, keep) in zip(fasts, mine) if not keep] if bf16 else []
+        kinds.append(KindMemory(
+            kind=kind, layers=len(mine), params=sum(layer.numel for layer, _ in mine),
+            fast=None if tokens is None else sum(fasts), kept_layers=sum(keep for _, keep in mine), kept=kept,
+            auto=None if None in booked else kept + sum(booked)))
+    known = tokens is not None
+    return MemoryPlan(
+        micro_batch=None if auto_batch else batch, batch_size=batch_size, batch_memory_mib=batch_memory_mib,
+        tokens=tokens, mode=mode, budget_mib=budget_mib, precision=precision, kinds=kinds,
+        fast=sum(k.fast for k in kinds) if known else None,
+        fast_transient=max((gram_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
+        low_transient=max((low_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
+        auto=None if any(k.auto is None for k in kinds) else sum(k.auto for k in kinds))
+
+
+# ------------------------------------------------------------------------------------------------- printing
+
+
+def mib(size: int | None) -> str:
+    """``39 KiB``, ``4.88 MiB``, ``1,024 MiB``; ``needs T`` for a size that depends on the unknown length."""
+    if size is None:
+        return "needs T"
+    if 0 < size < MIB:
+        return f"{size / 1024:.3g} KiB"
+    value = size / MIB
+    return f"{value:,.0f} MiB" if value >= 100 else f"{value:.3g} MiB"
+
+
+def memory_lines(m: MemoryPlan) -> list[str]:
+    """The block as printed under ``memory``."""
+    length = f"T = {m.tokens:,} tokens (data.max_length)" if m.tokens is not None else \
+        "T unknown: the data module sets no max_length, which the prediction needs"
+    if m.micro_batch is None:
+        within = f"{m.batch_memory_mib:g} MiB" if m.batch_memory_mib is not None else \
+            "default: 90% of the free CUDA memory, half the available RAM on a CPU"
+        lines = ["micro-batch auto: chosen at the start of dpl fit by probing the private step on a public batch at "
+                 f"data.max_length tokens within privacy.physical_batch_memory ({within})",
+                 f"predicted per example (b = 1), {length}"]
+    else:
+        larger = m.micro_batch > m.batch_size > 0
+        note = f"; an upper bound: a sampled batch, B = {m.batch_size:,} expected, mostly fits in one" if larger else ""
+        lines = [f"micro-batch b = {m.micro_batch:,} (privacy.physical_batch_size{note}), {length}"]
+    budget = f"{m.budget_mib:g} MiB" if m.budget_mib is not None else \
+        "256 MiB on a CPU (default; on CUDA a quarter of the free memory)"
+    dtype = {"bf16-mixed": "g of linear layers in bfloat16 (bf16-mixed)", "bf16-true": "g in bfloat16 (bf16-true)"}
+    lines.append(f"clipping_memory {m.mode}, auto's budget {budget}; per-example gradients in float32, "
+                 + dtype.get(m.precision, "g in float64" if m.precision.startswith("64") else "g in float32"))
+    booked = any(k.auto != k.kept for k in m.kinds)  # bf16: auto's other layers hold fast's state
+    header = ("kind", "layers", "parameters", "fast", "auto keeps", *(("auto",) if booked else ()))
+    rows = [header] + [(k.kind, f"{k.layers:,}", f"{k.params:,}", mib(k.fast), f"{k.kept_layers:,} ({mib(k.kept)})",
+                        *((mib(k.auto),) if booked else ())) for k in m.kinds]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.append(f"predicted per-example clipping state above the non-private step ({m.mode}): {_mode(m, m.mode)}")
+    lines.append("  " + "; ".join(f"{mode} {_mode(m, mode)}" for mode in ("fast", "low", "auto") if mode != m.mode))
+    lines.append("  (counted: g and per-example state; layer inputs are autograd's saved activations)")
+    return lines
+
+
+def _mode(m: MemoryPlan, mode: str) -> str:
+    if mode == "fast":
+        gram = f" (+ {mib(m.fast_transient)} of Gram matrices at a time)" if m.fast_transient else ""
+        return mib(m.fast) + gram
+    if mode == "low":
+        return "refused under bf16" if m.bf16 else \
+            f"0 MiB (+ {mib(m.low_transient)} of norm temporaries at a time; a second backward pass)"
+    kept = sum(k.kept_layers for k in m.kinds)
+    rest = sum(k.layers for k in m.kinds) - kept
+    if not rest:
+        return f"{mib(m.auto)} (every layer kept: one backward pass)"
+    kept_text = f"{kept:,} layer{'' if kept == 1 else 's'} kept"
+    if m.bf16:
+        return f"{mib(m.auto)} ({kept_text}, {rest:,} with fast's state)"
+    return f"{mib(m.auto)} ({kept_text}; {rest:,} as low: a second backward pass)"

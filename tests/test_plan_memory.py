@@ -1,0 +1,206 @@
+"""``dpl plan``'s memory block: the formulas on hand-computed layers, auto's budget, the quickstart's block, and the
+prediction against what the clipper really holds on a tiny Llama."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import save_tiny_bert, save_tiny_llama_lm, tiny_llama_lm
+
+from dpl.cli import main
+from dpl.core import layer_gradients, per_example
+from dpl.core.per_example import PerExampleClipper
+from dpl.planning.memory import (
+    DEFAULT_BUDGET_MIB,
+    NORM_CHUNK,
+    KindMemory,
+    LayerShape,
+    auto_keeps,
+    keeps_in_any_order,
+    memory_lines,
+    plan_memory,
+    shape_of,
+)
+from dpl.planning.quick import quick_plan
+from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions, apply_finetuning
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2 ** 20
+
+
+def test_constants_are_the_clippers():
+    assert NORM_CHUNK == layer_gradients.NORM_CHUNK and DEFAULT_BUDGET_MIB == per_example.DEFAULT_CPU_BUDGET_MIB
+
+
+# ------------------------------------------------------------------------------------------- the formulas
+
+
+def _one(layer: LayerShape, batch: int, tokens: int, mode: str = "auto", budget: float | None = None,
+         precision: str = "32-true"):
+    return plan_memory([layer], physical_batch_size=batch, tokens=tokens, mode=mode, budget_mib=budget,
+                       precision=precision)
+
+
+def test_one_linear_layer_on_the_per_example_path():
+    # b = 3, T = 5, d_in = 8, d_out = 4 with a bias: T^2 (d_in + d_out) = 300 >= d_in d_out T = 160
+    layer = LayerShape("linear", 8, 4, 8 * 4 + 4)
+    m = _one(layer, 3, 5)
+    g, per_example_state = 4 * 3 * 5 * 4, 4 * 3 * 36
+    assert m.fast == g + per_example_state == 672 and m.fast_transient == 0
+    assert m.auto == per_example_state == 432 and m.kinds == [KindMemory("linear", 1, 36, 672, 1, 432, 432)]
+    # low: one chunk of the 3 examples: d_in d_out + T (d_in + d_out) = 92 elements each
+    assert m.low_transient == 4 * 3 * (32 + 5 * 12)
+    bf16 = _one(layer, 3, 5, precision="bf16-mixed")  # g in bfloat16, per-example gradients in float32
+    assert bf16.fast == 2 * 3 * 5 * 4 + per_example_state
+
+
+def test_one_linear_layer_on_the_gram_path():
+    # T = 2: T^2 (d_in + d_out) = 48 < d_in d_out T = 64: two (b, T, T) Gram matrices, transient
+    layer = LayerShape("linear", 8, 4, 8 * 4 + 4)
+    m = _one(layer, 3, 2, mode="fast")
+    assert m.fast == 4 * 3 * 2 * 4 + 4 * 3 * 4  # g and the per-example bias gradient
+    assert m.fast_transient == 2 * 4 * 3 * 2 * 2
+    assert m.auto == 4 * 3 * 36  # auto's kept gradients do not depend on T
+
+
+def test_norm_and_embedding_layers():
+    norm, embedding = LayerShape("rms_norm", 16, 16, 16), LayerShape("embedding", 50, 16, 800)
+    m = plan_memory([norm, embedding], physical_batch_size=2, tokens=3, mode="auto", budget_mib=None,
+                    precision="32-true")
+    assert m.fast == (4 * 2 * 3 * 16 + 4 * 2 * 16) + 4 * 2 * 3 * 16 and m.fast_transient == 2 * 4 * 2 * 3 * 3
+    assert m.auto == 4 * 2 * 16  # the norm kept, never the embedding
+
+
+def test_auto_under_bf16_keeps_fasts_state_for_the_layers_not_kept():
+    linear, embedding = LayerShape("linear", 8, 4, 36), LayerShape("embedding", 50, 8, 400)
+    # room for one linear layer's per-example gradients (4 x 4 x 36 = 576 bytes), not two
+    m = plan_memory([linear, embedding, linear], physical_batch_size=4, tokens=10, mode="auto",
+                    budget_mib=600 / MIB, precision="bf16-mixed")
+    kept, linear_fast, embedding_fast = 576, 2 * 4 * 10 * 4 + 576, 4 * 4 * 10 * 8
+    assert m.auto == kept + linear_fast + embedding_fast
+    assert [(k.kind, k.kept_layers, k.kept, k.auto) for k in m.kinds] == [
+        ("linear", 1, kept, kept + linear_fast), ("embedding", 0, 0, embedding_fast)]
+    text = "\n".join(memory_lines(m))
+    assert "(auto): 2.69 KiB (1 layer kept, 2 with fast's state)" in text and "low refused under bf16" in text
+
+
+def test_auto_keeps_layers_only_while_they_fit():
+    layers = [LayerShape("linear", 16, 16, 272), LayerShape("embedding", 50, 16, 800),
+              LayerShape("layer_norm", 16, 16, 32), LayerShape("linear", 16, 32, 544)]
+    assert auto_keeps(layers, 4, 0) == [False] * 4
+    assert auto_keeps(layers, 4, 10 ** 9) == [True, False, True, True]
+    # room for the first and the norm only: greedy in the order given (the backward pass's)
+    assert auto_keeps(layers, 4, 4 * 4 * (272 + 32)) == [True, False, True, False]
+    assert keeps_in_any_order(layers, 4, 0) and keeps_in_any_order(layers, 4, 10 ** 9)
+    assert not keeps_in_any_order(layers, 4, 4 * 4 * (272 + 32))
+    tiny = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=0.0, precision="32-true")
+    assert tiny.auto == 0 and all(k.kept_layers == 0 for k in tiny.kinds)
+    huge = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=1e6, precision="32-true")
+    assert huge.auto == 4 * 4 * (272 + 32 + 544)
+
+
+def test_physical_batch_size_auto_is_predicted_per_example():
+    layer = LayerShape("linear", 8, 4, 36)
+    m = plan_memory([layer], physical_batch_size="auto", tokens=5, mode="auto", budget_mib=None,
+                    precision="32-true")
+    assert m.micro_batch is None and m.auto == 4 * 36 and m.fast == _one(layer, 1, 5).fast
+
+
+def test_unknown_length_keeps_what_does_not_need_it():
+    m = plan_memory([LayerShape("linear", 8, 4, 36)], physical_batch_size=2, tokens=None, mode="auto",
+                    budget_mib=None, precision="32-true")
+    assert m.fast is None and m.auto == 4 * 2 * 36
+    text = "\n".join(memory_lines(m))
+    assert "T unknown: the data module sets no max_length" in text and "fast needs T" in text
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+
+def test_the_quickstart_plan_prints_the_block(capsys):
+    argv = ["--config", str(ROOT / "configs/quickstart.yaml")]
+    report = quick_plan(argv)
+    # MiniLM LoRA r 1 on query/value: 6 layers x 2 matrices x (A, B), and the head (384 x 2 + 2); b = 128
+    assert report.memory.kinds == [KindMemory("linear", 25, 9_986, report.memory.fast, 25, 4 * 128 * 9_986,
+                                              4 * 128 * 9_986)]
+    assert report.memory.tokens == 64 and report.memory.micro_batch == 128 and report.memory.precision == "bf16-mixed"
+    main(["plan", *argv])
+    out = capsys.readouterr().out
+    assert "  memory   micro-batch b = 128 (privacy.physical_batch_size), T = 64 tokens (data.max_length)" in out
+    assert "linear      25       9,986" in out and "25 (4.88 MiB)" in out
+    assert "above the non-private step (auto): 4.88 MiB (every layer kept: one backward pass)" in out
+    assert "low refused under bf16" in out
+
+
+def test_a_plugins_own_gradient_estimate_is_not_predicted(tmp_path, capsys):
+    bert = save_tiny_bert(tmp_path / "bert")
+    main(["plan", "--config", str(ROOT / "configs/quickstart.yaml"), "--model.init_args.model", bert,
+          "--data.init_args.tokenizer", bert, "--data.init_args.train_size", "400", "--data.init_args.validation_size",
+          "20", "--trainer.precision", "32-true", "--model.init_args.plugins", "{dpzero: {}}",
+          "--model.init_args.privacy.batch_size", "16", "--model.init_args.optimizer", "torch.optim.SGD"])
+    out = capsys.readouterr().out
+    assert "  memory   not predicted: the gradient estimate is dpzero's own, not per-example clipping" in out
+
+
+def test_the_skeleton_has_the_real_models_layers(tmp_path):
+    from dpl.planning.skeleton import build_without_weights
+    from dpl.tasks.modules import DPGenerationModule
+
+    folder = save_tiny_llama_lm(tmp_path / "llama", tie=False)
+
+    def layers(model):
+        clipper = PerExampleClipper(model)
+        clipper.remove()
+        return [shape_of(rec) for rec in clipper.records]
+
+    planned = build_without_weights(DPGenerationModule(model=folder))
+    real = DPGenerationModule(model=folder).ensure_model(None)
+    assert layers(planned) == layers(real)
+    assert {s.kind for s in layers(real)} == {"linear", "embedding", "rms_norm"}
+
+
+# ------------------------------------------------------------------------------- against what dpl holds
+
+
+def _held(model, budget_mib: float, batch: int = 3, tokens: int = 7) -> int:
+    """``auto``'s peak bytes of kept per-example gradients in one real step."""
+    clipper = PerExampleClipper(model, memory="auto", budget_mib=budget_mib)
+    ids = torch.randint(3, 50, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    with clipper.record(batch):
+        logits = model(input_ids=ids).logits
+        losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+    clipper.clipped_sum(losses, 1.0)
+    return clipper.peak_held_bytes
+
+
+def _predicted(model, budget_mib: float, batch: int = 3, tokens: int = 7) -> int:
+    clipper = PerExampleClipper(model)
+    clipper.remove()
+    layers = [shape_of(rec) for rec in reversed(clipper.records)]
+    return plan_memory(layers, physical_batch_size=batch, tokens=tokens, mode="auto", budget_mib=budget_mib,
+                       precision="32-true").auto
+
+
+@pytest.mark.parametrize("budget", [0.0, 64.0], ids=["none-kept", "all-kept"])
+def test_auto_prediction_is_what_a_full_fine_tuning_step_holds(budget):
+    model = tiny_llama_lm()
+    predicted = _predicted(model, budget)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    embedding = model.get_input_embeddings().weight.numel()
+    assert predicted == (0 if budget == 0 else 4 * 3 * (trainable - embedding))
+    assert _held(model, budget) == predicted
+
+
+@pytest.mark.parametrize("kept", [0, 3, 5, 8])
+def test_auto_prediction_is_what_a_lora_step_holds_within_its_budget(kept):
+    # LoRA r 2 on q_proj and o_proj (16 x 16): every A and B has 32 parameters, so the budget keeps `kept` of the 8
+    # layers whatever their order
+    model = apply_finetuning(tiny_llama_lm(), FinetuneOptions(method="lora", lora=LoraOptions(
+        r=2, target_modules=["q_proj", "o_proj"])), "CAUSAL_LM")
+    budget = (kept * 4 * 3 * 32 + 100) / MIB
+    predicted = _predicted(model, budget)
+    assert predicted == kept * 4 * 3 * 32
+    assert _held(model, budget) == predicted
