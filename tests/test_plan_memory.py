@@ -18,6 +18,7 @@ from dpl.planning.memory import (
     NORM_CHUNK,
     KindMemory,
     LayerShape,
+    auto_choices,
     auto_keeps,
     keeps_in_any_order,
     memory_lines,
@@ -71,7 +72,12 @@ def test_norm_and_embedding_layers():
     m = plan_memory([norm, embedding], physical_batch_size=2, tokens=3, mode="auto", budget_mib=None,
                     precision="32-true")
     assert m.fast == (4 * 2 * 3 * 16 + 4 * 2 * 16) + 4 * 2 * 3 * 16 and m.fast_transient == 2 * 4 * 2 * 3 * 3
-    assert m.auto == 4 * 2 * 16  # the norm kept, never the embedding
+    # the norm's per-example gradients kept; the embedding's never, but its book (token ids and g) fits the budget
+    assert m.auto == 4 * 2 * 16 + (8 * 2 * 3 + 4 * 2 * 3 * 16)
+    assert [(k.kind, k.kept_layers, k.booked_layers) for k in m.kinds] == [("embedding", 0, 1), ("rms_norm", 1, 0)]
+    none = plan_memory([norm, embedding], physical_batch_size=2, tokens=3, mode="auto", budget_mib=4 * 2 * 16 / MIB,
+                       precision="32-true")
+    assert none.auto == 4 * 2 * 16 and "1 layer kept; 1 as low" in "\n".join(memory_lines(none))
 
 
 def test_auto_under_bf16_keeps_fasts_state_for_the_layers_not_kept():
@@ -99,7 +105,15 @@ def test_auto_keeps_layers_only_while_they_fit():
     tiny = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=0.0, precision="32-true")
     assert tiny.auto == 0 and all(k.kept_layers == 0 for k in tiny.kinds)
     huge = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=1e6, precision="32-true")
-    assert huge.auto == 4 * 4 * (272 + 32 + 544)
+    assert huge.auto == 4 * 4 * (272 + 32 + 544) + (8 * 4 * 8 + 4 * 4 * 8 * 16)  # and the embedding's book
+    booked = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=4 * 4 * 272 / MIB,
+                         precision="32-true")  # room for one layer's per-example gradients; no book fits the rest
+    assert booked.auto == 4 * 4 * 272
+    # a book fits where per-example gradients do not: a wide layer at few tokens (book 4 b T (d_in + d_out))
+    wide = LayerShape("linear", 64, 64, 64 * 64)
+    assert auto_choices([wide], 2, 4 * 2 * 3 * 128, tokens=3) == ["booked"]
+    assert auto_choices([wide], 2, 4 * 2 * 3 * 128 - 1, tokens=3) == ["low"]
+    assert auto_choices([wide], 2, 0, tokens=3, bf16=True) == ["booked"]
 
 
 def test_physical_batch_size_auto_is_predicted_per_example():
@@ -190,7 +204,8 @@ def test_auto_prediction_is_what_a_full_fine_tuning_step_holds(budget):
     predicted = _predicted(model, budget)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     embedding = model.get_input_embeddings().weight.numel()
-    assert predicted == (0 if budget == 0 else 4 * 3 * (trainable - embedding))
+    book = 8 * 3 * 7 + 4 * 3 * 7 * model.config.hidden_size  # the embedding's book: token ids and g
+    assert predicted == (0 if budget == 0 else 4 * 3 * (trainable - embedding) + book)
     assert _held(model, budget) == predicted
 
 

@@ -143,7 +143,8 @@ class StreamingNorms:
         if layer.decided == "booked":
             prepared = prepare(view, grads, {}, self.grouping)
             self.booked.append((rec, prepared))
-            self._hold(self._book_bytes(rec, inputs, grads))
+            if not self.book:  # chosen within the budget (a bf16 step books every layer it does not keep)
+                self._hold(self._book_bytes(rec, inputs, grads))
             return prepared.sq_norms
         return sq_norms(view, grads, self._gram_cache(inputs), self.grouping)
 

@@ -10,9 +10,12 @@
 * ``low``: nothing across layers; one layer's norm temporaries at a time (at most about :data:`NORM_CHUNK` float32
   elements), and a second backward pass. Refused under bf16.
 * ``auto``: in the order of the backward pass, each layer but the embeddings keeps its float32 per-example gradients
-  (4 b numel bytes) while they fit what is left of the budget; the others as ``low`` (under bf16: as ``fast``).
+  (4 b numel bytes) while they fit what is left of the budget, else a linear layer or an embedding keeps its book
+  (its input a, its g and, on the per-example path, its per-example gradients) if that fits; the others as ``low``
+  (under bf16 every layer not kept keeps its book, as ``fast``, outside the budget).
 
-Layer inputs are not counted: they are autograd's saved activations, which the non-private step holds too. Pure
+Layer inputs are not counted, but in ``auto``'s books: they are autograd's saved activations, which the non-private
+step holds too (a book holds them beyond a checkpointed block's recomputation, so its budget counts them). Pure
 Python (no torch): both :mod:`~dpl.planning.command` and the torch-free :mod:`~dpl.planning.quick` use it.
 """
 
@@ -109,23 +112,52 @@ def low_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
     return 4 * rows * per_row
 
 
-def keeps_in_any_order(layers: list[LayerShape], batch: int, budget_bytes: int) -> bool:
-    """Whether :func:`auto_keeps` keeps as many bytes whatever the layers' order: all fit together, none fits alone,
-    or all are of one size."""
+def book_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
+    """What ``auto``'s book of a float32 layer holds (``dpl.core.streaming.StreamingNorms._book_bytes``): its input (an
+    embedding's int64 token ids), its g, and its per-example gradients on the per-example path."""
+    size = (8 if layer.kind == "embedding" else 4 * layer.d_in) * batch * tokens + 4 * batch * tokens * layer.d_out
+    return size + (4 * batch * layer.d_in * layer.d_out if per_example_path(layer, tokens) else 0)
+
+
+def keeps_in_any_order(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None = None,
+                       bf16: bool = False) -> bool:
+    """Whether :func:`auto_choices` holds the same whatever the layers' order: every per-example gradient (and in
+    float32 every embedding's book) fits together, or no layer's per-example gradients or book fits alone."""
+    books = not bf16 and tokens is not None
     sizes = [kept_bytes(layer, batch) for layer in layers if layer.kind != "embedding"]
-    return not sizes or sum(sizes) <= budget_bytes or min(sizes) > budget_bytes or len(set(sizes)) == 1
+    embedding_books = [book_bytes(layer, batch, tokens) for layer in layers if books and layer.kind == "embedding"]
+    if sum(sizes) + sum(embedding_books) <= budget_bytes:
+        return True
+    smallest = min([*sizes, *embedding_books, *[book_bytes(layer, batch, tokens) for layer in layers
+                                                if books and layer.kind == "linear"]], default=0)
+    return smallest > budget_bytes
+
+
+def auto_choices(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None = None,
+                 bf16: bool = False) -> list[str]:
+    """``auto``'s choice for each layer (in the order of the backward pass): ``kept`` (its per-example gradients fit
+    what is left of the budget; never an embedding's), else ``booked`` (a float32 linear layer's or embedding's book
+    fits; under bf16 every other layer, outside the budget), else ``low`` (``dpl.core.streaming.StreamingNorms``)."""
+    held, choices = 0, []
+    for layer in layers:
+        need = kept_bytes(layer, batch)
+        if layer.kind != "embedding" and held + need <= budget_bytes:
+            held += need
+            choices.append("kept")
+        elif bf16:
+            choices.append("booked")
+        elif tokens is not None and layer.kind in ("linear", "embedding") and \
+                held + book_bytes(layer, batch, tokens) <= budget_bytes:
+            held += book_bytes(layer, batch, tokens)
+            choices.append("booked")
+        else:
+            choices.append("low")
+    return choices
 
 
 def auto_keeps(layers: list[LayerShape], batch: int, budget_bytes: int) -> list[bool]:
-    """``auto``'s choice for each layer (in the order of the backward pass): keep its per-example gradients if they
-    fit what is left of the budget, never an embedding's (``dpl.core.streaming.StreamingNorms._fits``)."""
-    held, keeps = 0, []
-    for layer in layers:
-        need = kept_bytes(layer, batch)
-        keep = layer.kind != "embedding" and held + need <= budget_bytes
-        held += need if keep else 0
-        keeps.append(keep)
-    return keeps
+    """Which layers keep their per-example gradients (:func:`auto_choices` without books)."""
+    return [choice == "kept" for choice in auto_choices(layers, batch, budget_bytes)]
 
 
 @dataclass(frozen=True)
@@ -141,6 +173,7 @@ class KindMemory:
     kept_layers: int
     kept: int
     auto: int | None
+    booked_layers: int = 0  # layers auto keeps the book of (float32: within the budget; bf16: every other layer)
 
 
 @dataclass(frozen=True)
@@ -174,23 +207,25 @@ def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tok
     batch = 1 if auto_batch else int(physical_batch_size)
     budget = int((DEFAULT_BUDGET_MIB if budget_mib is None else budget_mib) * MIB)
     bf16 = precision.startswith("bf16")
-    keeps = auto_keeps(layers, batch, budget)
+    choices = auto_choices(layers, batch, budget, tokens, bf16)
 
     def fast(layer: LayerShape) -> int | None:
         return None if tokens is None else fast_bytes(layer, batch, tokens, precision)
 
     kinds = []
     for kind in KINDS:
-        mine = [(layer, keep) for layer, keep in zip(layers, keeps) if layer.kind == kind]
+        mine = [(layer, choice) for layer, choice in zip(layers, choices) if layer.kind == kind]
         if not mine:
             continue
         fasts = [fast(layer) for layer, _ in mine]
-        kept = sum(kept_bytes(layer, batch) for layer, keep in mine if keep)
-        booked = [f for f, (_, keep) in zip(fasts, mine) if not keep] if bf16 else []
+        kept = sum(kept_bytes(layer, batch) for layer, choice in mine if choice == "kept")
+        booked = [(f if bf16 else book_bytes(layer, batch, tokens)) for f, (layer, choice) in zip(fasts, mine)
+                  if choice == "booked"]
         kinds.append(KindMemory(
             kind=kind, layers=len(mine), params=sum(layer.numel for layer, _ in mine),
-            fast=None if tokens is None else sum(fasts), kept_layers=sum(keep for _, keep in mine), kept=kept,
-            auto=None if None in booked else kept + sum(booked)))
+            fast=None if tokens is None else sum(fasts), kept_layers=sum(c == "kept" for _, c in mine), kept=kept,
+            auto=None if None in booked else kept + sum(booked),
+            booked_layers=sum(c == "booked" for _, c in mine)))
     known = tokens is not None
     return MemoryPlan(
         micro_batch=None if auto_batch else batch, batch_size=batch_size, batch_memory_mib=batch_memory_mib,
@@ -233,7 +268,7 @@ def memory_lines(m: MemoryPlan) -> list[str]:
     dtype = {"bf16-mixed": "g of linear layers in bfloat16 (bf16-mixed)", "bf16-true": "g in bfloat16 (bf16-true)"}
     lines.append(f"clipping_memory {m.mode}, auto's budget {budget}; per-example gradients in float32, "
                  + dtype.get(m.precision, "g in float64" if m.precision.startswith("64") else "g in float32"))
-    booked = any(k.auto != k.kept for k in m.kinds)  # bf16: auto's other layers hold fast's state
+    booked = any(k.auto != k.kept for k in m.kinds)  # auto holds books too
     header = ("kind", "layers", "parameters", "fast", "auto keeps", *(("auto",) if booked else ()))
     rows = [header] + [(k.kind, f"{k.layers:,}", f"{k.params:,}", mib(k.fast), f"{k.kept_layers:,} ({mib(k.kept)})",
                         *((mib(k.auto),) if booked else ())) for k in m.kinds]
@@ -254,10 +289,14 @@ def _mode(m: MemoryPlan, mode: str) -> str:
         return "refused under bf16" if m.bf16 else \
             f"0 MiB (+ {mib(m.low_transient)} of norm temporaries at a time; a second backward pass)"
     kept = sum(k.kept_layers for k in m.kinds)
-    rest = sum(k.layers for k in m.kinds) - kept
-    if not rest:
+    booked = sum(k.booked_layers for k in m.kinds)
+    rest = sum(k.layers for k in m.kinds) - kept - booked
+    if not rest and not booked:
         return f"{mib(m.auto)} (every layer kept: one backward pass)"
     kept_text = f"{kept:,} layer{'' if kept == 1 else 's'} kept"
     if m.bf16:
-        return f"{mib(m.auto)} ({kept_text}, {rest:,} with fast's state)"
-    return f"{mib(m.auto)} ({kept_text}; {rest:,} as low: a second backward pass)"
+        return f"{mib(m.auto)} ({kept_text}, {booked:,} with fast's state)"
+    books = f", {booked:,} booked" if booked else ""
+    if not rest:
+        return f"{mib(m.auto)} ({kept_text}{books}: one backward pass)"
+    return f"{mib(m.auto)} ({kept_text}{books}; {rest:,} as low: a second backward pass)"

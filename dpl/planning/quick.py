@@ -272,10 +272,11 @@ def _memory(layers: list[LayerShape], privacy: PrivacyConfig, tokens: int, preci
     only the model's code knows)."""
     batch = 1 if privacy.physical_batch_size == "auto" else int(privacy.physical_batch_size)
     budget = privacy.clipping_memory_budget
-    if not keeps_in_any_order(layers, batch, int((DEFAULT_BUDGET_MIB if budget is None else budget) * MIB)):
-        raise Unplannable("auto's budget keeps some layers, in the backward pass's order")
     precision = str(precision or "32-true")
     precision = {"32": "32-true", "64": "64-true"}.get(precision, precision)
+    if not keeps_in_any_order(layers, batch, int((DEFAULT_BUDGET_MIB if budget is None else budget) * MIB), tokens,
+                              precision.startswith("bf16")):
+        raise Unplannable("auto's budget keeps some layers, in the backward pass's order")
     return plan_memory(layers[::-1], physical_batch_size=privacy.physical_batch_size, tokens=tokens,
                        mode=privacy.clipping_memory, budget_mib=budget, precision=precision,
                        batch_memory_mib=privacy.physical_batch_memory, batch_size=privacy.batch_size)
