@@ -197,3 +197,22 @@ def test_the_generation_probe_batch_is_max_length_random_completions():
     assert batch["input_ids"].shape == (3, 12) and bool(batch["attention_mask"].all())
     assert torch.equal(batch["labels"], batch["input_ids"])  # every token scored
     assert not torch.isin(batch["input_ids"], torch.tensor(tok.all_special_ids)).any()
+
+
+def test_auto_is_refused_in_one_line_under_several_processes(tmp_path):
+    import lightning as L
+
+    from dpl.lightning.ddp import DPDDPStrategy
+    from dpl.tasks.data import ClassificationDataModule
+    from dpl.tasks.modules import DPClassificationModule
+
+    tmp, model = tiny_classification_workspace(tmp_path, rows=64, val_rows=8)
+    module = DPClassificationModule(model=model, privacy=PrivacyConfig(target_epsilon=4.0, batch_size=16,
+                                                                       physical_batch_size="auto"))
+    data = ClassificationDataModule(tokenizer=model, data_dir=str(tmp / "data"), max_length=16)
+    module.datamodule_ref = data
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DPDDPStrategy(start_method="fork"), max_steps=1,
+                        logger=False, enable_progress_bar=False)
+    with pytest.raises(ConfigError, match="physical_batch_size auto runs in one process") as info:
+        module.prepare_privacy(64, trainer)
+    assert "\n" not in str(info.value)
