@@ -13,6 +13,7 @@ from helpers import save_tiny_bert, save_tiny_llama_lm, tiny_llama_lm
 from dpl.cli import main
 from dpl.core import layer_gradients, per_example
 from dpl.core.per_example import PerExampleClipper
+from dpl.planning import memory
 from dpl.planning.memory import (
     DEFAULT_BUDGET_MIB,
     NORM_CHUNK,
@@ -64,7 +65,8 @@ def test_one_linear_layer_on_the_gram_path():
     m = _one(layer, 3, 2, mode="fast")
     assert m.fast == 4 * 3 * 2 * 4 + 4 * 3 * 4  # g and the per-example bias gradient
     assert m.fast_transient == 2 * 4 * 3 * 2 * 2
-    assert m.auto == 4 * 3 * 36  # auto's kept gradients do not depend on T
+    # auto holds the smaller of the per-example gradients (4 b 36 = 432 bytes) and the book (a and g: 4 b T (8 + 4))
+    assert m.auto == 4 * 3 * 2 * (8 + 4) and m.kinds[0].booked_layers == 1
 
 
 def test_norm_and_embedding_layers():
@@ -105,7 +107,11 @@ def test_auto_keeps_layers_only_while_they_fit():
     tiny = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=0.0, precision="32-true")
     assert tiny.auto == 0 and all(k.kept_layers == 0 for k in tiny.kinds)
     huge = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=1e6, precision="32-true")
-    assert huge.auto == 4 * 4 * (272 + 32 + 544) + (8 * 4 * 8 + 4 * 4 * 8 * 16)  # and the embedding's book
+    # one pass: each layer the smaller of its per-example gradients and its book. 16 x 16 at T = 8 is on the
+    # per-example path (T (d_in + d_out) >= d_in d_out): book 4 b T 32 + 4 b 256 = 8,192 > 4,352 kept; 16 x 32 on the
+    # Gram path: book 4 b T 48 = 6,144 < 8,704; the norm kept; the embedding's book (token ids and g)
+    assert huge.auto == 4 * 4 * 272 + 4 * 4 * 8 * 48 + 4 * 4 * 32 + (8 * 4 * 8 + 4 * 4 * 8 * 16)
+    assert auto_choices(layers, 4, 10 ** 9, tokens=8) == ["kept", "booked", "kept", "booked"]
     booked = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=4 * 4 * 272 / MIB,
                          precision="32-true")  # room for one layer's per-example gradients; no book fits the rest
     assert booked.auto == 4 * 4 * 272
@@ -190,6 +196,12 @@ def _held(model, budget_mib: float, batch: int = 3, tokens: int = 7) -> int:
     return clipper.peak_held_bytes
 
 
+def _layers(model) -> list:
+    clipper = PerExampleClipper(model)
+    clipper.remove()
+    return [shape_of(rec) for rec in reversed(clipper.records)]
+
+
 def _predicted(model, budget_mib: float, batch: int = 3, tokens: int = 7) -> int:
     clipper = PerExampleClipper(model)
     clipper.remove()
@@ -204,8 +216,9 @@ def test_auto_prediction_is_what_a_full_fine_tuning_step_holds(budget):
     predicted = _predicted(model, budget)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     embedding = model.get_input_embeddings().weight.numel()
-    book = 8 * 3 * 7 + 4 * 3 * 7 * model.config.hidden_size  # the embedding's book: token ids and g
-    assert predicted == (0 if budget == 0 else 4 * 3 * (trainable - embedding) + book)
+    layers = _layers(model)
+    one_pass = sum(min(c for c in pair if c is not None) for pair in memory._costs(layers, 3, 7))
+    assert predicted == (0 if budget == 0 else one_pass)  # one pass: each layer the smaller of its two states
     assert _held(model, budget) == predicted
 
 

@@ -316,6 +316,7 @@ class PerExampleClipper:
         stream.grouping = grouping
         count = self._batch_size if grouping is None else grouping.count
         stream.sq_norms = torch.zeros(count, dtype=torch.float32, device=losses.device)
+        stream.plan_passes()
         stream.listening = True
         try:
             torch.autograd.grad(losses.sum(), stream.sink, retain_graph=True, allow_unused=True)

@@ -4,12 +4,13 @@
 In the forward pass, the output of every module that owns trainable parameters passes through an identity autograd
 function (a *tap*) whose backward receives the output gradient g. The first backward runs to a scalar *sink* that
 every tap feeds, so autograd computes the activation gradients the taps need and no weight gradient. When a layer's
-input a and its g are both there, its per-example squared norms are added and (a, g) dropped. Under ``auto`` a layer
-whose per-example gradients fit what is left of a byte budget keeps them, else a layer whose book (a, g and, where
-cheaper than the Gram path, its per-example gradients) fits keeps that (either way its clip-weighted sum needs no
-second pass); the others get their clipped sum from a second backward of sum_i c_i * loss_i (Li et al., "Large
-language models can be strong differentially private learners", ICLR 2022: ghost clipping), which is skipped when
-no layer needs it.
+input a and its g are both there, its per-example squared norms are added and (a, g) dropped. Under ``auto``, when
+every layer's per-example gradients or book (a, g and, where cheaper than the Gram path, its per-example gradients),
+whichever is smaller, fit the byte budget together (known once the forward pass has run), each layer keeps the
+smaller and the clipped sum needs no second pass (``fast``'s time); otherwise a layer whose per-example gradients fit
+what is left of the budget keeps them and the others get their clipped sum from a second backward of
+sum_i c_i * loss_i (Li et al., "Large language models can be strong differentially private learners", ICLR 2022:
+ghost clipping).
 
 Activation checkpointing (``torch.utils.checkpoint`` without reentrance, Hugging Face's default): a checkpointed
 layer's input is not kept in the forward pass; the recomputation inside the backward pass hands it over (a forward
@@ -69,6 +70,8 @@ class _Layer:
     calls: list[_Call] = field(default_factory=list)
     decided: str | None = None  # "kept" (per-example gradients held), "booked" (its book held: a float32 weighted
     # sum, as fast does) or "low" (summed by the second backward)
+    book_bytes: int = 0  # its inputs and output gradients (the output's size), noted in the forward pass
+    steps: int = 0  # positions over its calls
 
 
 class StreamingNorms:
@@ -90,6 +93,7 @@ class StreamingNorms:
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self.listening = False
+        self.one_pass = False  # auto: every layer kept or booked, no second backward pass (plan_passes)
         self.sq_norms: Tensor | None = None
         self.grouping: Grouping | None = None
         self._grams: dict[tuple, Tensor] = {}
@@ -98,6 +102,8 @@ class StreamingNorms:
     def tap(self, rec: LayerRecord, x: Tensor, output: Tensor) -> Tensor:
         """Forward hook: note the call (its input unless checkpointing drops it) and tap its output."""
         _, layer = self.layers.setdefault(id(rec), (rec, _Layer()))
+        layer.book_bytes += x.numel() * x.element_size() + output.numel() * output.element_size()
+        layer.steps += output.shape[1] if output.dim() > 2 else 1
         deferred = in_checkpoint()
         call = _Call(None if deferred else x.detach(), deferred)
         layer.calls.append(call)
@@ -133,8 +139,11 @@ class StreamingNorms:
     def _account(self, rec: LayerRecord, layer: _Layer, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
         view = LayerRecord(rec.module, rec.kind, rec.full_names, inputs)
         if layer.decided is None:
-            layer.decided = ("kept" if self._fits(rec) else
-                             "booked" if self.book or self._book_fits(rec, inputs, grads) else "low")
+            if self.one_pass:
+                kept, book = self._costs(rec, layer)
+                layer.decided = "kept" if kept is not None and (book is None or kept <= book) else "booked"
+            else:
+                layer.decided = "kept" if self._fits(rec) else "booked" if self.book else "low"
         if layer.decided == "kept":
             per_example = per_example_gradients(view, grads, self.grouping)
             self.kept.append((rec, per_example))
@@ -156,17 +165,33 @@ class StreamingNorms:
         """What a layer's book holds: its inputs and output gradients, and a linear layer's per-example weight
         gradients where they are cheaper than the Gram path (the rule of :func:`~dpl.core.layer_gradients.sq_norms`)."""
         size = sum(t.numel() * t.element_size() for t in (*inputs, *grads))
-        if rec.kind == "linear" and "weight" in rec.full_names:
-            steps = sum(g.shape[1] if g.dim() > 2 else 1 for g in grads)
-            d_in, d_out = inputs[0].shape[-1], grads[0].shape[-1]
-            if steps > 1 and steps * (d_in + d_out) >= d_in * d_out:
-                size += 4 * self.sq_norms.numel() * d_in * d_out
-        return size
+        steps = sum(g.shape[1] if g.dim() > 2 else 1 for g in grads)
+        return size + self._per_example_path_bytes(rec, steps)
 
-    def _book_fits(self, rec: LayerRecord, inputs: list[Tensor], grads: list[Tensor]) -> bool:
-        if self.budget_bytes is None or rec.kind not in ("linear", "embedding"):
-            return False
-        return self.held_bytes + self._book_bytes(rec, inputs, grads) <= self.budget_bytes
+    def _per_example_path_bytes(self, rec: LayerRecord, steps: int) -> int:
+        if rec.kind != "linear" or "weight" not in rec.full_names:
+            return 0
+        d_out, d_in = rec.params["weight"].shape
+        return 4 * self.sq_norms.numel() * d_in * d_out if steps > 1 and steps * (d_in + d_out) >= d_in * d_out else 0
+
+    def _costs(self, rec: LayerRecord, layer: _Layer) -> tuple[int | None, int | None]:
+        """(bytes of the layer's per-example gradients, of its book); None where the layer cannot hold that."""
+        kept = None if rec.kind == "embedding" else 4 * self.sq_norms.numel() * sum(
+            p.numel() for p in rec.params.values())
+        book = (layer.book_bytes + self._per_example_path_bytes(rec, layer.steps)
+                if rec.kind in ("linear", "embedding") else None)
+        return kept, book
+
+    def plan_passes(self) -> None:
+        """Before the first backward pass (the forward pass has noted every layer): one pass if every layer's
+        per-example gradients or book, the smaller, fit the budget together (``auto`` in float32)."""
+        self.one_pass = False
+        if self.budget_bytes is None or self.book:
+            return
+        total = 0
+        for rec, layer in self.layers.values():
+            total += min(c for c in self._costs(rec, layer) if c is not None)
+        self.one_pass = total <= self.budget_bytes
 
     def _fits(self, rec: LayerRecord) -> bool:
         if self.budget_bytes is None or rec.kind == "embedding":

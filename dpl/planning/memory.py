@@ -9,10 +9,11 @@
   (b, T, T) matrices are transient.
 * ``low``: nothing across layers; one layer's norm temporaries at a time (at most about :data:`NORM_CHUNK` float32
   elements), and a second backward pass. Refused under bf16.
-* ``auto``: in the order of the backward pass, each layer but the embeddings keeps its float32 per-example gradients
-  (4 b numel bytes) while they fit what is left of the budget, else a linear layer or an embedding keeps its book
-  (its input a, its g and, on the per-example path, its per-example gradients) if that fits; the others as ``low``
-  (under bf16 every layer not kept keeps its book, as ``fast``, outside the budget).
+* ``auto``: if every layer's float32 per-example gradients (4 b numel bytes) or book (its input a, its g and, on the
+  per-example path, its per-example gradients), whichever is smaller, fit the budget together, each layer holds the
+  smaller and there is no second pass; otherwise, in the order of the backward pass, each layer but the embeddings
+  keeps its per-example gradients while they fit what is left of the budget, the others as ``low`` (under bf16 every
+  layer not kept keeps its book, as ``fast``, outside the budget).
 
 Layer inputs are not counted, but in ``auto``'s books: they are autograd's saved activations, which the non-private
 step holds too (a book holds them beyond a checkpointed block's recomputation, so its budget counts them). Pure
@@ -119,39 +120,47 @@ def book_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
     return size + (4 * batch * layer.d_in * layer.d_out if per_example_path(layer, tokens) else 0)
 
 
+def _costs(layers: list[LayerShape], batch: int, tokens: int) -> list[tuple[int | None, int | None]]:
+    """Per layer: (bytes of its per-example gradients, of its book); None where it cannot hold that."""
+    return [(None if layer.kind == "embedding" else kept_bytes(layer, batch),
+             book_bytes(layer, batch, tokens) if layer.kind in ("linear", "embedding") else None) for layer in layers]
+
+
+def one_pass(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None, bf16: bool) -> bool:
+    """Whether float32 ``auto`` holds every layer's per-example gradients or book, the smaller, and skips the second
+    backward pass: they fit the budget together (``dpl.core.streaming.StreamingNorms.plan_passes``)."""
+    if bf16 or tokens is None:
+        return False
+    return sum(min(c for c in pair if c is not None) for pair in _costs(layers, batch, tokens)) <= budget_bytes
+
+
 def keeps_in_any_order(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None = None,
                        bf16: bool = False) -> bool:
-    """Whether :func:`auto_choices` holds the same whatever the layers' order: every per-example gradient (and in
-    float32 every embedding's book) fits together, or no layer's per-example gradients or book fits alone."""
-    books = not bf16 and tokens is not None
-    sizes = [kept_bytes(layer, batch) for layer in layers if layer.kind != "embedding"]
-    embedding_books = [book_bytes(layer, batch, tokens) for layer in layers if books and layer.kind == "embedding"]
-    if sum(sizes) + sum(embedding_books) <= budget_bytes:
+    """Whether :func:`auto_choices` holds the same whatever the layers' order: in one pass, or when every per-example
+    gradient fits together, none fits alone, or all are of one size."""
+    if one_pass(layers, batch, budget_bytes, tokens, bf16):
         return True
-    smallest = min([*sizes, *embedding_books, *[book_bytes(layer, batch, tokens) for layer in layers
-                                                if books and layer.kind == "linear"]], default=0)
-    return smallest > budget_bytes
+    sizes = [kept_bytes(layer, batch) for layer in layers if layer.kind != "embedding"]
+    return not sizes or sum(sizes) <= budget_bytes or min(sizes) > budget_bytes or len(set(sizes)) == 1
 
 
 def auto_choices(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None = None,
                  bf16: bool = False) -> list[str]:
-    """``auto``'s choice for each layer (in the order of the backward pass): ``kept`` (its per-example gradients fit
-    what is left of the budget; never an embedding's), else ``booked`` (a float32 linear layer's or embedding's book
-    fits; under bf16 every other layer, outside the budget), else ``low`` (``dpl.core.streaming.StreamingNorms``)."""
+    """``auto``'s choice for each layer (in the order of the backward pass), as ``dpl.core.streaming.StreamingNorms``
+    makes it: in one pass (:func:`one_pass`) ``kept`` or ``booked``, whichever holds less (an embedding: booked);
+    otherwise ``kept`` while its per-example gradients fit what is left of the budget (never an embedding's), the
+    others ``low`` (under bf16 ``booked``, as ``fast``, outside the budget)."""
+    if one_pass(layers, batch, budget_bytes, tokens, bf16):
+        return ["kept" if kept is not None and (book is None or kept <= book) else "booked"
+                for kept, book in _costs(layers, batch, tokens)]
     held, choices = 0, []
     for layer in layers:
         need = kept_bytes(layer, batch)
         if layer.kind != "embedding" and held + need <= budget_bytes:
             held += need
             choices.append("kept")
-        elif bf16:
-            choices.append("booked")
-        elif tokens is not None and layer.kind in ("linear", "embedding") and \
-                held + book_bytes(layer, batch, tokens) <= budget_bytes:
-            held += book_bytes(layer, batch, tokens)
-            choices.append("booked")
         else:
-            choices.append("low")
+            choices.append("booked" if bf16 else "low")
     return choices
 
 
