@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import nullcontext
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -291,9 +292,10 @@ class PrivateEngine:
         # optimizer states, float32 per trainable coordinate each
         reserve = 4 * 4 * sum(t.numel() for t in trainable.values())
         upper = cfg.batch_size * (self.unit.max_rows or 1)
+        # no noise source: nothing secret is drawn (an estimator that would draw noise fails here, not silently)
         ctx = StepContext(model=model, trainable=trainable, per_example_loss=per_example_loss,
                           max_grad_norm=cfg.max_grad_norm, noise_multiplier=self.noise_multiplier,
-                          expected_batch_size=cfg.batch_size, step=self.steps_done, noise_source=self.noise_source,
+                          expected_batch_size=cfg.batch_size, step=self.steps_done, noise_source=None,
                           log=_ignore, public_seed=0, optimizer=None)
         hook = self.plugin_manager.hook
 
@@ -302,7 +304,7 @@ class PrivateEngine:
             if self.unit.samples_users:  # the step's per-unit path, every probe example its own unit
                 batch = {**batch, UNITS_KEY: torch.arange(size, device=device)}
             ctx.scratch.clear()
-            with context() if context is not None else _no_context():
+            with context() if context is not None else nullcontext():
                 part = hook.estimate_gradient(ctx=ctx, batch=batch)
             if part is not None:
                 part.wipe()
@@ -488,14 +490,6 @@ class PrivateEngine:
         for name, sub in secret["states"].items():
             if name in named and callable(getattr(named[name], "load_secret_state_dict", None)):
                 named[name].load_secret_state_dict(sub)
-
-
-class _no_context:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _ignore(name: str, value: float) -> None:

@@ -101,6 +101,12 @@ def _input_gram(a: Tensor, source: list[Tensor], grams: dict[tuple, Tensor]) -> 
     return grams[key]
 
 
+def per_example_path(steps: int, d_in: int, d_out: int) -> bool:
+    """Whether a linear layer's weight norm is cheaper through its per-example gradients (B d_in d_out) than through
+    the Gram matrices of its inputs and output gradients (B T^2 (d_in + d_out)); one position: neither."""
+    return steps > 1 and steps * (d_in + d_out) >= d_in * d_out
+
+
 def _prepare_linear(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor]) -> PreparedLayer:
     a = _cat_steps(rec.inputs)
     g = _cat_steps(grads)
@@ -111,7 +117,7 @@ def _prepare_linear(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Te
     sq = torch.zeros(batch, dtype=torch.float32, device=a.device)
     per_example_weight = None
     if has_weight:
-        if steps * steps * (d_in + d_out) < d_in * d_out * steps or steps == 1:
+        if not per_example_path(steps, d_in, d_out):
             if steps == 1:
                 sq = sq + (a.squeeze(1).float().pow(2).sum(1) * g.squeeze(1).float().pow(2).sum(1))
             else:

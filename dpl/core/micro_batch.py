@@ -151,8 +151,9 @@ def choose_micro_batch(probe: Callable[[int], None], *, upper: int, budget_bytes
         shown = "more than the device has" if math.isinf(peak(1)) else mib(peak(1))
         at = f" of {tokens:,} tokens" if tokens else ""
         raise ConfigError(f"physical_batch_size auto: the private step of one example{at} needs {shown}, more than "
-                          f"the {mib(room)} left of privacy.physical_batch_memory ({mib(budget_bytes)}) after the sum, noise and optimizer state: lower data.max_length, use "
-                          "privacy.clipping_memory: low, gradient checkpointing or LoRA, or raise the budget")
+                          f"the {mib(room)} left of privacy.physical_batch_memory ({mib(budget_bytes)}) after the "
+                          "sum, noise and optimizer state: lower data.max_length, use privacy.clipping_memory: low, "
+                          "gradient checkpointing or LoRA, or raise the budget")
     size = 1
     if upper >= 2 and peak(2) <= room:
         slope = max(peak(2) - peak(1), 1.0)

@@ -27,7 +27,6 @@ This module records and clips; the formulas of each layer kind are in :mod:`dpl.
 from __future__ import annotations
 
 import copy
-
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager

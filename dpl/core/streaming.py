@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, per_example_gradients, prepare, sq_norms
+from dpl.core.layer_gradients import (Grouping, LayerRecord, PreparedLayer, per_example_gradients, per_example_path,
+                                     prepare, sq_norms)
 
 
 def in_backward() -> bool:
@@ -172,7 +173,7 @@ class StreamingNorms:
         if rec.kind != "linear" or "weight" not in rec.full_names:
             return 0
         d_out, d_in = rec.params["weight"].shape
-        return 4 * self.sq_norms.numel() * d_in * d_out if steps > 1 and steps * (d_in + d_out) >= d_in * d_out else 0
+        return 4 * self.sq_norms.numel() * d_in * d_out if per_example_path(steps, d_in, d_out) else 0
 
     def _costs(self, rec: LayerRecord, layer: _Layer) -> tuple[int | None, int | None]:
         """(bytes of the layer's per-example gradients, of its book); None where the layer cannot hold that."""
