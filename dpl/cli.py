@@ -95,7 +95,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-if __name__ == "__main__":  # python -m dpl.cli: run the module dpl.cli_lightning shares state with, not this copy
+if __name__ == "__main__":  # python -m dpl.cli: run the module dpl.cli itself, not this __main__ copy
     from dpl.cli import main as _main
 
     _main()
