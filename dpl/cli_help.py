@@ -144,7 +144,7 @@ def _type_name(hint: Any) -> str:
 def fit_preface(command: str, plugins: list[PluginInfo], models: list[str], data: list[str]) -> str:
     """dpl's own options, leading ``dpl COMMAND --help``: privacy, fine-tuning and LoRA, plugins, model and data."""
     from dpl.core.privacy import PrivacyConfig
-    from dpl.tasks.modules.classification import FinetuneOptions, LoraOptions
+    from dpl.tasks.modules.finetuning import FinetuneOptions, LoraOptions
 
     lines = [f"usage: dpl {command} [-h] [--config CONFIG.yaml ...] [--KEY VALUE ...] [--ckpt_path CKPT]"
              + (" [--export FOLDER]" if command == "fit" else ""), ""]

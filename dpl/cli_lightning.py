@@ -1,6 +1,7 @@
 """The ``dpl`` command's Lightning part: :class:`DPLightningCLI` (``dpl fit``, ``validate``, ``test``) and its parser;
-a failed run's folder is removed (:mod:`dpl.cli_runs`). :mod:`dpl.cli` imports it only for those commands, so that
-``dpl --help`` and dpl's own light commands start without torch and Lightning."""
+a failed run's folder is removed (:mod:`dpl.cli_runs`), Lightning's setup lines are held until the run starts
+(:data:`dpl.messages.BANNERS`). :mod:`dpl.cli_training` imports it only for those commands, so that ``dpl --help``
+and dpl's own light commands start without torch and Lightning."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dpl.folders import check_writable
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 from dpl.lightning.report import PrivacyReport
+from dpl.messages import BANNERS
 
 
 def _parser_kwargs(argv: list[str]) -> dict[str, Any]:
@@ -135,52 +137,6 @@ class RunConfig(SaveConfigCallback):
             config = config.clone()
             config.export = None
         super().__init__(parser, config, *args, **kwargs)
-
-
-#: the loggers of Lightning's informational lines (GPU/TPU/HPU available, mixed precision, restoring states)
-LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
-                          "lightning_fabric.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero")
-
-
-class HeldBanners(logging.Filter):
-    """Holds Lightning's informational lines while the run is set up: they are shown once the run starts
-    (:class:`ShowBanners`) and dropped when setup fails, so that a refused run prints its ``dpl: error:`` line
-    alone. Warnings pass at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-        self.holding = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.holding and record.levelno <= logging.INFO:
-            self.records.append(record)
-            return False
-        return True
-
-    def hold(self) -> None:
-        self.holding = True
-        for name in LIGHTNING_INFO_LOGGERS:
-            logging.getLogger(name).addFilter(self)
-
-    def _stop(self) -> list[logging.LogRecord]:
-        self.holding = False
-        for name in LIGHTNING_INFO_LOGGERS:
-            logging.getLogger(name).removeFilter(self)
-        records, self.records = self.records, []
-        return records
-
-    def release(self) -> None:
-        """Show the held lines (in order) and stop holding."""
-        for record in self._stop():
-            logging.getLogger(record.name).handle(record)
-
-    def drop(self) -> None:
-        """Forget the held lines and stop holding."""
-        self._stop()
-
-
-BANNERS = HeldBanners()
 
 
 class ShowBanners(Callback):

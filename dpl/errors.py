@@ -28,3 +28,14 @@ class BudgetExceeded(DPLError, RuntimeError):
 class PrivacyWarning(Warning):
     """A setting that weakens the privacy guarantee or its interpretation (a seed, a large delta, non-private
     diagnostics). Deliberately not a ``UserWarning``, so that filters aimed at ordinary warnings keep it."""
+
+
+def dpl_error_in(exc: BaseException | None) -> DPLError | None:
+    """The DPLError that caused ``exc`` (jsonargparse wraps errors raised while instantiating classes)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, DPLError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

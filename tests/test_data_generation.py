@@ -345,6 +345,40 @@ def test_truncation_cuts_the_prompt_start_and_warns_once(tok, tmp_path):
     assert len(dm.val_set[0]["input_ids"]) == 11 and dm.val_set[0]["input_ids"][-2:] == ids(tok, "Sentence:")
 
 
+def test_truncation_warnings_are_dpl_lines(tok, tmp_path):
+    from dpl.messages import format_warning
+
+    rows = [["mr", "ref"], [" ".join(["one", "two", "three"] * 6), "red ."], ["cafe", "it is ."]]
+    path = write_csv(tmp_path / "train.csv", rows)
+    dm = build(E2EDataModule, tok, train_file=str(path), val_file=str(path), max_length=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.setup("fit")
+    shown = [format_warning(w.message, w.category, w.filename, w.lineno) for w in caught]
+    assert shown == ["dpl: warning: train: 1 of 2 examples are longer than max_length=12 tokens and were truncated "
+                     "(prompt start cut; a completion that did not fit alone cut at its end)\n",
+                     "dpl: warning: validation: 1 of 2 prompts are longer than max_length - 1 = 11 tokens and were "
+                     "truncated (start cut)\n"], shown
+
+
+def test_truncate_cuts_only_what_does_not_fit_and_says_so_once():
+    from dpl.tasks.data.truncation import keep_end, keep_prompt_end, truncate
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cut = truncate([[1] * 3, [1] * 5, [2] * 6], 4, len, lambda x: x[:4], "train", "examples are long")
+        assert truncate([[1] * 4], 4, len, lambda x: [], "train", "never said") == [[1] * 4]
+    assert cut == [[1] * 3, [1] * 4, [2] * 4]
+    assert [str(w.message) for w in caught] == ["train: 2 of 3 examples are long"]
+    prompt, frame = [9, 5, 6, 1, 2, 3, 4, 7], ([9, 5, 6], [7])
+    assert keep_prompt_end(prompt, 8, 9, *frame) == prompt
+    assert keep_prompt_end(prompt, 6, 9, *frame) == [9, 5, 6, 3, 4, 7]  # the chat frame and the prompt's end
+    assert keep_prompt_end(prompt, 4, 9, *frame) == [9, 3, 4, 7]  # no room for the frame and a token: BOS and end
+    assert keep_prompt_end(prompt, 1, 9, *frame) == [7]
+    assert keep_end([9, 1, 2, 3], 3, 9, [-100, 1, 2, 3]) == ([9, 2, 3], [-100, 2, 3])
+    assert keep_end([9, 1, 2, 3], 1, 9) == ([3], None)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 

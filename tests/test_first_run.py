@@ -265,7 +265,7 @@ def test_dpl_info_lines_once_per_run(caplog, monkeypatch):
 
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-    from dpl.cli import _rank_zero_info
+    from dpl.messages import _rank_zero_info
 
     record = logging.LogRecord("dpl", logging.INFO, __file__, 1, "dpl: N=10", None, None)
     warning = logging.LogRecord("dpl", logging.WARNING, __file__, 1, "dpl: careful", None, None)

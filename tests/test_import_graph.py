@@ -1,5 +1,6 @@
 """dpl's modules import each other without a loop (docs/architecture.md: imports only go downwards): every
-``import`` / ``from ... import`` of a dpl module, at module level or inside a function, read with ``ast``."""
+``import`` / ``from ... import`` of a dpl module, at module level or inside a function, read with ``ast``, and the
+modules the ``dpl`` command loads by name (``importlib.import_module`` on its command table)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,22 @@ def import_graph() -> dict[str, set[str]]:
                 module = owner(target) if target.split(".")[0] == "dpl" else None
                 if module is not None and module != name:
                     graph[name].add(module)
+    for name, loaded in loaded_by_name().items():
+        graph[name] |= {owner(target) for target in loaded} - {name, None}
     return graph
+
+
+#: the modules that call ``importlib.import_module``, and what they load with it: ``dpl.cli`` the command table's
+#: modules (:func:`loaded_by_name`); ``dpl.cli_errors`` the class paths a user's config names (no import of dpl's own)
+LOADERS = {"dpl.cli", "dpl.cli_errors"}
+
+
+def loaded_by_name() -> dict[str, set[str]]:
+    """Module -> the dpl modules it imports through ``importlib``: ``dpl.cli`` runs each command of its table
+    (``"module:function"``) by the module's name."""
+    from dpl.cli_commands import COMMANDS
+
+    return {"dpl.cli": {target.partition(":")[0] for _, target in COMMANDS.values()}}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -93,4 +109,17 @@ def test_the_loop_finder_finds_a_loop():
 
 def test_function_level_imports_count():
     graph = import_graph()
-    assert "dpl.cli_lightning" in graph["dpl.cli"]  # imported inside main(), when a training command runs
+    assert "dpl.cli_lightning" in graph["dpl.cli_training"]  # imported inside training_command(), when it runs
+
+
+def test_the_commands_loaded_by_name_count():
+    graph = import_graph()
+    assert {"dpl.planning.command", "dpl.tune.command", "dpl.audit.command", "dpl.trained.predict"} <= graph["dpl.cli"]
+    assert cycles({**graph, "dpl.tune.trials": graph["dpl.tune.trials"] | {"dpl.cli"}})  # a trial through dpl.cli
+    calls = {name for name, path in modules().items() if "import_module(" in path.read_text()}
+    assert calls == LOADERS  # a new import by name is followed here (loaded_by_name) or said to load no dpl module
+
+
+def test_nothing_below_the_command_imports_it():
+    importers = sorted(name for name, imported in import_graph().items() if "dpl.cli" in imported)
+    assert importers == [], importers

@@ -49,16 +49,17 @@ def plan_command(argv: list[str]) -> int:
         print(f"dpl: error: dpl plan needs a config ({USAGE[7:]}), e.g. dpl plan --config configs/quickstart.yaml",
               file=sys.stderr)
         return 2
-    from dpl.cli import _dpl_error_in, _quiet
+    from dpl.errors import dpl_error_in
+    from dpl.messages import quiet
     from dpl.planning.quick import quick_plan
 
     try:
         report = quick_plan(argv)
         if report is None:  # the config needs dpl fit's parser and classes
-            _quiet()  # the warnings dpl fit silences
+            quiet()  # the warnings dpl fit silences
             report = plan_config(argv)
     except Exception as exc:
-        error = _dpl_error_in(exc)
+        error = dpl_error_in(exc)
         if error is None or os.environ.get("DPL_DEBUG"):
             raise
         print(f"dpl: error: {error}", file=sys.stderr)
@@ -69,7 +70,7 @@ def plan_command(argv: list[str]) -> int:
 
 def plan_config(argv: list[str]) -> PlanReport:
     """The :class:`PlanReport` of the config and options ``argv`` (as ``dpl fit`` takes them)."""
-    from dpl.cli import DPLightningCLI
+    from dpl.cli_lightning import DPLightningCLI
     from dpl.lightning.data import DPDataModule
     from dpl.lightning.module import DPModule
 

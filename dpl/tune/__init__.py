@@ -8,7 +8,7 @@ trial's run is kept, and its privacy report states the epsilon of the whole sear
 Modules, one job each: :mod:`~dpl.tune.search` (the search space), :mod:`~dpl.tune.plans` (the plans of the
 space's configurations, made before any trial, and the bound from their largest RDP curve), :mod:`~dpl.tune.state`
 (the secret sidecar that makes a tuning resumable), :mod:`~dpl.tune.probe` (the callback a trial runs with),
-:mod:`~dpl.tune.trials` (one trial: fit and score, through ``dpl.cli.main``), :mod:`~dpl.tune.release` (the privacy
+:mod:`~dpl.tune.trials` (one trial: fit and score, through ``dpl fit``'s own code path), :mod:`~dpl.tune.release` (the privacy
 of the tuned model and its report), :mod:`~dpl.tune.command` (the command). The accounting is
 :mod:`dpl.core.accounting.tuning`.
 """

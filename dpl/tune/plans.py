@@ -58,14 +58,14 @@ def tunable(summary: dict[str, Any], seeded: bool) -> str | None:
 
 def plan_configuration(fit_args: list[str], config: dict[str, str], target: float | None = None) -> TrialPlan:
     """The plan of the trial ``dpl fit FIT_ARGS CONFIG`` (``target``: its target epsilon, else the config's)."""
-    from dpl.cli import _dpl_error_in
+    from dpl.errors import dpl_error_in
     from dpl.planning.command import plan_config
 
     argv = [*fit_args, *config_args(config), *([TARGET_OPTION, repr(float(target))] if target is not None else [])]
     try:
         report = plan_config(argv)
     except Exception as exc:  # noqa: BLE001 - dpl's own errors in one line, anything else as is
-        error = _dpl_error_in(exc)
+        error = dpl_error_in(exc)
         if error is None:
             raise
         raise ConfigError(f"dpl tune: planning {short(config) or 'the trials'}: {error}") from None

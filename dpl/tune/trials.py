@@ -1,5 +1,6 @@
 """One trial of ``dpl tune``: a full private ``dpl fit`` in its own folder and a ``dpl validate`` of its last
-checkpoint, both through :func:`dpl.cli.main` (the command line's own code path), in this process."""
+checkpoint, both through :func:`dpl.cli_training.training_command` (the command line's own code path), in this
+process."""
 
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ class TrialFailed(Exception):
 
 def run_cli(args: list[str]) -> None:
     """``dpl ARGS`` in this process; :class:`TrialFailed` if it exits non-zero."""
-    from dpl.cli import main
+    from dpl.cli_training import training_command
 
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")  # dpl tune's own argv
     try:
-        main(args)
+        training_command(args)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise TrialFailed(exc.code if isinstance(exc.code, int) else 1) from None

@@ -5,8 +5,9 @@ Classification: :class:`ClassificationDataModule` (files found and read by :mod:
 :mod:`~dpl.tasks.data.tables`, labels by :mod:`~dpl.tasks.data.labels`), the masked-LM prompt variant
 (:mod:`~dpl.tasks.data.prompt`) and the quickstart data (:mod:`~dpl.tasks.data.quickstart`). Generation:
 :class:`GenerationDataModule` and its readers :class:`E2EDataModule`, :class:`DARTDataModule`,
-:class:`JSONLDataModule` (one module each), and the generation quickstart's generated tables
-(:class:`QuickstartE2EDataModule`)."""
+:class:`JSONLDataModule` (one module each; records rendered by :mod:`~dpl.tasks.data.templates`, conversations by
+:mod:`~dpl.tasks.data.conversations`, too-long examples cut by :mod:`~dpl.tasks.data.truncation`), and the
+generation quickstart's generated tables (:class:`QuickstartE2EDataModule`)."""
 
 from dpl.errors import DataError
 from dpl.lightning.data import DPDataModule

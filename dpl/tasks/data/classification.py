@@ -22,6 +22,7 @@ from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_columns, resolve_location, split_files, user_keys_of
 from dpl.tasks.data.labels import label_key, show_labels, sort_labels
 from dpl.tasks.data.tables import FORMATS, SplitData, column_values, load_split
+from dpl.tasks.loading import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -276,26 +277,12 @@ class ClassificationDataModule(FileDataModule):
 
     @property
     def tokenizer(self) -> Any:
-        """The tokenizer (loaded on first use)."""
+        """The tokenizer (loaded on first use, with a pad token)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from dpl.tasks.loading import model_path
-
             try:
-                location = model_path(self.tokenizer_location, "tokenizer")
+                tokenizer = load_tokenizer(self.tokenizer_location)  # decoder-only ones (Llama) pad with EOS or UNK
             except ConfigError as exc:
-                raise DataError(str(exc)) from None
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(location)
-            except (OSError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise DataError(f"cannot load tokenizer {self.tokenizer_location!r}: {first}") from exc
-            if tokenizer.pad_token is None:  # decoder-only tokenizers (Llama): pad with EOS (or UNK)
-                fallback = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
-                if fallback is None:
-                    raise DataError(f"tokenizer {self.tokenizer_location!r} has no pad, eos or unk token to pad with")
-                tokenizer.pad_token = fallback
+                raise DataError(str(exc)) from exc
             self._tokenizer = tokenizer
             self._padding_side = tokenizer.padding_side
             self._pad_values = {"input_ids": int(tokenizer.pad_token_id), "attention_mask": 0,

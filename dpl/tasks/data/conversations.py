@@ -11,7 +11,9 @@ rendered with the tokenizer's chat template and labelled on the assistant's toke
 * :func:`prompt_ids`: turns (e.g. the conversation before its last assistant turn, :func:`history`) rendered with
   the generation prompt, as ``apply_chat_template(turns, add_generation_prompt=True)`` tokenizes them: what
   generation continues.
-* :func:`keep_end`: truncation to a token budget that keeps the end (and a leading BOS).
+* :func:`conversation_split`: a split's conversation records (one evaluation source each).
+* :func:`training_examples`, :func:`evaluation_sources`: a split's conversations as training examples and as
+  evaluation sources, truncated to ``data.max_length`` (:mod:`~dpl.tasks.data.truncation`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from typing import Any
 
 from dpl.errors import DataError
 from dpl.tasks.data.padding import IGNORE_INDEX
+from dpl.tasks.data.templates import Record, Split, _render_chat, files_of
+from dpl.tasks.data.truncation import keep_end, truncate
 
-__all__ = ["ROLES", "check_messages", "encode", "history", "prompt_ids", "keep_end", "last_reply", "segments"]
+__all__ = ["ROLES", "check_messages", "conversation_split", "encode", "evaluation_sources", "history", "prompt_ids",
+           "last_reply", "segments", "training_examples"]
 
 #: the roles a turn may have
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
@@ -75,8 +80,6 @@ def last_reply(messages: Messages) -> str:
 
 
 def _render(tokenizer: Any, messages: Messages, generation_prompt: bool) -> str:
-    from dpl.tasks.data.templates import _render_chat
-
     return _render_chat(tokenizer, messages, generation_prompt)
 
 
@@ -127,16 +130,35 @@ def prompt_ids(tokenizer: Any, turns: Messages) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def keep_end(ids: list[int], budget: int, bos: int | None, labels: list[int] | None = None
-             ) -> tuple[list[int], list[int] | None]:
-    """``ids`` (and ``labels``, cut alike) in at most ``budget`` (>= 1) tokens: a leading ``bos`` when there is room
-    for it and one more token, then the last tokens."""
-    if len(ids) <= budget:
-        return ids, labels
-    keep = 1 if bos is not None and ids[0] == bos and budget > 1 else 0
-    start = len(ids) - budget + keep
+def conversation_split(name: str, records: list[Record]) -> Split:
+    """A split of conversation records: one evaluation source each, its last reply the reference."""
+    conversations = [r.messages for r in records if r.messages is not None]
+    return Split(name=name, files=files_of(records), prompts=[r.where for r in records],
+                 completions=[last_reply(m) for m in conversations], groups=[("group", r.group) for r in records],
+                 conversations=conversations)
 
-    def cut(seq: list[int]) -> list[int]:
-        return [*seq[:keep], *seq[start:]]
 
-    return cut(ids), (cut(labels) if labels is not None else None)
+def training_examples(tokenizer: Any, conversations: list[Messages], max_length: int, split: str
+                      ) -> list[dict[str, Any]]:
+    """One training example per conversation: its chat-rendered turns through the last assistant turn, labelled on
+    the assistant pieces; a longer one keeps its end (and a leading BOS)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    encoded = truncate([encode(tokenizer, segments(tokenizer, messages)) for messages in conversations], max_length,
+                       lambda pair: len(pair[0]), lambda pair: keep_end(pair[0], max_length, bos, pair[1]), split,
+                       f"conversations are longer than max_length={max_length} tokens and were truncated (their "
+                       f"start cut, the end kept)")
+    return [{"input_ids": ids, "labels": labels or []} for ids, labels in encoded]
+
+
+def evaluation_sources(tokenizer: Any, conversations: list[Messages], max_length: int, split: str
+                       ) -> list[dict[str, Any]]:
+    """One evaluation source per conversation: the turns before its last assistant turn with the generation prompt,
+    the last ``max_length - 1`` tokens kept (and a leading BOS); the reference is that turn's content."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    budget = max_length - 1
+    prompts = truncate([prompt_ids(tokenizer, history(messages)) for messages in conversations], budget, len,
+                       lambda ids: keep_end(ids, budget, bos)[0], split,
+                       f"conversations are longer than max_length - 1 = {budget} tokens before their last reply and "
+                       f"were truncated (start cut)")
+    return [{"input_ids": ids, "references": [last_reply(messages)], "prompt": history(messages)}
+            for ids, messages in zip(prompts, conversations)]

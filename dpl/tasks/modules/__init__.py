@@ -3,7 +3,8 @@
 from dpl.errors import ConfigError
 from dpl.lightning.module import DPModule
 from dpl.tasks.modules.base import TASKS, DPTaskModule
-from dpl.tasks.modules.classification import DPClassificationModule, FinetuneOptions, LoraOptions
+from dpl.tasks.modules.classification import DPClassificationModule
+from dpl.tasks.modules.finetuning import FinetuneOptions, LoraOptions
 from dpl.tasks.modules.generation import DPGenerationModule, GenerationOptions
 from dpl.tasks.modules.prompt import DPPromptClassificationModule
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from dpl.errors import ConfigError
 from dpl.tasks.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
 from dpl.lightning.module import PluginOptions, attached_trainer
-from dpl.tasks.modules.classification import FinetuneOptions, apply_finetuning
+from dpl.tasks.modules.finetuning import FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.tasks.loading import load_pretrained, load_tokenizer
 from dpl.tasks.modules.base import DPTaskModule, row_field
@@ -289,6 +289,7 @@ class DPGenerationModule(DPTaskModule):
         """The tokens that continue input row ``where``'s conversation (see :meth:`inference_batches`)."""
         from dpl.errors import DataError
         from dpl.tasks.data import conversations as chat
+        from dpl.tasks.data.truncation import keep_end
 
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"input row {where}: a conversation needs the tokenizer's chat template; it has none")
@@ -296,7 +297,7 @@ class DPGenerationModule(DPTaskModule):
         if messages[-1]["role"] == "assistant" and len(messages) > 1:
             messages = messages[:-1]
         bos = getattr(tokenizer, "bos_token_id", None)
-        return chat.keep_end(chat.prompt_ids(tokenizer, messages), budget, bos)[0]
+        return keep_end(chat.prompt_ids(tokenizer, messages), budget, bos)[0]
 
     def card_usage(self, data: dict[str, Any], tokenizer: Any) -> list[str]:
         """A run that trained with the chat template: how plain transformers continues a conversation with it (the

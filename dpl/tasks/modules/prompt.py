@@ -32,7 +32,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from dpl.errors import ConfigError
-from dpl.tasks.modules.classification import MODEL_INPUTS, DPClassificationModule, FinetuneOptions, apply_finetuning
+from dpl.tasks.modules.classification import MODEL_INPUTS, DPClassificationModule
+from dpl.tasks.modules.finetuning import FinetuneOptions, apply_finetuning
 from dpl.core.privacy import PrivacyConfig
 from dpl.lightning.module import PluginOptions
 from dpl.tasks.loading import model_path, resolve_path
