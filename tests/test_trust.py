@@ -325,12 +325,12 @@ def test_resume_with_changed_plan_is_refused_then_composed_when_forced(tmp_path)
     assert eps5 < total <= 2.0 * (1 + 1e-9)  # composed over both parts, within the target, never reset
     assert forced.noise_multiplier > first.noise_multiplier  # the second part had less budget left
     # an independent composition of the two segments gives the same number
-    from dpl.core.accounting import PoissonGaussianAccountant
+    from dpl.core.accounting import prv
+    from dpl.core.accounting.common import _canonical
 
-    acc = PoissonGaussianAccountant()
-    acc.step(first.noise_multiplier, 8 / 64, 5)
-    acc.step(forced.noise_multiplier, 8 / 64, 5)
-    assert total == pytest.approx(acc.epsilon(forced.delta), rel=1e-9)
+    both = prv._epsilon(_canonical(((first.noise_multiplier, 8 / 64, 5), (forced.noise_multiplier, 8 / 64, 5))), forced.delta,
+                        "prv", None)
+    assert total == pytest.approx(both, rel=1e-9)
 
 
 def test_resume_with_changed_clip_or_delta_is_refused(tmp_path):
@@ -413,12 +413,12 @@ def test_resume_with_a_higher_target_recalibrates_the_remaining_steps(tmp_path):
     forced = _vector_module(noise_multiplier=None, target_epsilon=6.0, seed=None, force_resume=True)
     _trainer(tmp_path / "f", 8).fit(forced, datamodule=VectorDataModule(), ckpt_path=str(path))
     assert forced.steps_done == 8 and forced.noise_multiplier < first.noise_multiplier
-    from dpl.core.accounting import PoissonGaussianAccountant
+    from dpl.core.accounting import prv
+    from dpl.core.accounting.common import _canonical
 
-    acc = PoissonGaussianAccountant()
-    acc.step(first.noise_multiplier, 8 / 64, 4)
-    acc.step(forced.noise_multiplier, 8 / 64, 4)
-    assert acc.epsilon(forced.delta) == pytest.approx(forced.epsilon_after(8), rel=1e-9)
+    both = prv._epsilon(_canonical(((first.noise_multiplier, 8 / 64, 4), (forced.noise_multiplier, 8 / 64, 4))), forced.delta,
+                        "prv", None)
+    assert both == pytest.approx(forced.epsilon_after(8), rel=1e-9)
     assert 3.0 < forced.epsilon_after(8) <= 6.0 * (1 + 1e-9)
     summary = forced.privacy_summary()
     assert summary["noise_multiplier"] == forced.noise_multiplier and summary["resumed_from"] == str(path)

@@ -365,33 +365,18 @@ class PrivateEngine:
             "resumed_parts": 0, "events": [], "scope": None, "accountant": cfg.accountant, "adjacency": None, "mechanism": None,
             "unit": cfg.unit, "num_examples": 0, "num_units": 0, "target_epsilon": cfg.target_epsilon,
             "max_epsilon": cfg.effective_max_epsilon}
-        users, per_row = None, {}
+        users = None
         if self.unit.users is not None:
             # the count and k only: rows per user describe single users (the largest), so they stay in the log
             users = {"users": self.unit.num_units, "max_rows_per_user": self.unit.max_rows,
                      "sampling": self.unit.setup_fields()["user_sampling"]}
-            if self.ledger is not None:
-                per_row = self._per_row_epsilon()
         return {
-            **accounting, "users": users, **per_row,
+            **accounting, "users": users,
             "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
             "resumed_from": self.resumed_from,
             "resumed_noise": None if self.resumed_from is None else ("replayed" if self._replayed else "fresh"),
             "secure_noise": cfg.secure_noise, "seeded": cfg.seed is not None, "dpl_version": __version__,
         }
-
-    def _per_row_epsilon(self) -> dict[str, float]:
-        """For a user-level run, the per-row epsilon for reference and (example-level sampling) the loose group-privacy
-        conversion of that per-row guarantee to k rows, which the tight user-level accountant improves on."""
-        ledger = self.ledger
-        if not self.unit.bounds_rows:  # user-level sampling: a row is in a step only if its user is: no more
-            return {"epsilon_per_row": ledger.epsilon()}
-        from dpl.core.accounting import epsilon_for, group_privacy
-
-        done, delta = ledger.steps_done, ledger.plan.delta
-        row = epsilon_for(ledger.noise_multiplier, self.mechanism.sample_rate, done, delta) if done else 0.0
-        group_eps, group_delta = group_privacy(row, delta, self.unit.max_rows)
-        return {"epsilon_per_row": row, "epsilon_group_privacy": group_eps, "delta_group_privacy": group_delta}
 
     # --- state --------------------------------------------------------------------------------------------
     def _named_stateful(self) -> list[tuple[str, Any]]:
