@@ -326,5 +326,5 @@ def test_privacy_report_of_a_shuffled_mechanism(tmp_path):
     assert report["sampling"] == "shuffle" and report["mechanism"] == "ftrl"
     assert report["plugins"] == {"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": 3}}
     assert report["epochs_planned"] == pytest.approx(10 / 8) and report["steps_taken"] == 10
-    assert report["epsilon"] == pytest.approx(module.epsilon_after(10)) and report["accountant"] != "prv"
+    assert report["epsilon"] == pytest.approx(module.engine.epsilon(10)) and report["accountant"] != "prv"
     assert "fixed-size batches of 8 from one secret shuffled order" in report_markdown(report)

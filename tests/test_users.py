@@ -89,7 +89,7 @@ def test_users_from_keys_and_the_bound():
     assert (s["users"], s["rows"], s["rows_per_user_min"], s["rows_per_user_max"], s["rows_beyond_bound"]) == \
         (3, 6, 1, 3, 1)
     assert s["rows_per_user_median"] == 2
-    assert users.sampled("users") == 3 and users.sampled("rows") == 5
+    assert users.sampled(True) == 3 and users.sampled(False) == 5
     gen = torch.Generator().manual_seed(0)
     picks = Counter(tuple(users.pick(0, gen)) for _ in range(3000))
     assert set(picks) == {(0, 2), (0, 4), (2, 4)}  # k of the user's own rows, in order

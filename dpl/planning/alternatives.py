@@ -183,6 +183,7 @@ class PlanReport:
     population: int
     num_units: int
     unit: str
+    data_text: str  # what the mechanism samples from, in the privacy unit's words (PrivacyUnit.data_text)
     user_sampling: str | None
     max_rows_per_user: int | None
     sampling_rate: float

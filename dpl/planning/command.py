@@ -132,7 +132,8 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
     trainable = module.trainable
     report = PlanReport(
         configs=[], rows_in_data=num_rows, population=plan.population, num_units=plan.num_units, unit=plan.unit,
-        user_sampling=engine.unit.setup_fields()["user_sampling"], max_rows_per_user=engine.unit.max_rows,
+        data_text=engine.unit.data_text(), user_sampling=engine.unit.setup_fields()["user_sampling"],
+        max_rows_per_user=engine.unit.max_rows,
         sampling_rate=float(mechanism.sample_rate),
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
@@ -205,20 +206,12 @@ def _lora(module: Any) -> tuple[int, int, int] | None:
 def format_report(report: PlanReport) -> str:
     """The plan as text: the run, its noise regime, the alternatives and the recommendation."""
     r, cur = report, report.current
-    units = {"users": "users", "rows": "rows"}.get(r.user_sampling or "", "examples")
     source = f" ({', '.join(r.configs)})" if r.configs else ""
     lines = [f"dpl plan{source}"]
-    data = f"N = {r.population:,} {units}"
-    if r.user_sampling == "users":
-        data += f" ({r.rows_in_data:,} rows; up to k = {r.max_rows_per_user} rows of a sampled user)"
-    elif r.user_sampling == "rows":
-        data += (f" (each of the {r.num_units:,} users bounded to k = {r.max_rows_per_user} of its rows; "
-                 f"{r.rows_in_data:,} in all)")
-    lines.append(f"  data     {data}; B = {cur.batch_size:,} expected per step (q = {r.sampling_rate:.4g}, {r.sampling} "
+    lines.append(f"  data     {r.data_text}; B = {cur.batch_size:,} expected per step (q = {r.sampling_rate:.4g}, {r.sampling} "
                  f"sampling); {cur.steps:,} steps = {cur.epochs:.3g} epoch{'' if cur.epochs == 1 else 's'}")
-    unit = "one user" if r.unit == "user" else "one example"
     lines.append(f"  privacy  epsilon = {cur.epsilon:.3f} (target {r.target_epsilon:g}), delta = {r.delta:.3g}, "
-                 f"{r.adjacency} adjacency of {unit}; mechanism {r.mechanism}, {r.accounting}")
+                 f"{r.adjacency} adjacency of one {r.unit}; mechanism {r.mechanism}, {r.accounting}")
     lora = f" ({r.lora[1]:,} in LoRA r {r.lora[0]})" if r.lora else ""
     lines.append(f"  model    d = {r.trainable:,} trainable parameters{lora}")
     lines.append("  noise    " + _noise_line(r))
