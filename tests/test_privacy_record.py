@@ -417,3 +417,24 @@ def test_user_level_and_generation_wording():
                   epsilon_delta_table=[], run={"id": "r", "status": "finished", "started": "s", "updated": "u"})
     assert "| one user is | all the training rows" in report_markdown(report)
     assert not _has_labels(type("M", (), {"task": "generation"})()) and _has_labels(type("M", (), {"task": "prompt"})())
+
+
+def test_dpl_ledger_says_which_runs_on_the_same_data_each_total_leaves_out_and_why():
+    """A user-level total on data that example-level runs also trained on leaves those out (they give a user of several
+    rows no bounded protection) and says so, naming them; the example-level total names the user-level run."""
+    from dpl.trained.spending import data_sets, show
+
+    def run(run_id, unit, adjacency="add_remove"):
+        return {"run_id": run_id, "data_id": "d1", "data": "train.tsv", "unit": unit, "adjacency": adjacency,
+                "epsilon": 1.0, "delta": 1e-5, "steps": 3, "status": "finished", "started": run_id, "events": None}
+
+    entries = [run("u1", "user"), run("u2", "user"), run("e1", "example"), run("e2", "example"),
+               run("z1", "example", "zero_out"), {**run("o1", "user"), "data_id": "other"}]
+    groups = {(g["data_id"], g["unit"], g["adjacency"]): g for g in data_sets(entries)}
+    users = "\n".join(show(groups[("d1", "user", "add_remove")]))
+    assert "composed over 2 runs" in users
+    assert "left out: 3 runs on the same data, example-level: each protects one row, which gives a user of several " \
+           "rows no bounded protection (e1, e2, z1)" in users and "o1" not in users
+    rows = "\n".join(show(groups[("d1", "example", "add_remove")]))
+    assert "left out: 2 runs on the same data, user-level" in rows and "(u1, u2)" in rows
+    assert "left out: 1 run on the same data, zero_out adjacency" in rows and "(z1)" in rows
