@@ -438,3 +438,24 @@ def test_dpl_ledger_says_which_runs_on_the_same_data_each_total_leaves_out_and_w
     rows = "\n".join(show(groups[("d1", "example", "add_remove")]))
     assert "left out: 2 runs on the same data, user-level" in rows and "(u1, u2)" in rows
     assert "left out: 1 run on the same data, zero_out adjacency" in rows and "(z1)" in rows
+
+
+def test_the_line_that_ends_a_fit_counts_the_steps_this_fit_took():
+    """One step is singular; a resume that took no step says so instead of claiming the checkpoint's steps; a resume
+    that trained says how many after which step."""
+    from torch import nn
+
+    from dpl.core.engine import PrivateEngine
+    from dpl.core.privacy import PrivacyConfig
+    from dpl.lightning.report import fit_summary_line
+
+    engine = PrivateEngine(PrivacyConfig(noise_multiplier=1.0, batch_size=4))
+    engine.setup(nn.Linear(2, 2), num_rows=40, steps=6)
+    engine.ledger.steps_done = 1
+    assert fit_summary_line(engine, {}).startswith("dpl: trained 1 private step; privacy spent (epsilon=")
+    engine.ledger.steps_done = 6
+    line = fit_summary_line(engine, {"val_acc": 0.5}, steps_before=6)
+    assert line.startswith("dpl: took no private step (resumed at step 6") and "trained" not in line
+    assert line.endswith("; val_acc=0.5000")
+    assert fit_summary_line(engine, {}, steps_before=2).startswith(
+        "dpl: trained 6 private steps (4 after resuming at step 2); privacy spent")

@@ -351,7 +351,7 @@ def test_resumed_example_level_sampling_reports_per_row_and_group_privacy_of_bot
 
 def test_user_level_sampling_states_no_per_row_figure():
     """Under user-level sampling a row's removal changes its user's clipped mean by up to 2C, which the per-user
-    add/remove analysis does not cover: the summary states no per-row epsilon (it used to repeat the per-user one)."""
+    add/remove analysis does not cover: the summary states no per-row epsilon."""
     engine, _ = _engine(PrivacyConfig(target_epsilon=2.0, batch_size=5, unit="user", max_rows_per_user=2))
     engine.ledger.steps_done = 6
     summary = engine.summary()

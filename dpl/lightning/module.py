@@ -160,6 +160,7 @@ class DPModule(L.LightningModule):
         dp = self.dp
         self.engine.start(next(self.model.parameters()).device, secure_source=dp.secure_noise_source)
         dp.sync_run_state(self.engine)  # several ranks: every rank takes rank 0's generators and plugin secrets
+        self._steps_at_train_start = self.engine.steps_done
         if self.privacy.physical_batch_size == "auto" and self.engine.micro_batch is None:
             self.fit_micro_batch()
 

@@ -61,8 +61,14 @@ def accountant_note(summary: dict[str, Any]) -> str:
 
 
 def _words(report: dict[str, Any]) -> dict[str, Any]:
-    """The privacy unit's own words (``unit_text``: :meth:`dpl.core.privacy_unit.PrivacyUnit.wording`)."""
-    return report["unit_text"]
+    """The privacy unit's own words (``unit_text``: :meth:`dpl.core.privacy_unit.PrivacyUnit.wording`); plain ones for
+    a report written by an older dpl (an export of its checkpoint)."""
+    if report.get("unit_text"):
+        return report["unit_text"]
+    noun = report.get("unit") or "example"
+    return {"noun": noun, "adjacency": f"{report.get('adjacency')} adjacency of one {noun}",
+            "poisson_sampling": f"Poisson sampling with rate q = {_fmt(report.get('sampling_rate'), '.4g')}",
+            "protects": f"each {noun}", "clipped": f"each {noun}'s gradient", "not_protected": []}
 
 
 def _has_labels(module: Any) -> bool:
