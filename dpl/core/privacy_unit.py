@@ -130,6 +130,11 @@ class PrivacyUnit:
                     f"most {self.max_rows} records of a user are used in training)")
         return f"each training example, among {self.num_rows} training examples"
 
+    @property
+    def sampled_noun(self) -> str:
+        """What one draw of the mechanism is called: ``users``, ``rows`` (bounded rows) or ``examples``."""
+        return "users" if self.samples_users else "rows" if self.bounds_rows else "examples"
+
     def data_text(self) -> str:
         """What the mechanism samples from, for ``dpl plan``."""
         if self.samples_users:

@@ -132,7 +132,7 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
     trainable = module.trainable
     report = PlanReport(
         configs=[], rows_in_data=num_rows, population=plan.population, num_units=plan.num_units, unit=plan.unit,
-        data_text=engine.unit.data_text(), user_sampling=engine.unit.setup_fields()["user_sampling"],
+        data_text=engine.unit.data_text(), sampled_noun=engine.unit.sampled_noun, user_sampling=engine.unit.setup_fields()["user_sampling"],
         max_rows_per_user=engine.unit.max_rows,
         sampling_rate=float(mechanism.sample_rate),
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
@@ -224,7 +224,7 @@ def format_report(report: PlanReport) -> str:
         lines += ["  memory   " + block[0], *("           " + line for line in block[1:])]
     if len(r.rows) > 1 or r.recommended is not None:
         lines += ["", f"alternatives at epsilon = {r.target_epsilon:g} and the same compute (B x steps = "
-                      f"{cur.batch_size * cur.steps:,} {units}):", _table(r)]
+                      f"{cur.batch_size * cur.steps:,} {r.sampled_noun}):", _table(r)]
     lines += [f"  not planned: {line}" for line in r.refused]
     mark = "recommended (*)" if r.recommended is not None else "recommended"
     lines.append(f"  {mark}: {r.why}")
