@@ -5,9 +5,9 @@ end and when the run is interrupted or fails (:class:`PrivacyReport`), and besid
 (:mod:`dpl.lightning.data_ledger`).
 
 The privacy values come from :meth:`PrivateEngine.summary <dpl.core.engine.PrivateEngine.summary>` (epsilon, delta,
-sigma, C, the sampling, steps, accountant, mechanism, plugins, and the privacy unit's own words); what was trained from comes from the module and
-the data module (:mod:`dpl.lightning.provenance`: the base model and the training data with their content hashes, what
-one example is); the run has a random public id and its dates. Public values only, never a secret.
+sigma, C, the sampling, steps, accountant, mechanism, plugins, and the privacy unit's own words); what was trained
+from comes from the module and the data module (:mod:`dpl.lightning.provenance`: the base model and the training data
+with their content hashes, what one example is); the run has a random public id and its dates. Public values only, never a secret.
 """
 
 from __future__ import annotations

@@ -132,8 +132,8 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
     trainable = module.trainable
     report = PlanReport(
         configs=[], rows_in_data=num_rows, population=plan.population, num_units=plan.num_units, unit=plan.unit,
-        data_text=engine.unit.data_text(), sampled_noun=engine.unit.sampled_noun, user_sampling=engine.unit.setup_fields()["user_sampling"],
-        max_rows_per_user=engine.unit.max_rows,
+        data_text=engine.unit.data_text(), sampled_noun=engine.unit.sampled_noun,
+        user_sampling=engine.unit.setup_fields()["user_sampling"], max_rows_per_user=engine.unit.max_rows,
         sampling_rate=float(mechanism.sample_rate),
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
