@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, name: str, plugins: dict | None) -> dict:
             self.records: list[tuple[int, str, float]] = []
 
         def _log_metric(self, metric: str, value: float) -> None:
-            self.records.append((self.steps_done, metric, float(value)))
+            self.records.append((self.engine.steps_done, metric, float(value)))
             super()._log_metric(metric, value)
 
     L.seed_everything(args.seed, verbose=False)
@@ -109,8 +109,8 @@ def run(args: argparse.Namespace, name: str, plugins: dict | None) -> dict:
     for step, metric, value in module.records:
         steps.setdefault(step, {})[metric] = value
     result = {
-        "name": name, "plugins": plugins, "sigma": module.noise_multiplier,
-        "epsilon": module.epsilon_after(module.steps_done), "delta": module.delta, "steps": module.steps_done,
+        "name": name, "plugins": plugins, "sigma": module.engine.noise_multiplier,
+        "epsilon": module.engine.epsilon(module.engine.steps_done), "delta": module.engine.plan.delta, "steps": module.engine.steps_done,
         "val_acc": float(metrics["val_acc"]), "train_seconds": train_s,
         "logs": [steps[k] for k in sorted(steps)],
     }

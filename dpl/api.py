@@ -7,10 +7,11 @@ arguments are its options (typed: they are checked when the config is parsed); i
 ``state_dict()`` / ``load_state_dict()`` hold its public state (checkpoint) and ``secret_state_dict()`` /
 ``load_secret_state_dict()`` its secrets (owner-only sidecar). The built-in plugins use nothing else, and
 ``test_built_in_plugins_use_only_the_plugin_api`` in tests/test_plugin_contracts.py checks it.
+
+A plugin declares what its mechanism releases as events (:mod:`dpl.core.accounting.events`, ``steps_event``); it
+computes no epsilon and calibrates no sigma: dpl does both from the events, for every run, resume and ledger.
 """
 
-from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_mechanism, calibrate_noise_multiplier,
-                                 epsilon_for, gaussian_mechanism_epsilon)
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.hookspecs import hookimpl
 from dpl.core.accounting import events
@@ -26,9 +27,8 @@ from dpl.core.update import StreamingDirection, streaming_refusal
 from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarning
 
 __all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PADDING_KEY", "PerExampleClipper",
-           "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
-           "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "StepContext",
-           "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",
-           "epsilon_for", "events", "gaussian_mechanism_epsilon", "hookimpl", "noisy_mean_", "noisy_means_", "normal", "normals",
-           "normals_like", "poisson_mask", "replay_source", "steps_event", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling",
+           "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PrivacyViolation", "PrivacyWarning",
+           "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "StepContext", "StreamingDirection",
+           "batch_size_of", "events", "hookimpl", "noisy_mean_", "noisy_means_", "normal", "normals", "normals_like",
+           "poisson_mask", "replay_source", "steps_event", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling",
            "unit_sizes"]

@@ -358,11 +358,12 @@ class DPLightningCLI(LightningCLI):
     def _check_val_check_interval(self) -> None:
         trainer, model = self.trainer, self.model
         interval = getattr(trainer, "val_check_interval", None)
-        steps = getattr(model, "steps_per_epoch", 0)
+        plan = model.engine.plan
+        steps = plan.steps_per_epoch if plan is not None else 0
         if (isinstance(interval, int) and not isinstance(interval, bool) and steps
                 and trainer.check_val_every_n_epoch is not None and interval > steps):
             raise ConfigError(f"trainer.val_check_interval ({interval}) is more than one epoch ({steps} steps: "
-                              f"N={model.num_train_examples} // B={model.privacy.batch_size}); set "
+                              f"N={plan.population} // B={model.privacy.batch_size}); set "
                               f"trainer.check_val_every_n_epoch null to validate every {interval} steps across "
                               f"epochs, or lower val_check_interval")
 
@@ -417,7 +418,7 @@ def native_precision(config: dict[str, Any]) -> dict[str, Any]:
         return config
     import torch
 
-    from dpl.lightning.module import cpu_has_native_bf16
+    from dpl.lightning.precision import cpu_has_native_bf16
 
     if accelerator == "auto" and (torch.cuda.is_available() or torch.backends.mps.is_available()):
         return config

@@ -23,7 +23,6 @@ from torch.utils.data import Dataset, default_collate
 
 from dpl.core.engine import PrivateEngine
 from dpl.core.privacy import PrivacyConfig
-from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.update import apply_direction
 from dpl.errors import BudgetExceeded, ConfigError
 
@@ -87,9 +86,8 @@ class PrivateTraining:
             raise ConfigError("privacy.physical_batch_size auto needs probe_batch (b -> a collated batch of b public "
                               "examples at the longest length): the micro-batch is probed on it, never on the data")
         factory = optimizer if not isinstance(optimizer, torch.optim.Optimizer) else _answering(optimizer)
-        unit = PrivacyUnit.from_keys(self.engine.privacy, self.num_examples, users)
         self.engine.setup(model, num_rows=self.num_examples, steps=steps, trainable=self.trainable,
-                          sampling_rate=sampling_rate, optimizer_factory=factory, users=unit.users)
+                          sampling_rate=sampling_rate, optimizer_factory=factory, users=users)
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(
             list(self.trainable.values()))
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None

@@ -218,7 +218,7 @@ class SaveAndStopAt(L.Callback):
         self.step, self.path = step, path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.steps_done == self.step:
+        if pl_module.engine.steps_done == self.step:
             trainer.save_checkpoint(self.path)
             trainer.should_stop = True
 
@@ -230,7 +230,7 @@ class InterruptAt(L.Callback):
         self.step = step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.steps_done >= self.step:
+        if pl_module.engine.steps_done >= self.step:
             raise KeyboardInterrupt
 
 
@@ -255,6 +255,6 @@ def fake_entry_points(monkeypatch, plugins: dict) -> None:
 def real_model_precision() -> list[str]:
     """``--trainer.precision 32-true`` on a CPU without native bfloat16 (where bf16-mixed is emulated, many times
     slower than float32: the quickstart's real-MiniLM tests would take minutes), else nothing (the config's own)."""
-    from dpl.lightning.module import cpu_has_native_bf16
+    from dpl.lightning.precision import cpu_has_native_bf16
 
     return [] if cpu_has_native_bf16() else ["--trainer.precision", "32-true"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import time
@@ -14,10 +13,9 @@ import pytest
 from scipy.stats import norm
 
 from dpl.core import accounting
-from dpl.core.accounting import prv, rdp
+from dpl.core.accounting import events, prv, rdp
 from dpl.core.accounting import (
     EpsilonSchedule,
-    PoissonGaussianAccountant,
     calibrate_gaussian_mechanism,
     calibrate_noise_multiplier,
     epsilon_for,
@@ -94,7 +92,7 @@ def test_edge_cases():
         assert math.isfinite(epsilon_for(3.0, 1.0, 5, DELTA, method=method))
     assert gaussian_mechanism_epsilon(0.0, DELTA) == math.inf
     assert calibrate_noise_multiplier(1.0, DELTA, 0.03, 0) == 0.0
-    assert PoissonGaussianAccountant().epsilon(DELTA) == 0.0
+    assert events.epsilon(events.Composed(()), DELTA) == 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,19 +156,24 @@ def test_calibrate_gaussian_mechanism():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# stateful accountant
+# histories of events
+
+
+def _steps(*segments, method="prv"):
+    """Epsilon of Poisson-subsampled Gaussian segments ``(sigma, q, n)`` composed, through the events."""
+    history = events.Composed(tuple(events.SelfComposed(events.PoissonGaussian(s, q), n) for s, q, n in segments))
+    return events.epsilon(history, DELTA, method)
 
 
 def test_rdp_method_matches_opacus_rdp_accountant():
     from opacus.accountants import RDPAccountant
 
-    ours = PoissonGaussianAccountant(method="rdp")
     ref = RDPAccountant()
-    for sigma, q, n in [(1.0, 0.03, 50), (1.5, 0.02, 30), (1.0, 0.03, 20)]:
-        ours.step(sigma, q, n=n)
+    segments = [(1.0, 0.03, 50), (1.5, 0.02, 30), (1.0, 0.03, 20)]
+    for sigma, q, n in segments:
         for _ in range(n):
             ref.step(noise_multiplier=sigma, sample_rate=q)
-    assert ours.epsilon(DELTA) == pytest.approx(ref.get_epsilon(DELTA), rel=1e-9)
+    assert _steps(*segments, method="rdp") == pytest.approx(ref.get_epsilon(DELTA), rel=1e-9)
     assert epsilon_for(1.1, 0.03, 300, DELTA, method="rdp") == pytest.approx(
         _opacus_epsilon(1.1, 0.03, 300, DELTA), rel=1e-9)
 
@@ -183,26 +186,17 @@ def _opacus_epsilon(sigma, q, steps, delta):
     return acc.get_epsilon(delta)
 
 
-def test_accountant_history_equals_one_shot():
-    acc = PoissonGaussianAccountant()
-    for _ in range(100):
-        acc.step(1.0, 0.03)
-    acc.step(1.0, 0.03, n=150)
-    acc.step(1.0, 0.03, n=0)
-    acc.step(1.0, 0.03, n=150)
-    assert acc.steps == 400 and len(acc) == 1
-    assert acc.epsilon(DELTA) == epsilon_for(1.0, 0.03, 400, DELTA)
+def test_history_of_segments_equals_one_shot():
+    assert _steps(*[(1.0, 0.03, 1)] * 100, (1.0, 0.03, 150), (1.0, 0.03, 0), (1.0, 0.03, 150)) == \
+        epsilon_for(1.0, 0.03, 400, DELTA)
 
 
 def test_accountant_heterogeneous_history_matches_prv_accountant():
     from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
 
-    acc = PoissonGaussianAccountant()
-    acc.step(0.9, 0.02, n=100)
-    acc.step(1.3, 0.05, n=200)
-    acc.step(0.9, 0.02, n=100)  # composition is commutative: merged with the first segment
-    assert len(acc) == 3
-    eps = acc.epsilon(DELTA)
+    # composition is commutative: the third segment merges with the first
+    eps = _steps((0.9, 0.02, 100), (1.3, 0.05, 200), (0.9, 0.02, 100))
+    assert eps == _steps((0.9, 0.02, 200), (1.3, 0.05, 200))
     _, est, _ = prv._prv_bounds(((0.9, 0.02, 200), (1.3, 0.05, 200)), DELTA, None)
     prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=0.02, noise_multiplier=0.9),
             PoissonSubsampledGaussianMechanism(sampling_probability=0.05, noise_multiplier=1.3)]
@@ -215,49 +209,15 @@ def test_accountant_heterogeneous_history_matches_prv_accountant():
         epsilon_for(0.9, 0.02, 400, DELTA) < eps < epsilon_for(1.3, 0.05, 400, DELTA)
 
 
-def test_accountant_caches_and_is_cheap():
-    acc = PoissonGaussianAccountant()
-    acc.step(1.0, 0.03, n=390)
-    acc.epsilon(DELTA)
-    acc.step(1.0, 0.03, n=10)
-    t = time.perf_counter()
-    first = acc.epsilon(DELTA)
-    new_history = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(1000):
-        assert acc.epsilon(DELTA) == first
-    repeated = (time.perf_counter() - t) / 1000
-    assert repeated < 1e-3  # unchanged history: a dictionary look-up
-    assert new_history < 5.0  # generous; ~0.03-0.1 s here
-
-
-def test_state_dict_round_trip():
-    acc = PoissonGaussianAccountant()
-    acc.step(1.0, 0.03, n=100)
-    acc.step(1.2, 0.03, n=50)
-    state = json.loads(json.dumps(acc.state_dict()))  # plain python types only
-    restored = PoissonGaussianAccountant(method="rdp")
-    restored.load_state_dict(state)
-    assert restored.method == "prv" and restored.history == acc.history
-    assert restored.epsilon(DELTA) == acc.epsilon(DELTA)
-    acc.step(1.2, 0.03, n=5)
-    restored.step(1.2, 0.03, n=5)
-    assert restored.history == acc.history and restored.epsilon(DELTA) == acc.epsilon(DELTA)
-    with pytest.raises(ValueError, match="sample_rate"):
-        restored.load_state_dict({"method": "prv", "history": [[1.0, 2.0, 3]]})
-
-
 def test_fallback_to_rdp_warns_once(monkeypatch, caplog):
     def broken(*args):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(prv, "_prv_bounds", broken)
-    acc = PoissonGaussianAccountant()
-    acc.step(1.0, 0.03, n=100)
+    monkeypatch.setattr(accounting.common, "_warned", set())  # once per process: forget earlier tests' warnings
     with caplog.at_level(logging.WARNING, logger="dpl.core.accounting"):
-        eps = acc.epsilon(DELTA)
-        acc.step(1.0, 0.03, n=100)
-        eps2 = acc.epsilon(DELTA)
+        eps = _steps((1.0, 0.03, 100))
+        eps2 = _steps((1.0, 0.03, 200))
     assert eps == pytest.approx(_opacus_epsilon(1.0, 0.03, 100, DELTA), rel=1e-9)
     assert eps2 == pytest.approx(_opacus_epsilon(1.0, 0.03, 200, DELTA), rel=1e-9)
     assert sum("falling back to RDP" in r.getMessage() for r in caplog.records) == 1
@@ -292,10 +252,8 @@ def test_fallback_to_rdp_warns_once(monkeypatch, caplog):
     (lambda: gaussian_mechanism_epsilon(-0.5, DELTA), "noise_multiplier"),
     (lambda: gaussian_mechanism_epsilon(1.0, -DELTA), "delta"),
     (lambda: calibrate_gaussian_mechanism(0.0, DELTA), "target_epsilon"),
-    (lambda: PoissonGaussianAccountant(method="x"), "method"),
-    (lambda: PoissonGaussianAccountant().step(-1.0, 0.03), "noise_multiplier"),
-    (lambda: PoissonGaussianAccountant().step(1.0, 0.03, n=-2), "n"),
-    (lambda: PoissonGaussianAccountant().epsilon(1.5), "delta"),
+    (lambda: events.epsilon(events.PoissonGaussian(1.0, 0.03), DELTA, method="x"), "method"),
+    (lambda: events.epsilon(events.PoissonGaussian(1.0, 0.03), 1.5), "delta"),
 ])
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
@@ -403,10 +361,7 @@ def test_ledger_epsilon_of_parts_exact_when_first_asked_and_bounded_per_step():
     ledger.history = [(events.SelfComposed(events.PoissonGaussian(1.0, 0.03), 100), 100)]
 
     def exact(n: int) -> float:
-        accountant = PoissonGaussianAccountant()
-        accountant.step(1.0, 0.03, 100)
-        accountant.step(1.3, 0.05, n)
-        return accountant.epsilon(DELTA)
+        return prv._epsilon(accounting.common._canonical([(1.0, 0.03, 100), (1.3, 0.05, n)]), DELTA, "prv")
 
     assert ledger.epsilon(300) == exact(200)
     for n in (1, 2, 60, 61, 150, 200):

@@ -201,6 +201,27 @@ def test_resume_with_another_architecture_is_one_line(classification, tmp_path, 
     assert "force_resume" not in lines[0] and "Traceback" not in err
 
 
+def test_a_resumed_run_exports_nothing_absolute(classification, tmp_path, capsys):
+    """A run resumed from an absolute checkpoint path: its report names the run it continues by id (no path), and
+    nothing in ``dpl export``'s folder holds an absolute path of this machine (the data, the model, the runs)."""
+    tmp, model = classification
+    args = _classification_args(tmp, model)
+    args[args.index("--trainer.default_root_dir") + 1] = str(tmp_path / "runs")
+    args[args.index("--trainer.max_steps") + 1] = "3"
+    first, _ = _fit(args, capsys)
+    earlier = json.loads((first / "privacy.json").read_text())["run"]["id"]
+    args[args.index("--trainer.max_steps") + 1] = "6"
+    resumed, _ = _fit([*args, "--ckpt_path", str((first / "checkpoints" / "last.ckpt").resolve()),
+                       "--model.privacy.force_resume", "true"], capsys)
+    report = json.loads((resumed / "privacy.json").read_text())
+    assert report["resumed_from"] == f"run {earlier}" and report["resumed_parts"] == 2
+    exported = tmp_path / "export"
+    assert main_code(["export", str(resumed), str(exported)]) == 0
+    text = _files_text(exported)
+    for folder in (tmp, tmp_path, Path.home()):
+        assert str(folder.resolve()).encode() not in text and str(folder).encode() not in text, folder
+
+
 @pytest.fixture(scope="module")
 def generation(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("after_gen")
@@ -326,5 +347,5 @@ def test_privacy_report_of_a_shuffled_mechanism(tmp_path):
     assert report["sampling"] == "shuffle" and report["mechanism"] == "ftrl"
     assert report["plugins"] == {"ftrl": {"noise": "banded", "sampling": "shuffle", "bands": 3}}
     assert report["epochs_planned"] == pytest.approx(10 / 8) and report["steps_taken"] == 10
-    assert report["epsilon"] == pytest.approx(module.epsilon_after(10)) and report["accountant"] != "prv"
+    assert report["epsilon"] == pytest.approx(module.engine.epsilon(10)) and report["accountant"] != "prv"
     assert "fixed-size batches of 8 from one secret shuffled order" in report_markdown(report)

@@ -207,7 +207,7 @@ def test_plugins_listing_has_descriptions_and_config_fragments(capsys, monkeypat
 def test_bf16_on_a_cpu_without_native_bfloat16_trains_in_float32(monkeypatch, caplog, native, keep, expected):
     import logging
 
-    import dpl.lightning.module as module
+    import dpl.lightning.precision as module
     from dpl.cli_lightning import native_precision
 
     monkeypatch.setattr(module, "cpu_has_native_bf16", lambda: native)

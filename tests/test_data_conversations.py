@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from test_data_chat import make_chat_tokenizer
 from test_data_generation import BOS, build, ids, one_line, write_jsonl
 
+from dpl.core.privacy_unit import PrivacyUnit
 from dpl.errors import DataError
 from dpl.tasks.data import JSONLDataModule
 from dpl.tasks.data.conversations import check_messages, history, prompt_ids, segments
@@ -125,7 +126,7 @@ def test_a_conversation_is_one_user_unit(chat_tok, tmp_path):
     dm = module(tmp_path, chat_tok, items=rows(user=["ann", "bob", "ann"]), user_column="user")
     dm.setup("fit")
     assert dm.train_user_keys() == ["ann", "bob", "ann"]
-    assert "a conversation" in dm.unit_description() and "'user'" in dm.unit_description("user")
+    assert "a conversation" in dm.unit_description() and "'user'" in dm.unit_description(PrivacyUnit("user", "users"))
 
 
 def test_per_example_loss_is_the_mean_over_assistant_tokens(chat_tok, tmp_path):

@@ -137,8 +137,8 @@ class Recorder(L.Callback):
         wrapped = trainer.strategy.model
         torch.save({
             "params": {n: _full(p).detach().clone() for n, p in pl_module.model.named_parameters()},
-            "epsilon": pl_module.epsilon_after(pl_module.steps_done), "steps": pl_module.steps_done,
-            "sigma": pl_module.noise_multiplier, "rate": pl_module.mechanism.state_dict().get("sample_rate"),
+            "epsilon": pl_module.engine.epsilon(pl_module.engine.steps_done), "steps": pl_module.engine.steps_done,
+            "sigma": pl_module.engine.noise_multiplier, "rate": pl_module.engine.mechanism.state_dict().get("sample_rate"),
             "batches": self.batches, "accumulated": self.accumulated, "world": trainer.world_size,
             "ddp": type(wrapped).__name__,
             "fingerprint": state_fingerprint(pl_module.engine, pl_module.trainable), "val_seen": getattr(pl_module, "val_seen", None),

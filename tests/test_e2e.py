@@ -66,7 +66,7 @@ def test_resume_continues_noise_stream_and_accounting(tiny):
     trainer.callbacks.append(SaveAndStopAt(3, path))
     trainer.fit(module, datamodule=data)
     next_noise = normal((5,), module.engine.noise_source)
-    sigma, eps3 = module.noise_multiplier, module.epsilon_after(3)
+    sigma, eps3 = module.engine.noise_multiplier, module.engine.epsilon(3)
 
     resumed, data2, trainer2 = _module_and_data(tiny, max_steps=6)
     resumed.privacy.seed = 8  # seeded: the checkpoint's streams replay (from its sidecar), not the new seed's
@@ -75,8 +75,8 @@ def test_resume_continues_noise_stream_and_accounting(tiny):
     resumed.prepare_privacy(data2.num_train_examples, trainer2)
     resumed.on_load_checkpoint(SidecarCheckpointIO().load_checkpoint(path))  # what Lightning's restore calls
     resumed.engine.start()
-    assert resumed.steps_done == 3 and resumed.noise_multiplier == sigma
-    assert resumed.epsilon_after(resumed.steps_done) == pytest.approx(eps3)
+    assert resumed.engine.steps_done == 3 and resumed.engine.noise_multiplier == sigma
+    assert resumed.engine.epsilon(resumed.engine.steps_done) == pytest.approx(eps3)
     torch.testing.assert_close(normal((5,), resumed.engine.noise_source), next_noise)
 
     done, data3, trainer3 = _module_and_data(tiny, max_steps=3)

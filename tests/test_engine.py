@@ -301,3 +301,27 @@ def test_gradient_sum_is_wiped_before_the_release_hooks():
 
     _step_with([Keep()], 0)
     assert seen["sum"].wiped
+
+
+def test_a_forced_resume_names_the_sigma_that_trains(caplog):
+    """A resume that changes the plan recalibrates sigma for what is left of the budget after the checkpoint's part:
+    the warning names that sigma (the one trained), not the sigma a fresh plan of the new length would have."""
+    import logging
+
+    from dpl.core.privacy import PrivacyConfig
+
+    first = PrivateEngine(PrivacyConfig(target_epsilon=2.0, batch_size=8))
+    first.setup(nn.Linear(2, 2), num_rows=64, steps=8)
+    first.ledger.steps_done = 4
+    state = first.state_dict()
+    fresh = PrivateEngine(PrivacyConfig(target_epsilon=2.0, batch_size=8))
+    fresh.setup(nn.Linear(2, 2), num_rows=64, steps=12)  # sigma of a fresh 12-step plan
+    resumed = PrivateEngine(PrivacyConfig(target_epsilon=2.0, batch_size=8, force_resume=True))
+    resumed.setup(nn.Linear(2, 2), num_rows=64, steps=12)
+    with caplog.at_level(logging.WARNING, logger="dpl"):
+        resumed.load_state_dict(state)
+    trained = resumed.noise_multiplier
+    assert f"{trained:.4f}" != f"{fresh.noise_multiplier:.4f}"  # the two sigmas differ at the printed precision
+    assert f"sigma {first.noise_multiplier:.4f} -> {trained:.4f} (plan 8 -> 12 steps)" in caplog.text
+    assert f"-> {fresh.noise_multiplier:.4f}" not in caplog.text
+    assert resumed.summary()["resumed_parts"] == 2

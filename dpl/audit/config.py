@@ -114,6 +114,11 @@ class AuditConfig:
             need(rows * cols >= self.canaries, f"dirac canaries need rows * cols >= canaries ({rows} x {cols} < "
                                                f"{self.canaries})")
 
+    @property
+    def rows_per_user(self) -> int:
+        """The rows each canary and ordinary example's user has: k with ``unit: user``, else 1."""
+        return self.max_rows_per_user if self.unit == "user" else 1
+
     def shape(self) -> tuple[int, int]:
         """(rows, cols) of the weight matrix: a missing side equals the other; both missing: the smallest square
         with at least 16 m entries (the ordinary examples' gradients are spread over all entries, so each canary's

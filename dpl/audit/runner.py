@@ -51,7 +51,6 @@ from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, 
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_seed, secure_generator
 from dpl.core.step import StepContext
-from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.update import apply_direction
 from dpl.errors import ConfigError
 
@@ -93,10 +92,9 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
                             noise_multiplier=cfg.noise_multiplier, max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
                             accountant=cfg.accountant, seed=cfg.seed, unit=cfg.unit,
                             max_rows_per_user=cfg.max_rows_per_user)
-    unit = PrivacyUnit.from_keys(privacy, len(data), data.user_keys)
     engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm, seed_namespace="audit/")
     engine.setup(model, trainable=trainable, num_rows=len(data), steps=T, sampling_rate=q,
-                 optimizer_factory=optimizer_factory, users=unit.users)
+                 optimizer_factory=optimizer_factory, users=data.user_keys)
     engine.start("cpu")
     sigma = float(engine.noise_multiplier)
     claimed = engine.final_epsilon()

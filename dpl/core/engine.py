@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from contextlib import nullcontext
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pluggy
@@ -33,8 +32,8 @@ from torch import Tensor, nn
 from torch.utils.data import Sampler
 
 from dpl.core.gradients import GradientSum
-from dpl.core.ledger import Plan, PrivacyLedger, make_plan
-from dpl.core.micro_batch import MIB, MicroBatch, choose_micro_batch, default_budget_bytes
+from dpl.core.ledger import Plan, PrivacyLedger, make_plan, steps_per_epoch
+from dpl.core.micro_batch import MicroBatch, probe_micro_batch
 from dpl.core.mechanism import Mechanism, apply_adjacency
 from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source
 from dpl.core.per_example import model_is_per_example
@@ -44,7 +43,7 @@ from dpl.core.privacy import PrivacyConfig, warn_if_seeded
 from dpl.core.regime import NoiseRegime
 from dpl.core.sampling import derive_key, derive_seed, secure_generator
 from dpl.core.step import RunSetup, StepContext, private_step
-from dpl.core.privacy_unit import UNITS_KEY, PrivacyUnit
+from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.units import Users
 from dpl.errors import ConfigError, PrivacyWarning
 
@@ -91,14 +90,17 @@ class PrivateEngine:
     def configured(self) -> bool:
         return self.mechanism is not None
 
-    def setup(self, model: nn.Module, *, num_rows: int, steps: int, trainable: Mapping[str, Tensor] | None = None,
-              sampling_rate: float | None = None, optimizer_factory: Any = None, world_size: int = 1,
-              sharded: bool = False, users: Users | None = None) -> None:
-        """Validate the run with every plugin, configure the mechanism and calibrate sigma for ``steps`` steps over
-        ``num_rows`` training rows (``sampling_rate``: default ``batch_size / population``); ``users`` (the rows of each
-        user) is required with ``privacy.unit: user``, where the population the mechanism samples is the users
-        (user-level sampling) or the rows left after bounding each user to k (example-level sampling). Once per
-        engine."""
+    def setup(self, model: nn.Module, *, num_rows: int, steps: int | Callable[[int], int],
+              trainable: Mapping[str, Tensor] | None = None, sampling_rate: float | None = None,
+              optimizer_factory: Any = None, world_size: int = 1, sharded: bool = False,
+              users: Users | Sequence[Any] | None = None) -> None:
+        """Validate the run with every plugin, build the privacy unit (:meth:`PrivacyUnit.of
+        <dpl.core.privacy_unit.PrivacyUnit.of>`: the one place it is built), configure the mechanism and calibrate
+        sigma for ``steps`` steps (or ``steps(steps_per_epoch)``, the steps a trainer runs with that many batches per
+        epoch) over ``num_rows`` training rows (``sampling_rate``: default ``batch_size / population``). ``users``
+        (the rows of each user, or the user key of every row) is required with ``privacy.unit: user``, where the
+        population the mechanism samples is the users (user-level sampling) or the rows left after bounding each user
+        to k (example-level sampling). Once per engine."""
         if self.configured:
             raise RuntimeError("PrivateEngine.setup runs once; build a new engine for another run")
         cfg = self.privacy
@@ -110,10 +112,16 @@ class PrivateEngine:
         self._sampler_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "sampler"))
         self._public_generator = secure_generator(derive_seed(cfg.seed, self.seed_namespace + "public"))
         unit = PrivacyUnit.of(cfg, num_rows, users)
+        if unit.samples_users and sharded:
+            raise ConfigError("privacy.unit: user with user_sampling: users is not supported under FSDP yet (its "
+                              "filler rows would split users); use strategy ddp or one process")
+        if cfg.physical_batch_size == "auto" and world_size > 1:
+            raise ConfigError("privacy.physical_batch_size auto runs in one process (each rank would probe its own "
+                              "device): set a number under several processes")
         self.unit, self._bounded_rows = unit, unit.bound(self._sampler_generator)
         if unit.users is not None:
-            log.info("dpl: privacy unit: user (%s sampling): %s", unit.setup_fields()["user_sampling"],
-                     unit.users.describe())
+            log.info("dpl: privacy unit: user (%s): %s", unit.data_text(), unit.users.describe())
+        steps = steps(steps_per_epoch(unit.population, cfg.batch_size)) if callable(steps) else steps
         plan = make_plan(cfg, population=unit.population, steps=steps, num_rows=num_rows, num_units=unit.num_units,
                          sampling_rate=sampling_rate, population_name=unit.population_name)
         replaced = replaced_hooks(self.plugin_manager)
@@ -166,10 +174,6 @@ class PrivateEngine:
     @property
     def steps_done(self) -> int:
         return self.ledger.steps_done if self.ledger is not None else 0
-
-    @property
-    def history(self) -> list:
-        return self.ledger.history if self.ledger is not None else []
 
     @property
     def sampling_rate(self) -> float:
@@ -284,38 +288,14 @@ class PrivateEngine:
         if cfg.physical_batch_size != "auto":
             raise RuntimeError("fit_micro_batch is for privacy.physical_batch_size: auto")
         self._configured_plan()
-        trainable = dict(trainable)
-        device = next(iter(trainable.values())).device
-        budget = (int(cfg.physical_batch_memory * MIB) if cfg.physical_batch_memory is not None
-                  else default_budget_bytes(device))
-        # kept free for what the step holds besides the passes: the running clipped sum, the noisy release and two
-        # optimizer states, float32 per trainable coordinate each
-        reserve = 4 * 4 * sum(t.numel() for t in trainable.values())
-        upper = cfg.batch_size * (self.unit.max_rows or 1)
         # no noise source: nothing secret is drawn (an estimator that would draw noise fails here, not silently)
-        ctx = StepContext(model=model, trainable=trainable, per_example_loss=per_example_loss,
+        ctx = StepContext(model=model, trainable=dict(trainable), per_example_loss=per_example_loss,
                           max_grad_norm=cfg.max_grad_norm, noise_multiplier=self.noise_multiplier,
                           expected_batch_size=cfg.batch_size, step=self.steps_done, noise_source=None,
                           log=_ignore, public_seed=0, optimizer=None)
-        hook = self.plugin_manager.hook
-
-        def probe(size: int) -> None:
-            batch = probe_batch(size)
-            if self.unit.samples_users:  # the step's per-unit path, every probe example its own unit
-                batch = {**batch, UNITS_KEY: torch.arange(size, device=device)}
-            ctx.scratch.clear()
-            with context() if context is not None else nullcontext():
-                part = hook.estimate_gradient(ctx=ctx, batch=batch)
-            if part is not None:
-                part.wipe()
-            ctx.scratch.clear()
-
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            choice = choose_micro_batch(probe, upper=upper, budget_bytes=budget, reserve_bytes=reserve,
-                                        device=device, tokens=tokens)
-        for p in trainable.values():
-            p.grad = None
+        choice = probe_micro_batch(self.plugin_manager.hook.estimate_gradient, ctx, probe_batch,
+                                   upper=cfg.batch_size * (self.unit.max_rows or 1), per_unit=self.unit.samples_users,
+                                   memory_mib=cfg.physical_batch_memory, tokens=tokens, context=context)
         self.micro_batch = choice
         log.info("dpl: %s", choice.describe())
         return choice
@@ -365,33 +345,19 @@ class PrivateEngine:
             "resumed_parts": 0, "events": [], "scope": None, "accountant": cfg.accountant, "adjacency": None, "mechanism": None,
             "unit": cfg.unit, "num_examples": 0, "num_units": 0, "target_epsilon": cfg.target_epsilon,
             "max_epsilon": cfg.effective_max_epsilon}
-        users, per_row = None, {}
-        if self.unit.users is not None:
+        users, unit = None, self.unit
+        accounting["unit_text"] = unit.wording(accounting["adjacency"], accounting["sampling_rate"], cfg.batch_size)
+        if unit.users is not None:
             # the count and k only: rows per user describe single users (the largest), so they stay in the log
             users = {"users": self.unit.num_units, "max_rows_per_user": self.unit.max_rows,
                      "sampling": self.unit.setup_fields()["user_sampling"]}
-            if self.ledger is not None:
-                per_row = self._per_row_epsilon()
         return {
-            **accounting, "users": users, **per_row,
+            **accounting, "users": users,
             "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
             "resumed_from": self.resumed_from,
             "resumed_noise": None if self.resumed_from is None else ("replayed" if self._replayed else "fresh"),
             "secure_noise": cfg.secure_noise, "seeded": cfg.seed is not None, "dpl_version": __version__,
         }
-
-    def _per_row_epsilon(self) -> dict[str, float]:
-        """For a user-level run, the per-row epsilon for reference and (example-level sampling) the loose group-privacy
-        conversion of that per-row guarantee to k rows, which the tight user-level accountant improves on."""
-        ledger = self.ledger
-        if not self.unit.bounds_rows:  # user-level sampling: a row is in a step only if its user is: no more
-            return {"epsilon_per_row": ledger.epsilon()}
-        from dpl.core.accounting import epsilon_for, group_privacy
-
-        done, delta = ledger.steps_done, ledger.plan.delta
-        row = epsilon_for(ledger.noise_multiplier, self.mechanism.sample_rate, done, delta) if done else 0.0
-        group_eps, group_delta = group_privacy(row, delta, self.unit.max_rows)
-        return {"epsilon_per_row": row, "epsilon_group_privacy": group_eps, "delta_group_privacy": group_delta}
 
     # --- state --------------------------------------------------------------------------------------------
     def _named_stateful(self) -> list[tuple[str, Any]]:

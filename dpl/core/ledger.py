@@ -173,6 +173,23 @@ class PrivacyLedger:
         """Epsilon after the planned steps."""
         return self.epsilon(self.plan.steps)
 
+    def per_row(self) -> dict[str, float]:
+        """Where rows are sampled and clipped under a user-level guarantee (example-level sampling: the events are
+        mixtures of Gaussians), the per-row epsilon, for reference: the composition of every part's row-level event
+        (:func:`~dpl.core.accounting.events.row_level`, each part at the sigma it trained with), and its loose
+        group-privacy conversion to the k rows of a user. Empty otherwise (under user-level sampling a row's removal
+        changes its user's clipped mean by up to 2C: no row-level event is declared)."""
+        event = self.event()
+        rows = events.row_level(event)
+        if rows == event:
+            return {}
+        from dpl.core.accounting.users import group_privacy
+
+        delta = self.plan.delta
+        row = events.epsilon(rows, delta, self.privacy.accountant)
+        group_eps, group_delta = group_privacy(row, delta, events.group_size(event))
+        return {"epsilon_per_row": row, "epsilon_group_privacy": group_eps, "delta_group_privacy": group_delta}
+
     # --- max_epsilon (the budget) ---------------------------------------------------------------------------
     def would_exceed_max_epsilon(self) -> bool:
         """Whether the next step would spend more than ``privacy.max_epsilon``. Within the plan this is proven, not
@@ -262,9 +279,13 @@ class PrivacyLedger:
                            f"sigma fixed at {old_sigma:.4f} -> target epsilon {cfg.target_epsilon:g}")
         elif calibrated and same_plan:
             self.noise_multiplier = old_sigma  # same plan, same target: keep the exact value
-        if not math.isclose(old_sigma, self.noise_multiplier, rel_tol=1e-12):
-            changes.append(f"sigma {old_sigma:.4f} -> {self.noise_multiplier:.4f}"
-                           + ("" if same_plan else f" (plan {state['planned_steps']} -> {plan.steps} steps)"))
+        def sigma_change() -> str:
+            return (f"sigma {old_sigma:.4f} -> {self.noise_multiplier:.4f}"
+                    + ("" if same_plan else f" (plan {state['planned_steps']} -> {plan.steps} steps)"))
+
+        sigma_at = len(changes) if not math.isclose(old_sigma, self.noise_multiplier, rel_tol=1e-12) else None
+        if sigma_at is not None:
+            changes.append(sigma_change())
         # whatever the settings say, the events decide: the last part continues only if this run's mechanism
         # declares the same event for it
         earlier, (last_event, last_steps) = stored[:-1], stored[-1]
@@ -285,6 +306,10 @@ class PrivacyLedger:
                     raise ConfigError(f"the checkpoint already spent epsilon = {spent:.3f} >= privacy.target_epsilon "
                                       f"= {cfg.target_epsilon:g}: nothing left to train with")
                 self.noise_multiplier = self._calibrate(cfg.target_epsilon, plan.steps, self.noise_multiplier or 1.0)
+                if sigma_at is not None:  # the warning names the sigma that trains
+                    del changes[sigma_at]
+                if not math.isclose(old_sigma, self.noise_multiplier, rel_tol=1e-12):
+                    changes.append(sigma_change())
             log.warning("dpl: resuming with changed privacy settings (%s); epsilon is composed over both parts: "
                         "%.3f after %d steps, %.3f planned", "; ".join(changes), self.epsilon(done), done,
                         self.final_epsilon())
@@ -302,9 +327,9 @@ class PrivacyLedger:
             "delta": plan.delta, "noise_multiplier": self.noise_multiplier, "max_grad_norm": cfg.max_grad_norm,
             "batch_size": cfg.batch_size, "sampling_rate": float(mechanism.sample_rate),
             "sampling": mechanism.sampling, "steps_per_epoch": plan.steps_per_epoch, "steps_planned": plan.steps,
-            "steps_taken": self.steps_done, "resumed_parts": len(self.history),
+            "steps_taken": self.steps_done, "resumed_parts": len(self.history) + 1 if self.history else 0,
             "events": events.history_to_json(self.history_of_steps()), "scope": mechanism.scope,
             "accountant": mechanism.accounting, "adjacency": mechanism.adjacency, "mechanism": mechanism.name,
             "unit": mechanism.unit, "num_examples": plan.num_rows, "num_units": plan.num_units,
-            "target_epsilon": cfg.target_epsilon, "max_epsilon": cfg.effective_max_epsilon,
+            "target_epsilon": cfg.target_epsilon, "max_epsilon": cfg.effective_max_epsilon, **self.per_row(),
         }

@@ -167,3 +167,40 @@ def choose_micro_batch(probe: Callable[[int], None], *, upper: int, budget_bytes
             size = 2
     return MicroBatch(size=size, peak_bytes=int(peak(size)), budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
                       tokens=tokens)
+
+
+def probe_micro_batch(estimate_gradient: Callable[..., Any], ctx: Any, probe_batch: Callable[[int], dict[str, Any]], *,
+                      upper: int, per_unit: bool, memory_mib: float | None, tokens: int | None = None,
+                      context: Callable[[], Any] | None = None) -> MicroBatch:
+    """The micro-batch of ``physical_batch_size: auto``: ``estimate_gradient(ctx=ctx, batch=probe_batch(b))`` probed
+    (:func:`choose_micro_batch`) within ``memory_mib`` (default: :func:`default_budget_bytes`), each probe wrapped in
+    ``context`` (the trainer's autocast); ``per_unit``: every probe example its own unit (the step's per-user path).
+    ``ctx`` holds no noise source; torch's global generators are restored after, the trainable gradients cleared."""
+    from contextlib import nullcontext
+
+    from dpl.core.privacy_unit import UNITS_KEY
+
+    trainable = ctx.trainable
+    device = next(iter(trainable.values())).device
+    budget = int(memory_mib * MIB) if memory_mib is not None else default_budget_bytes(device)
+    # kept free for what the step holds besides the passes: the running clipped sum, the noisy release and two
+    # optimizer states, float32 per trainable coordinate each
+    reserve = 4 * 4 * sum(t.numel() for t in trainable.values())
+
+    def probe(size: int) -> None:
+        batch = probe_batch(size)
+        if per_unit:
+            batch = {**batch, UNITS_KEY: torch.arange(size, device=device)}
+        ctx.scratch.clear()
+        with context() if context is not None else nullcontext():
+            part = estimate_gradient(ctx=ctx, batch=batch)
+        if part is not None:
+            part.wipe()
+        ctx.scratch.clear()
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        choice = choose_micro_batch(probe, upper=upper, budget_bytes=budget, reserve_bytes=reserve, device=device,
+                                    tokens=tokens)
+    for p in trainable.values():
+        p.grad = None
+    return choice

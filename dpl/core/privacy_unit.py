@@ -10,6 +10,7 @@ the guarantee protects (rows or users: delta's N).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from dpl.errors import ConfigError
@@ -39,9 +40,17 @@ class PrivacyUnit:
     users: Users | None = None
 
     @classmethod
-    def of(cls, privacy: PrivacyConfig, num_rows: int, users: Users | None = None) -> PrivacyUnit:
-        """The unit of ``privacy`` over ``num_rows`` training rows; ``users`` is required for ``privacy.unit: user``
-        (one-line ConfigError otherwise)."""
+    def of(cls, privacy: PrivacyConfig, num_rows: int, users: Users | Sequence[Any] | None = None) -> PrivacyUnit:
+        """The unit of ``privacy`` over ``num_rows`` training rows. ``users``: the rows of each user, or the user key of
+        every row (``None``: the data names no user), required for ``privacy.unit: user`` (one-line ConfigError
+        otherwise). With ``privacy.unit: example``, a warning when the keys give users several rows (the per-row
+        epsilon then protects a user only by group privacy)."""
+        from dpl.core.units import Users
+
+        if users is not None and not isinstance(users, Users):
+            users = Users.from_keys(list(users), privacy.max_rows_per_user or 1)
+            if privacy.unit != "user":
+                _warn_if_users_own_rows(users)
         if privacy.unit != "user":
             return cls("example", "rows", int(num_rows))
         if users is None:
@@ -49,27 +58,6 @@ class PrivacyUnit:
         if users.num_rows != num_rows:
             raise ConfigError(f"the user column names {users.num_rows} rows, the training set has {num_rows}")
         return cls("user", "users" if privacy.user_sampling == "users" else "bounded_rows", int(num_rows), users)
-
-    @classmethod
-    def from_keys(cls, privacy: PrivacyConfig, num_rows: int, keys: list[Any] | None) -> PrivacyUnit:
-        """The unit of ``privacy`` from the user key of every row (``None``: the data names no user). With
-        ``privacy.unit: example``, a warning when users own several rows (the per-row epsilon then protects a user
-        only by group privacy)."""
-        from dpl.core.units import Users
-
-        if privacy.unit == "user":
-            return cls.of(privacy, num_rows, None if keys is None else Users.from_keys(keys, privacy.max_rows_per_user))
-        if keys is not None:
-            most = Users.from_keys(keys, 1).summary()["rows_per_user_max"]
-            if most > 1:
-                import warnings
-
-                from dpl.errors import PrivacyWarning
-
-                warnings.warn(f"data.user_column is set but privacy.unit is example: a user with {most} rows is "
-                              f"protected only by group privacy (about {most} x epsilon, delta x {most} e^(({most} - "
-                              "1) epsilon)); set privacy.unit: user to protect users", PrivacyWarning, stacklevel=3)
-        return cls.of(privacy, num_rows)
 
     # --- flags -------------------------------------------------------------------------------------------------
     @property
@@ -98,7 +86,7 @@ class PrivacyUnit:
         """How many things the mechanism samples."""
         if self.users is None:
             return self.num_rows
-        return self.users.sampled("users" if self.samples_users else "rows")
+        return self.users.sampled(self.samples_users)
 
     @property
     def population_name(self) -> str:
@@ -113,6 +101,64 @@ class PrivacyUnit:
         """The unit as the privacy report and ``RunSetup`` state it."""
         return {"unit": self.kind, "user_sampling": None if self.users is None else
                 ("users" if self.samples_users else "rows"), "max_rows_per_user": self.max_rows}
+
+    # --- wording -----------------------------------------------------------------------------------------------
+    @property
+    def noun(self) -> str:
+        """What one unit is called: ``user`` or ``example``."""
+        return "user" if self.per_user else "example"
+
+    def adjacency_text(self, adjacency: str | None) -> str:
+        """The neighbouring relation of ``adjacency`` (``Mechanism.adjacency``) for this unit, in words."""
+        texts = USER_ADJACENCY_TEXT if self.per_user else ADJACENCY_TEXT
+        return texts.get(adjacency, f"{adjacency} adjacency of one {'user' if self.per_user else 'training example'}")
+
+    def sampling_text(self, rate: float, batch_size: int) -> str:
+        """What Poisson sampling at ``rate`` draws, in words."""
+        if self.samples_users:
+            return (f"Poisson sampling of users with rate q = {rate:.4g} (expected {batch_size} users per step, up to "
+                    f"{self.max_rows} rows of each)")
+        if self.bounds_rows:
+            return (f"Poisson sampling of rows with rate q = {rate:.4g} after bounding each user to {self.max_rows} "
+                    f"rows (expected batch size {batch_size})")
+        return f"Poisson sampling with rate q = {rate:.4g} (expected batch size {batch_size})"
+
+    def protects(self) -> str:
+        """Whom the guarantee protects, in words."""
+        if self.per_user:
+            return (f"all the records of each user, among {self.num_units} users ({self.num_rows} training rows; at "
+                    f"most {self.max_rows} records of a user are used in training)")
+        return f"each training example, among {self.num_rows} training examples"
+
+    @property
+    def sampled_noun(self) -> str:
+        """What one draw of the mechanism is called: ``users``, ``rows`` (bounded rows) or ``examples``."""
+        return "users" if self.samples_users else "rows" if self.bounds_rows else "examples"
+
+    def data_text(self) -> str:
+        """What the mechanism samples from, for ``dpl plan``."""
+        if self.samples_users:
+            return (f"N = {self.population:,} users ({self.num_rows:,} rows; up to k = {self.max_rows} rows of a "
+                    "sampled user)")
+        if self.bounds_rows:
+            return (f"N = {self.population:,} rows (each of the {self.num_units:,} users bounded to k = "
+                    f"{self.max_rows} of its rows; {self.num_rows:,} in all)")
+        return f"N = {self.population:,} examples"
+
+    def describe(self, rows: str, key: str, one_row: str) -> str:
+        """What one unit of a data set is (a data module's ``unit_description``): ``one_row`` for examples; for users
+        all the ``rows`` (``"rows of train.tsv"``) sharing the user ``key`` (``"column 'author'"``)."""
+        if self.per_user:
+            return f"one user: all the {rows} with the same value in {key} (data.user_column)"
+        return one_row
+
+    def wording(self, adjacency: str | None, rate: float | None, batch_size: int) -> dict[str, Any]:
+        """The unit's words for the privacy report (``privacy.json``'s ``unit_text``)."""
+        return {"noun": self.noun, "adjacency": self.adjacency_text(adjacency),
+                "poisson_sampling": None if rate is None else self.sampling_text(float(rate), batch_size),
+                "protects": self.protects(),
+                "clipped": "each user's mean gradient" if self.samples_users else "each example's gradient",
+                "not_protected": ["the number of users"] if self.per_user else []}
 
     # --- batches -----------------------------------------------------------------------------------------------
     def bound(self, generator: torch.Generator) -> list[int] | None:
@@ -154,3 +200,27 @@ class PrivacyUnit:
             cached = torch.as_tensor(self.unit_of_row(), dtype=torch.long)
             object.__setattr__(self, "_unit_of", cached)
         return cached
+
+
+def _warn_if_users_own_rows(users: Users) -> None:
+    most = max((len(rows) for rows in users.rows), default=1)
+    if most > 1:
+        import warnings
+
+        from dpl.errors import PrivacyWarning
+
+        warnings.warn(f"data.user_column is set but privacy.unit is example: a user with {most} rows is protected "
+                      f"only by group privacy (about {most} x epsilon, delta x {most} e^(({most} - 1) epsilon)); set "
+                      "privacy.unit: user to protect users", PrivacyWarning, stacklevel=4)
+
+
+#: the neighbouring relation of each adjacency a mechanism can state (``Mechanism.adjacency``), per example
+ADJACENCY_TEXT = {"add_remove": "adding or removing one training example",
+                  "zero_out": "replacing one training example's contribution by zero (zero-out)",
+                  "replace_one": "replacing one training example by another"}
+#: the same relations for the unit user (all the rows of one user)
+USER_ADJACENCY_TEXT = {"add_remove": "adding or removing all the training rows of one user",
+                       "zero_out": "replacing all of one user's contributions by zero (zero-out)",
+                       "replace_one": "replacing all the rows of one user by another user's"}
+#: the unit of example-level DP (one row), before a run builds its own
+EXAMPLE = PrivacyUnit()

@@ -52,9 +52,9 @@ class Users:
     def num_rows(self) -> int:
         return sum(len(r) for r in self.rows)
 
-    def sampled(self, user_sampling: str) -> int:
-        """How many things the mechanism samples: users (``users``) or the rows left after bounding (``rows``)."""
-        return self.num_users if user_sampling == "users" else sum(min(len(r), self.max_rows) for r in self.rows)
+    def sampled(self, whole_users: bool) -> int:
+        """How many things the mechanism samples: users (``whole_users``) or the rows left after bounding."""
+        return self.num_users if whole_users else sum(min(len(r), self.max_rows) for r in self.rows)
 
     def unit_of_row(self) -> list[int]:
         """The user index of every row."""

@@ -179,3 +179,36 @@ class SidecarCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+#: the privacy report of the checkpoint's own state, inside the checkpoint (:mod:`dpl.lightning.report` writes it)
+REPORT_KEY = "dpl_privacy_report"
+
+
+def save_engine_state(engine: Any, checkpoint: dict[str, Any], trainer: Any) -> None:
+    """The engine's public state into ``checkpoint`` (under ``dpl``); its secret state under :data:`SECRET_KEY` only
+    when ``trainer`` writes it to an owner-only sidecar (:class:`SidecarCheckpointIO`) and the checkpoint is a full
+    one (not weights-only)."""
+    if not engine.configured:
+        return
+    secret_id = new_secret_id()
+    checkpoint["dpl"] = {**engine.state_dict(), "secret_id": secret_id}
+    full = "optimizer_states" in checkpoint
+    if full and trainer is not None and isinstance(trainer.strategy.checkpoint_io, SidecarCheckpointIO):
+        checkpoint[SECRET_KEY] = {**engine.secret_state_dict(), "secret_id": secret_id}
+
+
+def load_engine_state(engine: Any, checkpoint: dict[str, Any], trainer: Any) -> bool:
+    """Resume ``engine`` from ``checkpoint`` (its public state, then the secret state of its sidecar); ``False`` where
+    there is nothing to resume (no dpl state, or an engine not set up: validate / test / predict need the weights
+    only). ``engine.resumed_from`` names the checkpoint without a path: the id of the run that wrote it (its
+    privacy report), else its file name."""
+    state = checkpoint.get("dpl")
+    if state is None or not engine.configured:
+        return False
+    run_id = ((checkpoint.get(REPORT_KEY) or {}).get("run") or {}).get("id")
+    path = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+    engine.resumed_from = f"run {run_id}" if run_id else (Path(path).name if path else "checkpoint")
+    engine.load_state_dict(state)
+    engine.load_secret_state_dict(checkpoint.pop(SECRET_KEY, None))
+    return True

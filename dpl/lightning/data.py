@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.errors import ConfigError, DataError
 
 
@@ -67,13 +68,10 @@ class DPDataModule(L.LightningDataModule):
         (:func:`~dpl.lightning.provenance.describe_generated`); ``None``: not stated (after ``setup("fit")``)."""
         return None
 
-    def unit_description(self, unit: str = "example") -> str:
-        """What one privacy unit of this data is, in words: ``unit`` ``example`` (one training example) or ``user``
-        (all the rows of one user)."""
-        if unit == "user":
-            return (f"one user: all the training rows with the same value in "
-                    f"{getattr(self, 'user_column', None)!r} (data.user_column)")
-        return "one item of the training set"
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
+        """What one privacy unit of this data is, in words: the data module says what its rows are, the run's
+        ``unit`` (:class:`~dpl.core.privacy_unit.PrivacyUnit`) words the rest (one example, or all a user's rows)."""
+        return unit.describe("training rows", repr(getattr(self, "user_column", None)), "one item of the training set")
 
     def train_user_keys(self) -> list[str] | None:
         """The user owning each row of ``train_set``, in its index order (after ``setup("fit")``), for user-level

@@ -20,26 +20,17 @@ from torch import Tensor, nn
 from torch.utils.data import Sampler
 
 from dpl.core.engine import PrivateEngine
-from dpl.core.ledger import planned_steps, steps_per_epoch
+from dpl.core.ledger import planned_steps
 from dpl.core.plugin_manager import plugin_options_type
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sharding import full_parameters
-from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.update import apply_direction
 from dpl.errors import ConfigError
 from dpl.lightning import checkpoint as ckpt_io
+from dpl.lightning.precision import check_precision
 from dpl.lightning.strategy import DPStrategy, dp_strategy
 
 log = logging.getLogger("dpl")
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices natively (AVX512-BF16, AMX, Arm BF16), per oneDNN."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
 
 #: the type of ``model.plugins``: one optional key per installed plugin, valued by its typed options
 PluginOptions = plugin_options_type()
@@ -70,6 +61,7 @@ class DPModule(L.LightningModule):
         self.stopped_by_max_epsilon = False
         self.fit_summary: str | None = None  # the one-line summary of the last fit
         self.print_fit_summary = True  # print it at the end of fit (the CLI prints it itself, below the progress bar)
+        self._steps_at_train_start = 0
 
     # --- what a task provides -------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -85,53 +77,10 @@ class DPModule(L.LightningModule):
         (:func:`~dpl.lightning.provenance.describe_model`); ``None``: not stated."""
         return None
 
-    # --- the engine's values, read-only -------------------------------------------------------------------
     @property
     def privacy(self) -> PrivacyConfig:
+        """The privacy settings (the engine's; its plan, sigma and epsilon: ``self.engine``)."""
         return self.engine.privacy
-
-    @property
-    def plugin_manager(self) -> Any:
-        return self.engine.plugin_manager
-
-    @property
-    def mechanism(self) -> Any:
-        return self.engine.mechanism
-
-    @property
-    def noise_multiplier(self) -> float | None:
-        return self.engine.noise_multiplier
-
-    @property
-    def steps_done(self) -> int:
-        return self.engine.steps_done
-
-    @property
-    def delta(self) -> float | None:
-        return self.engine.plan.delta if self.engine.plan is not None else None
-
-    @property
-    def planned_steps(self) -> int:
-        return self.engine.plan.steps if self.engine.plan is not None else 0
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.engine.plan.steps_per_epoch if self.engine.plan is not None else 0
-
-    @property
-    def num_train_examples(self) -> int:
-        return self.engine.plan.num_rows if self.engine.plan is not None else 0
-
-    def epsilon_after(self, steps: int) -> float:
-        """Epsilon spent after ``steps`` steps in total (earlier parts of a resumed run included)."""
-        return self.engine.epsilon(steps)
-
-    def final_epsilon(self) -> float:
-        return self.engine.final_epsilon()
-
-    def privacy_summary(self, deltas: tuple[float, ...] = ()) -> dict[str, Any]:
-        """The run's privacy as plain values (:meth:`~dpl.core.engine.PrivateEngine.summary`)."""
-        return self.engine.summary(deltas)
 
     # --- setup ----------------------------------------------------------------------------------------
     def ensure_model(self, datamodule: L.LightningDataModule | None = None) -> nn.Module:
@@ -179,39 +128,18 @@ class DPModule(L.LightningModule):
         return planned_steps(steps_per_epoch, max_steps=trainer.max_steps, max_epochs=trainer.max_epochs,
                              limit_train_batches=trainer.limit_train_batches)
 
-    def _check_precision(self, trainer: L.Trainer) -> None:
-        precision = str(getattr(trainer, "precision", "32"))
-        if precision.startswith("16"):
-            raise ConfigError(f"trainer.precision={precision} is not supported: float16 needs loss scaling, which "
-                              "per-example clipping does not do; use bf16-mixed (or 32)")
-        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
-        if precision.startswith("bf16") and getattr(device, "type", None) == "cpu" and not cpu_has_native_bf16():
-            log.info("dpl: this CPU has no native bfloat16 arithmetic: trainer.precision=%s is emulated and slower "
-                     "than float32 here (--trainer.precision 32-true)", precision)
-
     def prepare_privacy(self, num_examples: int, trainer: L.Trainer | None = None) -> None:
         """Set the engine up for this trainer's plan: validate the setup with every plugin, pick the mechanism and
         calibrate sigma. Called once, before fit (by the CLI, else by :meth:`setup`)."""
         trainer = trainer if trainer is not None else self.trainer
         dp = dp_strategy(trainer)  # refuses strategies dpl does not run
-        self._check_precision(trainer)
-        cfg = self.privacy
+        check_precision(trainer)
         datamodule = self.datamodule
-        unit = PrivacyUnit.from_keys(cfg, num_examples, datamodule.train_user_keys() if datamodule is not None else None)
-        if cfg.batch_size > unit.population:
-            raise ConfigError(f"privacy.batch_size ({cfg.batch_size}) is larger than the training set "
-                              f"({unit.population} {unit.population_name})")
-        steps = self.planned_total_steps(trainer, steps_per_epoch(unit.population, cfg.batch_size))
-        if cfg.physical_batch_size == "auto" and trainer.world_size > 1:
-            raise ConfigError("privacy.physical_batch_size auto runs in one process (each rank would probe its own "
-                              "device): set a number under several processes")
-        if unit.samples_users and dp.shards_parameters:
-            raise ConfigError("privacy.unit: user with user_sampling: users is not supported under FSDP yet (its "
-                              "filler rows would split users); use strategy ddp or one process")
-        self.engine.setup(self.ensure_model(), trainable=self.trainable, num_rows=num_examples, steps=steps,
+        self.engine.setup(self.ensure_model(), trainable=self.trainable, num_rows=num_examples,
+                          steps=lambda per_epoch: self.planned_total_steps(trainer, per_epoch),
                           optimizer_factory=self.optimizer_factory, world_size=trainer.world_size,
-                          sharded=dp.shards_parameters, users=unit.users)
-        datamodule = self.datamodule
+                          sharded=dp.shards_parameters,
+                          users=datamodule.train_user_keys() if datamodule is not None else None)
         if datamodule is not None:
             datamodule.train_unit = self.engine.unit
 
@@ -232,8 +160,12 @@ class DPModule(L.LightningModule):
         dp = self.dp
         self.engine.start(next(self.model.parameters()).device, secure_source=dp.secure_noise_source)
         dp.sync_run_state(self.engine)  # several ranks: every rank takes rank 0's generators and plugin secrets
+        self._steps_at_train_start = self.engine.steps_done
         if self.privacy.physical_batch_size == "auto" and self.engine.micro_batch is None:
             self.fit_micro_batch()
+
+    def on_train_start(self) -> None:
+        self._steps_at_train_start = self.engine.steps_done  # a resume: the checkpoint's
 
     def fit_micro_batch(self) -> None:
         """``physical_batch_size: auto``: probe the private step on the data module's public probe batch at its
@@ -270,7 +202,7 @@ class DPModule(L.LightningModule):
             scheduler.step()
         dp.after_private_step(engine, trainable)  # several ranks: the replicas still agree (first, every 100th, last)
         every, done = self.privacy.log_epsilon_every_n_steps, engine.steps_done
-        if done % every == 0 or done == self.planned_steps or done == 1:
+        if done % every == 0 or done == engine.plan.steps or done == 1:
             self.log("epsilon", engine.epsilon(), prog_bar=True, on_step=True, on_epoch=False)
         self._log_step()
 
@@ -287,7 +219,7 @@ class DPModule(L.LightningModule):
     def _stop_at_max_epsilon(self, max_epsilon: float) -> None:
         if not self.stopped_by_max_epsilon:
             log.warning("dpl: stopping: step %d would spend more than privacy.max_epsilon = %g (epsilon now %.3f)",
-                        self.steps_done + 1, max_epsilon, self.engine.epsilon())
+                        self.engine.steps_done + 1, max_epsilon, self.engine.epsilon())
         self.stopped_by_max_epsilon = True
         self.trainer.should_stop = True
 
@@ -302,42 +234,21 @@ class DPModule(L.LightningModule):
 
     def on_fit_end(self) -> None:
         """Compose the one-line summary (the CLI prints it below the finished progress bar; library use: here)."""
-        eps = self.engine.epsilon()
+        from dpl.lightning.report import fit_summary_line
+
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()
                    if k.startswith("val") and "/" not in k}  # per-class / per-group values stay in the logs
-        shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
-        unit = self.mechanism.unit
-        self.fit_summary = (f"dpl: trained {self.steps_done} private steps; privacy spent (epsilon={eps:.3f}, "
-                            f"delta={self.delta:.3g}, {self.mechanism.adjacency} adjacency"
-                            f"{' of one user' if unit == 'user' else ''}); "
-                            f"sigma={self.noise_multiplier:.4f}, C={self.privacy.max_grad_norm:g}"
-                            + (f"; {shown}" if shown else ""))
+        self.fit_summary = fit_summary_line(self.engine, metrics, self._steps_at_train_start)
         if self.trainer.is_global_zero and self.print_fit_summary:
             print(self.fit_summary)
 
-    # --- checkpoints ----------------------------------------------------------------------------------
+    # --- checkpoints (:mod:`dpl.lightning.checkpoint`) ------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The engine's public state into the checkpoint; its secret state under ``dpl.lightning.checkpoint.SECRET_KEY``
-        only when the trainer writes it to an owner-only sidecar (:class:`~dpl.lightning.checkpoint.SidecarCheckpointIO`)
-        and the checkpoint is a full one (not weights-only)."""
-        if not self.engine.configured:
-            return
-        secret_id = ckpt_io.new_secret_id()
-        checkpoint["dpl"] = {**self.engine.state_dict(), "secret_id": secret_id}
-        full = "optimizer_states" in checkpoint
-        trainer = attached_trainer(self)
-        if full and trainer is not None and isinstance(trainer.strategy.checkpoint_io, ckpt_io.SidecarCheckpointIO):
-            checkpoint[ckpt_io.SECRET_KEY] = {**self.engine.secret_state_dict(), "secret_id": secret_id}
+        ckpt_io.save_engine_state(self.engine, checkpoint, attached_trainer(self))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("dpl")
-        if state is None or not self.engine.configured:  # validate / test / predict: the weights are all it needs
-            return
-        trainer = attached_trainer(self)
-        self.engine.resumed_from = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else "checkpoint"
-        self.engine.load_state_dict(state)
-        self.engine.load_secret_state_dict(checkpoint.pop(ckpt_io.SECRET_KEY, None))
-        if self.engine.noise_source is not None:  # on_fit_start already ran (strategies restoring after setup)
+        resumed = ckpt_io.load_engine_state(self.engine, checkpoint, attached_trainer(self))
+        if resumed and self.engine.noise_source is not None:  # on_fit_start already ran (restored after setup)
             self.dp.sync_run_state(self.engine)
 
 

@@ -83,7 +83,7 @@ else:  # pragma: no cover
 
 def _step(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
     """Private steps taken (dpl's manual optimization may not advance ``trainer.global_step``)."""
-    steps = getattr(pl_module, "steps_done", None)
+    steps = getattr(getattr(pl_module, "engine", None), "steps_done", None)
     return int(steps) if isinstance(steps, int) else int(trainer.global_step)
 
 
@@ -151,7 +151,8 @@ class PlainProgress(ProgressBar):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = self._last = time.monotonic()
         self._examples = self._steps = 0
-        self._planned = int(getattr(pl_module, "planned_steps", 0) or 0) or (trainer.max_steps or 0)
+        plan = getattr(getattr(pl_module, "engine", None), "plan", None)
+        self._planned = int(plan.steps if plan is not None else 0) or (trainer.max_steps or 0)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -166,7 +166,6 @@ def run_sources(module: Any) -> dict[str, Any]:
     """What ``module`` trains from: the base model, the training data and what one privacy unit of it is (the data
     module says; ``None`` where it does not). Hashing the files is the cost: compute this once per run."""
     datamodule = module.datamodule
-    unit = module.privacy.unit
     return {"base_model": module.base_model(),
             "training_data": datamodule.training_data() if datamodule is not None else None,
-            "unit_description": datamodule.unit_description(unit) if datamodule is not None else None}
+            "unit_description": datamodule.unit_description(module.engine.unit) if datamodule is not None else None}

@@ -4,10 +4,10 @@ end and when the run is interrupted or fails (:class:`PrivacyReport`), and besid
 (:mod:`dpl.trained.export`). :class:`PrivacyReport` also records each run that took a private step in the data ledger
 (:mod:`dpl.lightning.data_ledger`).
 
-The privacy values come from :meth:`DPModule.privacy_summary <dpl.lightning.module.DPModule.privacy_summary>` (epsilon,
-delta, sigma, C, the sampling, steps, accountant, mechanism, plugins); what was trained from comes from the module and
-the data module (:mod:`dpl.lightning.provenance`: the base model and the training data with their content hashes, what
-one example is); the run has a random public id and its dates. Public values only, never a secret.
+The privacy values come from :meth:`PrivateEngine.summary <dpl.core.engine.PrivateEngine.summary>` (epsilon, delta,
+sigma, C, the sampling, steps, accountant, mechanism, plugins, and the privacy unit's own words); what was trained
+from comes from the module and the data module (:mod:`dpl.lightning.provenance`: the base model and the training data
+with their content hashes, what one example is); the run has a random public id and its dates. Public values only, never a secret.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from dpl.lightning import data_ledger
-from dpl.lightning.checkpoint import _write_atomic, public_mode
+from dpl.lightning.checkpoint import REPORT_KEY, _write_atomic, public_mode
 from dpl.lightning.provenance import new_run, run_sources, utc_now
 
 REPORT_JSON = "privacy.json"
 REPORT_MD = "privacy.md"
-REPORT_KEY = "dpl_privacy_report"  # the report of the checkpoint's own state, inside the checkpoint
 DELTA_FACTORS = (10.0, 1.0, 0.1, 0.01, 0.001)  # the epsilon-delta table: the run's delta times these
 
 #: what the hashes of privacy.md are, and how their owner checks a file against them
@@ -61,31 +60,15 @@ def accountant_note(summary: dict[str, Any]) -> str:
     return f"{accountant}: exact for the released stream"
 
 
-#: the neighbouring relation of each adjacency a mechanism can state (``Mechanism.adjacency``)
-ADJACENCY_TEXT = {"add_remove": "adding or removing one training example",
-                  "zero_out": "replacing one training example's contribution by zero (zero-out)",
-                  "replace_one": "replacing one training example by another"}
-
-
-#: the same relations for the privacy unit "user" (all the rows of one user)
-USER_ADJACENCY_TEXT = {"add_remove": "adding or removing all the training rows of one user",
-                       "zero_out": "replacing all of one user's contributions by zero (zero-out)",
-                       "replace_one": "replacing all the rows of one user by another user's"}
-
-
-def adjacency_text(adjacency: str | None, unit: str = "example") -> str:
-    if unit == "user":
-        return USER_ADJACENCY_TEXT.get(adjacency, f"{adjacency} adjacency of one user")
-    return ADJACENCY_TEXT.get(adjacency, f"{adjacency} adjacency of one training example")
-
-
-def _protects(report: dict[str, Any]) -> str:
-    """Whom the guarantee protects, in words."""
-    users = report.get("users")
-    if report.get("unit") == "user" and users:
-        return (f"all the records of each user, among {users['users']} users ({report['num_examples']} training "
-                f"rows; at most {users['max_rows_per_user']} records of a user are used in training)")
-    return f"each training example, among {report['num_examples']} training examples"
+def _words(report: dict[str, Any]) -> dict[str, Any]:
+    """The privacy unit's own words (``unit_text``: :meth:`dpl.core.privacy_unit.PrivacyUnit.wording`); plain ones for
+    a report written by an older dpl (an export of its checkpoint)."""
+    if report.get("unit_text"):
+        return report["unit_text"]
+    noun = report.get("unit") or "example"
+    return {"noun": noun, "adjacency": f"{report.get('adjacency')} adjacency of one {noun}",
+            "poisson_sampling": f"Poisson sampling with rate q = {_fmt(report.get('sampling_rate'), '.4g')}",
+            "protects": f"each {noun}", "clipped": f"each {noun}'s gradient", "not_protected": []}
 
 
 def _has_labels(module: Any) -> bool:
@@ -97,7 +80,7 @@ def _unit_text(report: dict[str, Any]) -> str | None:
     """What one privacy unit is, without repeating the unit's name (``one user: all the rows ...`` -> ``all the
     rows ...``)."""
     text = report.get("unit_description")
-    lead = f"one {_unit_word(report)}: "
+    lead = f"one {_words(report)['noun']}: "
     return text[len(lead):] if text and text.lower().startswith(lead) else text
 
 
@@ -105,23 +88,24 @@ def build_report(module: Any, run: dict[str, Any] | None = None,
                  sources: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report of ``module`` (a :class:`~dpl.lightning.module.DPModule` whose privacy is prepared), for ``run``
     (:func:`new_run`; default: a new one) trained from ``sources`` (:func:`run_sources`; default: computed now)."""
-    delta = module.privacy_summary()["delta"]
+    engine = module.engine
+    delta = engine.summary()["delta"]
     deltas = tuple(delta * f for f in DELTA_FACTORS if delta * f < 1) if delta else ()
-    summary = module.privacy_summary(deltas)
-    unit = summary.get("unit") or "example"
+    summary = engine.summary(deltas)
+    words = summary["unit_text"]
     run = dict(run if run is not None else new_run())
     run["updated"] = utc_now()
     report = {
-        "guarantee": f"(epsilon, delta)-DP with respect to {adjacency_text(summary['adjacency'], unit)} "
-                     f"({unit}-level), for the model's weights and everything computed from them",
+        "guarantee": f"(epsilon, delta)-DP with respect to {words['adjacency']} ({words['noun']}-level), for the "
+                     "model's weights and everything computed from them",
         "run": run,
         **(sources if sources is not None else run_sources(module)),
         **{k: v for k, v in summary.items() if k != "epsilon_at_delta"},
         "epsilon_delta_table": [{"delta": d, "epsilon": e} for d, e in summary["epsilon_at_delta"].items()],
         "accountant_note": accountant_note(summary),
         "not_protected": ["the pretrained model and tokenizer", "the validation and test sets",
-                          *(["the label set"] if _has_labels(module) else []), "the number of training examples", *(["the number of users"] if unit == "user" else []),
-                          "hyperparameters tuned on the private data",
+                          *(["the label set"] if _has_labels(module) else []), "the number of training examples",
+                          *words["not_protected"], "hyperparameters tuned on the private data",
                           "the training data's file names and sizes (its content hashes are keyed with a secret key "
                           "of the machine that trained: they confirm nothing to whoever holds a candidate copy)"],
     }
@@ -136,16 +120,8 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 
 def _sampling_text(report: dict[str, Any]) -> str:
-    users = report.get("users") if report.get("unit") == "user" else None
-    if users and users.get("sampling") == "users" and report["sampling"] == "poisson":
-        return (f"Poisson sampling of users with rate q = {_fmt(report['sampling_rate'], '.4g')} (expected "
-                f"{report['batch_size']} users per step, up to {users['max_rows_per_user']} rows of each)")
-    if users and report["sampling"] == "poisson":
-        return (f"Poisson sampling of rows with rate q = {_fmt(report['sampling_rate'], '.4g')} after bounding each "
-                f"user to {users['max_rows_per_user']} rows (expected batch size {report['batch_size']})")
     if report["sampling"] == "poisson":
-        return (f"Poisson sampling with rate q = {_fmt(report['sampling_rate'], '.4g')} (expected batch size "
-                f"{report['batch_size']})")
+        return _words(report)["poisson_sampling"]
     if report["sampling"] == "cyclic_poisson":
         return (f"Poisson sampling with rate q = {_fmt(report['sampling_rate'], '.4g')} within one secret partition "
                 f"of the data per step (expected batch size {report['batch_size']})")
@@ -157,28 +133,22 @@ def _sampling_text(report: dict[str, Any]) -> str:
 def model_card_paragraph(report: dict[str, Any]) -> str:
     """A paragraph to paste into a model card."""
     plugins = ", ".join(report["plugins"]) or "none"
-    user = report.get("unit") == "user"
-    clipped = ("each user's mean gradient" if user and (report.get("users") or {}).get("sampling") == "users"
-               else "each example's gradient")
+    words = _words(report)
+    noun = words["noun"]
     base = (report.get("base_model") or {}).get("location")
     example = _unit_text(report)
     labels = ", the label set" if "the label set" in report.get("not_protected", ["the label set"]) else ""
     return (f"This model was fine-tuned{f' from {base}' if base else ''} with differential privacy using dpl "
             f"{report['dpl_version']}. It satisfies "
             f"({_fmt(report['epsilon'], '.2f')}, {_fmt(report['delta'], '.2g')})-differential privacy with respect "
-            f"to {adjacency_text(report['adjacency'], report.get('unit') or 'example')}: it protects "
-            f"{_protects(report)}, for its weights and everything computed from them. "
-            f"{f'One {_unit_word(report)} is {example}. ' if example else ''}Training ran "
+            f"to {words['adjacency']}: it protects {words['protects']}, for its weights and everything computed "
+            f"from them. {f'One {noun} is {example}. ' if example else ''}Training ran "
             f"{report['steps_taken']} private steps "
-            f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, {clipped} "
+            f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, {words['clipped']} "
             f"clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
             f"{_fmt(report['noise_multiplier'], '.4g')}; epsilon was computed with the {report['accountant']} "
             f"accountant. The guarantee does not cover the pretrained model, the validation data{labels}, the "
             f"number of training examples, or hyperparameters tuned on the private data.")
-
-
-def _unit_word(report: dict[str, Any]) -> str:
-    return "user" if report.get("unit") == "user" else "example"
 
 
 def _hash_text(described: dict[str, Any] | None) -> str:
@@ -207,7 +177,7 @@ def _provenance_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                                       f"{run.get('updated')})"),
             ("base model", f"`{base.get('location')}`: {_hash_text(base)}" if base else "not stated"),
             ("training data", _hash_text(report.get("training_data"))),
-            (f"one {_unit_word(report)} is", _unit_text(report) or "not stated")]
+            (f"one {_words(report)['noun']} is", _unit_text(report) or "not stated")]
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -218,12 +188,12 @@ def report_markdown(report: dict[str, Any]) -> str:
             ("noise multiplier sigma", _fmt(report["noise_multiplier"], ".4g")),
             ("clipping norm C", _fmt(report["max_grad_norm"], "g")),
             ("sampling", _sampling_text(report)),
-            ("protects", _protects(report)),
+            ("protects", _words(report)["protects"]),
             ("training examples N", str(report["num_examples"])),
             ("mechanism", str(report["mechanism"])),
             ("plugins", json.dumps(report["plugins"]) if report["plugins"] else "none (defaults: clip, gaussian)"),
             ("accountant", report["accountant_note"]),
-            ("adjacency", f"{report['adjacency']}: {adjacency_text(report['adjacency'], report.get('unit') or 'example')}"),
+            ("adjacency", f"{report['adjacency']}: {_words(report)['adjacency']}"),
             ("dpl version", str(report["dpl_version"]))]
     lines = ["# Privacy report", "", report["guarantee"] + ".", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
@@ -290,7 +260,7 @@ class PrivacyReport(Callback):
             self.run["continues"] = {"run_id": earlier["run"]["id"], "steps": int(earlier.get("steps_taken") or 0)}
 
     def _write(self, trainer: Any, module: Any) -> dict[str, Any] | None:
-        if getattr(module, "mechanism", None) is None:
+        if not module.engine.configured:
             return None
         if self.run is None:
             self.run = new_run()
@@ -304,17 +274,17 @@ class PrivacyReport(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._flushed_at: int | None = None
-        self._start_steps = getattr(pl_module, "steps_done", 0)
+        self._start_steps = pl_module.engine.steps_done
         self._folder = trainer.log_dir or ""  # every rank (a broadcast); later hooks may run on one rank only (errors)
         self._write(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Epsilon after the first step goes into ``metrics.csv`` whatever ``trainer.log_every_n_steps``."""
-        steps = getattr(pl_module, "steps_done", 0)
+        steps = pl_module.engine.steps_done
         every = trainer.log_every_n_steps
         if every > 0 and (trainer.global_step % every == 0 or trainer.should_stop):  # Lightning writes this row
             self._flushed_at = steps
-        elif steps == 1 and getattr(pl_module, "mechanism", None) is not None:
+        elif steps == 1 and pl_module.engine.configured:
             self._log_epsilon(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
@@ -323,9 +293,9 @@ class PrivacyReport(Callback):
             checkpoint[REPORT_KEY] = report
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if getattr(pl_module, "mechanism", None) is None:
+        if not pl_module.engine.configured:
             return
-        if getattr(self, "_flushed_at", None) != pl_module.steps_done:  # the last step's epsilon, unless written
+        if getattr(self, "_flushed_at", None) != pl_module.engine.steps_done:  # the last step's epsilon, unless written
             self._log_epsilon(trainer, pl_module)
         self._end(trainer, pl_module, "finished")
 
@@ -333,8 +303,8 @@ class PrivacyReport(Callback):
     def _log_epsilon(trainer: Any, pl_module: Any) -> None:
         """Epsilon spent so far into the loggers, at the step taken (1-based, as the rows Lightning writes)."""
         # float32, as the values the module logs every step (Lightning logs tensors), so that the column stays monotone
-        steps = pl_module.steps_done
-        epsilon = float(torch.tensor(pl_module.epsilon_after(steps), dtype=torch.float32))
+        steps = pl_module.engine.steps_done
+        epsilon = float(torch.tensor(pl_module.engine.epsilon(steps), dtype=torch.float32))
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics({"epsilon": epsilon}, step=steps)
@@ -344,7 +314,7 @@ class PrivacyReport(Callback):
         """Ctrl+C, SIGTERM or an error: the report says so, and the steps taken are recorded in the ledger."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        if getattr(pl_module, "mechanism", None) is None or self._start_steps is None or self._recorded:
+        if not pl_module.engine.configured or self._start_steps is None or self._recorded:
             return
         status = "interrupted" if isinstance(exception, (KeyboardInterrupt, SIGTERMException)) else "failed"
         try:
@@ -363,9 +333,25 @@ class PrivacyReport(Callback):
             self.run = new_run()
         self.run.update(status=status, ended=utc_now())
         self._report = self._write(trainer, pl_module)
-        steps = getattr(pl_module, "steps_done", 0) - (self._start_steps or 0)
+        steps = pl_module.engine.steps_done - (self._start_steps or 0)
         if self._report is None or not self.ledger or steps < 1 or self._recorded or not trainer.is_global_zero:
             return None
         self._recorded = True
         return data_ledger.record(self._report, trainer.default_root_dir, run_folder=self._folder or None,
                                   steps_this_run=steps)
+
+
+def fit_summary_line(engine: Any, metrics: dict[str, float], steps_before: int = 0) -> str:
+    """The one line that ends a fit: the private steps this fit took (``steps_before``: the steps a resume started
+    from), the privacy spent in all, sigma, C and the validation ``metrics``."""
+    done, cfg, mechanism = engine.steps_done, engine.privacy, engine.mechanism
+    taken = done - steps_before
+    if steps_before and taken == 0:
+        head = f"dpl: took no private step (resumed at step {done}: the trainer's max_steps / max_epochs were reached)"
+    else:
+        head = f"dpl: trained {done} private step{'' if done == 1 else 's'}"
+        head += f" ({taken} after resuming at step {steps_before})" if steps_before else ""
+    shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+    return (f"{head}; privacy spent (epsilon={engine.epsilon():.3f}, delta={engine.plan.delta:.3g}, "
+            f"{mechanism.adjacency} adjacency{' of one user' if engine.unit.per_user else ''}); "
+            f"sigma={engine.noise_multiplier:.4f}, C={cfg.max_grad_norm:g}" + (f"; {shown}" if shown else ""))

@@ -54,7 +54,7 @@ class TrackerLogging(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         engine = getattr(pl_module, "engine", None)
-        if getattr(pl_module, "mechanism", None) is None or engine is None or not trainer.is_global_zero:
+        if engine is None or not engine.configured or not trainer.is_global_zero:
             return
         params = privacy_params(engine.summary())
         for logger in trainer.loggers:
@@ -64,7 +64,8 @@ class TrackerLogging(Callback):
         from dpl.lightning.report import REPORT_JSON, REPORT_MD
 
         folder = trainer.log_dir
-        if not trainer.is_global_zero or not folder or getattr(pl_module, "mechanism", None) is None:
+        engine = getattr(pl_module, "engine", None)
+        if not trainer.is_global_zero or not folder or engine is None or not engine.configured:
             return
         paths = [Path(folder) / name for name in (REPORT_JSON, REPORT_MD) if (Path(folder) / name).is_file()]
         for logger in trainer.loggers if paths else []:

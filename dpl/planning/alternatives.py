@@ -183,6 +183,8 @@ class PlanReport:
     population: int
     num_units: int
     unit: str
+    data_text: str  # what the mechanism samples from, in the privacy unit's words (PrivacyUnit.data_text)
+    sampled_noun: str  # what one draw is: users, rows or examples (PrivacyUnit.sampled_noun)
     user_sampling: str | None
     max_rows_per_user: int | None
     sampling_rate: float

@@ -133,6 +133,7 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
     trainable = module.trainable
     report = PlanReport(
         configs=[], rows_in_data=num_rows, population=plan.population, num_units=plan.num_units, unit=plan.unit,
+        data_text=engine.unit.data_text(), sampled_noun=engine.unit.sampled_noun,
         user_sampling=engine.unit.setup_fields()["user_sampling"], max_rows_per_user=engine.unit.max_rows,
         sampling_rate=float(mechanism.sample_rate),
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
@@ -206,20 +207,12 @@ def _lora(module: Any) -> tuple[int, int, int] | None:
 def format_report(report: PlanReport) -> str:
     """The plan as text: the run, its noise regime, the alternatives and the recommendation."""
     r, cur = report, report.current
-    units = {"users": "users", "rows": "rows"}.get(r.user_sampling or "", "examples")
     source = f" ({', '.join(r.configs)})" if r.configs else ""
     lines = [f"dpl plan{source}"]
-    data = f"N = {r.population:,} {units}"
-    if r.user_sampling == "users":
-        data += f" ({r.rows_in_data:,} rows; up to k = {r.max_rows_per_user} rows of a sampled user)"
-    elif r.user_sampling == "rows":
-        data += (f" (each of the {r.num_units:,} users bounded to k = {r.max_rows_per_user} of its rows; "
-                 f"{r.rows_in_data:,} in all)")
-    lines.append(f"  data     {data}; B = {cur.batch_size:,} expected per step (q = {r.sampling_rate:.4g}, {r.sampling} "
+    lines.append(f"  data     {r.data_text}; B = {cur.batch_size:,} expected per step (q = {r.sampling_rate:.4g}, {r.sampling} "
                  f"sampling); {cur.steps:,} steps = {cur.epochs:.3g} epoch{'' if cur.epochs == 1 else 's'}")
-    unit = "one user" if r.unit == "user" else "one example"
     lines.append(f"  privacy  epsilon = {cur.epsilon:.3f} (target {r.target_epsilon:g}), delta = {r.delta:.3g}, "
-                 f"{r.adjacency} adjacency of {unit}; mechanism {r.mechanism}, {r.accounting}")
+                 f"{r.adjacency} adjacency of one {r.unit}; mechanism {r.mechanism}, {r.accounting}")
     lora = f" ({r.lora[1]:,} in LoRA r {r.lora[0]})" if r.lora else ""
     lines.append(f"  model    d = {r.trainable:,} trainable parameters{lora}")
     lines.append("  noise    " + _noise_line(r))
@@ -232,7 +225,7 @@ def format_report(report: PlanReport) -> str:
         lines += ["  memory   " + block[0], *("           " + line for line in block[1:])]
     if len(r.rows) > 1 or r.recommended is not None:
         lines += ["", f"alternatives at epsilon = {r.target_epsilon:g} and the same compute (B x steps = "
-                      f"{cur.batch_size * cur.steps:,} {units}):", _table(r)]
+                      f"{cur.batch_size * cur.steps:,} {r.sampled_noun}):", _table(r)]
     lines += [f"  not planned: {line}" for line in r.refused]
     mark = "recommended (*)" if r.recommended is not None else "recommended"
     lines.append(f"  {mark}: {r.why}")

@@ -258,7 +258,7 @@ def _plan(config: dict[str, Any], configs: list[str]) -> Any:
     mechanism, plan = engine.mechanism, engine.plan
     report = PlanReport(
         configs=configs, rows_in_data=rows, population=plan.population, num_units=plan.num_units, unit=plan.unit,
-        user_sampling=None, max_rows_per_user=None, sampling_rate=float(mechanism.sample_rate),
+        data_text=f"N = {plan.population:,} examples", sampled_noun="examples", user_sampling=None, max_rows_per_user=None, sampling_rate=float(mechanism.sample_rate),
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
         adjacency=mechanism.adjacency, max_grad_norm=float(privacy.max_grad_norm), current=current,

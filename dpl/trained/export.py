@@ -68,6 +68,8 @@ def _write(run: LoadedRun, folder: Path, adapter: bool, name: str) -> None:
 
     report = _report_of(run)
     if report is not None:
+        if os.path.isabs(str(report.get("resumed_from") or "")):  # an older dpl's absolute checkpoint path
+            report = {**report, "resumed_from": Path(report["resumed_from"]).name}
         write_report(report, folder)
     (folder / "README.md").write_text(model_card(run, folder, adapter, report, name))
     _shareable(folder)

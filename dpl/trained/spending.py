@@ -179,9 +179,25 @@ def data_sets(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (data_id, unit, adjacency), runs in groups.items():
         runs.sort(key=lambda e: str(e.get("started")))
         counted = [r for r in runs if r["continued_by"] is None]
+        left_out = [{"run_id": e["run_id"], "why": _left_out_because(unit, adjacency, e)} for e in entries
+                    if data_id is not None and e.get("data_id") == data_id
+                    and (e.get("unit", "example"), e.get("adjacency")) != (unit, adjacency)]
         found.append({"data_id": data_id, "data": runs[0].get("data"), "unit": unit, "adjacency": adjacency,
-                      "runs": runs, "composed": compose(counted) if data_id is not None else None})
+                      "runs": runs, "composed": compose(counted) if data_id is not None else None,
+                      "left_out": left_out})
     return found
+
+
+#: why a total of ``unit``-level runs leaves out the runs of another unit on the same data
+OTHER_UNIT = {"user": "example-level: each protects one row, which gives a user of several rows no bounded protection",
+              "example": "user-level: a guarantee about all the rows of one user, another neighbouring relation"}
+
+
+def _left_out_because(unit: str, adjacency: str | None, other: dict[str, Any]) -> str:
+    """Why a total of ``unit``-level runs with ``adjacency`` does not count ``other``, a run on the same data."""
+    if other.get("unit", "example") != unit:
+        return OTHER_UNIT.get(unit, f"{other.get('unit')}-level: another neighbouring relation")
+    return f"{other.get('adjacency')} adjacency: a guarantee about another neighbouring relation"
 
 
 def _jsonable(value: Any) -> Any:
@@ -236,6 +252,12 @@ def show(group: dict[str, Any]) -> list[str]:
                      f"{_fmt_eps(composed['epsilon_sum'])})")
     lines.append(f"  composed over {runs}: epsilon = {_fmt_eps(composed['epsilon'])}, delta = "
                  f"{composed['delta']:.3g}{condition}")
+    whys: dict[str, list[str]] = {}
+    for run in group.get("left_out") or []:
+        whys.setdefault(run["why"], []).append(run["run_id"])
+    for why, ids in whys.items():
+        lines.append(f"  left out: {len(ids)} run{'s' if len(ids) != 1 else ''} on the same data, {why} "
+                     f"({', '.join(ids)})")
     return lines
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dpl.core.accounting import tuning as accounting
+from dpl.core.accounting import events, tuning as accounting
 from dpl.errors import ConfigError
 from dpl.tune.search import SearchSpace, accounting_part, config_args, short
 
@@ -92,36 +92,49 @@ def plan_space(fit_args: list[str], space: SearchSpace, target: float | None = N
     return plans
 
 
-def curve(plan: TrialPlan) -> np.ndarray:
-    """One configuration's RDP curve at :data:`~dpl.core.accounting.tuning.ORDERS`."""
-    return accounting.subsampled_gaussian_rdp([(plan["noise_multiplier"], plan["sampling_rate"], plan["steps"])])
+def trial_event(plan: TrialPlan) -> events.Event:
+    """One trial of ``plan``: its steps of the Poisson-subsampled Gaussian (the only mechanism a trial may have)."""
+    return events.SelfComposed(events.PoissonGaussian(float(plan["noise_multiplier"]), float(plan["sampling_rate"])),
+                               int(plan["steps"]))
 
 
-def max_curve(plans: list[TrialPlan]) -> np.ndarray:
-    """The RDP curve of one trial: at each order, the largest of the configurations' curves."""
+def one_trial(plans: list[TrialPlan]) -> events.Event:
+    """One trial of the space: any of the plans' configurations, drawn without looking at the data (``AnyOf``:
+    bounded by the largest of their RDP curves); the plan's own event where they all have one."""
     if not plans:
         raise ValueError("no plan: the bound needs the plan of every configuration")
-    return np.max(np.stack([curve(plan) for plan in plans]), axis=0)
+    trials = list(dict.fromkeys(trial_event(plan) for plan in plans))
+    return trials[0] if len(trials) == 1 else events.AnyOf(tuple(trials))
+
+
+def tuning_event(plans: list[TrialPlan], dist: accounting.TrialDistribution) -> events.Event:
+    """The event of the whole search: the best of K ~ ``dist`` trials (``RepeatAndSelect``; a fixed K: their
+    composition)."""
+    return _select(one_trial(plans), dist)
+
+
+def _select(trial: events.Event, dist: accounting.TrialDistribution) -> events.Event:
+    if dist.kind == "fixed":
+        return events.SelfComposed(trial, int(dist.trials))
+    if dist.kind == "poisson":
+        return events.RepeatAndSelect(trial, float(dist.mu), math.inf)
+    return events.RepeatAndSelect(trial, float(dist.mean), float(dist.eta))
+
+
+def one_trial_rdp(plans: list[TrialPlan]) -> np.ndarray:
+    """The RDP curve of one trial at :data:`~dpl.core.accounting.tuning.ORDERS` (the largest of the plans')."""
+    return events.trial_rdp(one_trial(plans))
 
 
 def composed_epsilon(plans: list[TrialPlan], trials: int, delta: float) -> float:
     """Epsilon of ``trials`` trials composed: by the trials' own accountant when all configurations share one
     accounting (the steps of all the trials), else by RDP (``trials`` times the largest curve)."""
-    from dpl.core.accounting import epsilon_for
-
-    distinct = {(p["noise_multiplier"], p["sampling_rate"], p["steps"]) for p in plans}
-    if len(distinct) == 1:
-        sigma, q, steps = distinct.pop()
-        return epsilon_for(sigma, q, trials * steps, delta, method=plans[0]["accountant"])
-    return accounting.fixed_trials_epsilon(accounting.ORDERS, max_curve(plans), trials, delta)
+    return events.epsilon(events.SelfComposed(one_trial(plans), int(trials)), delta, plans[0]["accountant"])
 
 
 def tuned_epsilon(plans: list[TrialPlan], dist: accounting.TrialDistribution, delta: float) -> float:
-    """Epsilon at ``delta`` of the tuned release: the best of K ~ ``dist`` trials whose RDP is the largest curve of
-    ``plans`` (a fixed K: their composition)."""
-    if dist.kind == "fixed":
-        return composed_epsilon(plans, int(dist.trials), delta)
-    return accounting.tuned_epsilon(dist, accounting.ORDERS, max_curve(plans), delta)
+    """Epsilon at ``delta`` of the tuned release: the event of the search (:func:`tuning_event`) composed."""
+    return events.epsilon(tuning_event(plans, dist), delta, plans[0]["accountant"])
 
 
 def plan_for(plans: list[TrialPlan], config: dict[str, str]) -> TrialPlan:
@@ -154,7 +167,6 @@ def mismatch(plan: TrialPlan, summary: dict[str, Any]) -> str | None:
 def calibrated(plans: list[TrialPlan], target: float) -> list[TrialPlan]:
     """``plans`` with sigma calibrated to ``target`` by each configuration's mechanism, as ``dpl fit`` does
     (the Poisson-subsampled Gaussian, the only mechanism a trial may have)."""
-    from dpl.core.accounting import events
     from dpl.core.mechanism import PoissonGaussian
 
     def sigma(plan: TrialPlan) -> float:
@@ -174,7 +186,7 @@ def solve_total(fit_args: list[str], space: SearchSpace, dist: accounting.TrialD
     base = plan_space(fit_args, space)
     delta = base[0]["delta"]
     if dist.kind != "fixed":  # trials with no privacy loss at all: the least the search can cost
-        floor = accounting.tuned_epsilon(dist, accounting.ORDERS, np.zeros(len(accounting.ORDERS)), delta)
+        floor = events.epsilon(_select(events.Composed(()), dist), delta)
         if floor > total:
             raise ConfigError(f"dpl tune: --total-epsilon {total:g} cannot be met: with K ~ {dist.describe()} "
                               f"trials the search costs at least epsilon {floor:.4g} at delta = {delta:.3g}, even "

@@ -27,14 +27,14 @@ class TrialProbe(Callback):
     metrics."""
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit" or getattr(pl_module, "mechanism", None) is None:
+        if stage != "fit" or not pl_module.engine.configured:
             return
         from dpl.lightning.report import PrivacyReport
 
         for callback in trainer.callbacks:
             if isinstance(callback, PrivacyReport):
                 callback.ledger = False
-        summary = pl_module.privacy_summary()
+        summary = pl_module.engine.summary()
         reason = tunable(summary, pl_module.privacy.seed is not None)
         if reason:
             raise ConfigError(f"dpl tune: {reason}")
@@ -52,7 +52,7 @@ class TrialProbe(Callback):
         from dpl.tune import ledger_line
 
         line = ledger_line.start_entry(build_report(pl_module), Path(state.folder).name, state.event(),
-                                       state.epsilon(float(pl_module.privacy_summary()["delta"])))
+                                       state.epsilon(float(pl_module.engine.plan.delta)))
         state.ledger_line = ledger_line.write(state.ledger_root, line)
         state.save()
 

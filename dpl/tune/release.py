@@ -47,7 +47,7 @@ def tuned_privacy(plans: list[dict[str, Any]], dist: accounting.TrialDistributio
     deltas = [float(row["delta"]) for row in report.get("epsilon_delta_table", [])]
     return {"epsilon": plans_module.tuned_epsilon(plans, dist, delta),
             "table": [{"delta": d, "epsilon": plans_module.tuned_epsilon(plans, dist, d)} for d in deltas],
-            "epsilon_one_trial_rdp": _rdp_to_epsilon(accounting.ORDERS, plans_module.max_curve(plans), delta)}
+            "epsilon_one_trial_rdp": _rdp_to_epsilon(accounting.ORDERS, plans_module.one_trial_rdp(plans), delta)}
 
 
 def tuned_report(trial_report: dict[str, Any], tuning: dict[str, Any], privacy: dict[str, Any]) -> dict[str, Any]:

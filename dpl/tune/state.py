@@ -62,9 +62,9 @@ class TuningState:
         _write_atomic((json.dumps(asdict(self), indent=1) + "\n").encode(), self.path, stat.S_IRUSR | stat.S_IWUSR)
 
     def event(self) -> Any:
-        """The event of the whole search (:func:`dpl.tune.ledger_line.tuning_event`)."""
+        """The event of the whole search (:func:`dpl.tune.plans.tuning_event`)."""
         from dpl.core.accounting.tuning import TrialDistribution
-        from dpl.tune.ledger_line import tuning_event
+        from dpl.tune.plans import tuning_event
 
         return tuning_event(self.plans, TrialDistribution(**self.distribution))
 

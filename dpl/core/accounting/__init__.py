@@ -42,9 +42,9 @@ Modules, one job each
 :mod:`~dpl.core.accounting.prv` (PRV, :func:`epsilon_for`), :mod:`~dpl.core.accounting.rdp` (RDP bounds),
 :mod:`~dpl.core.accounting.gaussian` (one Gaussian mechanism, exactly: Balle & Wang 2018),
 :mod:`~dpl.core.accounting.calibration` (:func:`smallest_noise_multiplier`, the one sigma search every calibration
-uses), :mod:`~dpl.core.accounting.events` (the events mechanisms declare, their composition and
-:func:`~dpl.core.accounting.events.calibrate`; :func:`calibrate_noise_multiplier`), :mod:`~dpl.core.accounting.accountant`
-(:class:`PoissonGaussianAccountant`, a history of steps), :mod:`~dpl.core.accounting.schedule`
+uses), :mod:`~dpl.core.accounting.events` (the events mechanisms declare, their composition - every epsilon dpl
+reports is one - and :func:`~dpl.core.accounting.events.calibrate`; :func:`calibrate_noise_multiplier`),
+:mod:`~dpl.core.accounting.schedule`
 (:class:`EpsilonSchedule`, epsilon for the current step computed ahead, off the training loop),
 :mod:`~dpl.core.accounting.users` (user-level DP of example-level sampling, :func:`els_epsilon`,
 :func:`els_calibrate`; :func:`group_privacy`), :mod:`~dpl.core.accounting.tuning` (the best of a random number of
@@ -52,7 +52,6 @@ private runs: Papernot & Steinke's Theorems 2 and 6, for ``dpl tune``),
 :mod:`~dpl.core.accounting.common` (error settings and argument checks).
 """
 
-from dpl.core.accounting.accountant import PoissonGaussianAccountant
 from dpl.core.accounting.calibration import smallest_noise_multiplier
 from dpl.core.accounting.events import calibrate_noise_multiplier
 from dpl.core.accounting.common import METHODS, REL_EPS_ERROR, Segment
@@ -65,7 +64,6 @@ __all__ = [
     "METHODS",
     "REL_EPS_ERROR",
     "EpsilonSchedule",
-    "PoissonGaussianAccountant",
     "Segment",
     "calibrate_gaussian_mechanism",
     "calibrate_noise_multiplier",

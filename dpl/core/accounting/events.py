@@ -164,6 +164,26 @@ def history_from_json(data: list[dict[str, Any]]) -> list[tuple[Event, int]]:
     return [(from_dict(item["event"]), int(item["steps"])) for item in data]
 
 
+def row_level(event: Event) -> Event:
+    """The event of the same steps for one *row* of a user-level run that samples and clips rows (ELS): every
+    ``MixtureOfGaussians(sigma, q, k)`` step becomes ``PoissonGaussian(sigma, q)`` (a row is in a batch with
+    probability q, its clipped gradient of norm at most C); everything else is kept. The per-row epsilon of such a
+    run is the composition of its parts' row-level events, whatever sigma each part trained with."""
+    if isinstance(event, MixtureOfGaussians):
+        return PoissonGaussian(event.noise_multiplier, event.sample_rate)
+    if isinstance(event, SelfComposed):
+        return SelfComposed(row_level(event.event), event.count)
+    if isinstance(event, Composed):
+        return Composed(tuple(row_level(e) for e in event.events))
+    return event
+
+
+def group_size(event: Event) -> int:
+    """k, the most rows one user contributes to a step of ``event`` (its ``MixtureOfGaussians`` steps); 1 without
+    any."""
+    return max((k for (_, _, k) in _flatten(event).steps), default=1) or 1
+
+
 # ------------------------------------------------------------------------------------------------ flattening
 
 

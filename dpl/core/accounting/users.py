@@ -369,4 +369,7 @@ def group_privacy(epsilon: float, delta: float, group_size: int) -> tuple[float,
     if not (eps >= 0 and 0 <= d <= 1):
         raise ValueError(f"need epsilon >= 0 and delta in [0, 1], got {epsilon}, {delta}")
     k = _check_rows(group_size)
-    return k * eps, k * math.exp((k - 1) * eps) * d
+    try:
+        return k * eps, k * math.exp((k - 1) * eps) * d
+    except OverflowError:  # a per-row epsilon in the hundreds: no useful delta
+        return k * eps, math.inf

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.errors import ConfigError, DataError
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_columns, resolve_location, split_files, user_keys_of
@@ -238,12 +239,10 @@ class ClassificationDataModule(FileDataModule):
         assert self._splits is not None
         return {name: [split.path] for name, split in self._splits.items()}
 
-    def unit_description(self, unit: str = "example") -> str:
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
         name = self._train_name()
-        if unit == "user":
-            return (f"one user: all the rows of {name} with the same value in column {self.user_column!r} "
-                    f"(data.user_column)")
-        return f"one row of {name} ({'a text pair' if self.text_pair_column else 'a text'} with its label)"
+        return unit.describe(f"rows of {name}", f"column {self.user_column!r}",
+                             f"one row of {name} ({'a text pair' if self.text_pair_column else 'a text'} with its label)")
 
     def _train_name(self) -> str:
         if self._splits is not None:

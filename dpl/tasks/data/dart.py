@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.errors import DataError
 from dpl.tasks.data.files import read_text
 from dpl.tasks.data.generation import GenerationDataModule
@@ -56,11 +57,11 @@ class DARTDataModule(GenerationDataModule):
             return str(record.group[1])
         return super().user_key(record)
 
-    def unit_description(self, unit: str = "example") -> str:
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
         name = self.train_name()
-        if unit == "user" and self.user_column == ENTRY:
+        if unit.per_user and self.user_column == ENTRY:
             return f"one entry of {name}: a triple set with all its annotations"
-        if unit == "user":
+        if unit.per_user:
             return super().unit_description(unit)
         return (f"one annotation of an entry of {name} (one reference text of a triple set); several annotations "
                 f"share one triple set: use privacy.unit: user with data.user_column: entry to protect a whole entry")

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.errors import DataError
 from dpl.tasks.data.files import read_delimited
 from dpl.tasks.data.generation import GenerationDataModule
@@ -105,11 +106,11 @@ class E2EDataModule(GenerationDataModule):
             del files["validation"]
         return files
 
-    def unit_description(self, unit: str = "example") -> str:
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
         name = self.train_name()
-        if unit == "user" and self.user_column == "mr":
+        if unit.per_user and self.user_column == "mr":
             return f"one meaning representation: all the rows of {name} with the same mr (all its reference sentences)"
-        if unit == "user":
+        if unit.per_user:
             return super().unit_description(unit)
         return (f"one row of {name} (one reference sentence); several rows share one meaning representation: use "
                 f"privacy.unit: user with data.user_column: mr to protect a whole mr")

@@ -30,6 +30,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.errors import ConfigError, DataError
 from dpl.tasks.data import conversations as chat
 from dpl.tasks.data.file_module import FileDataModule
@@ -222,12 +223,10 @@ class GenerationDataModule(FileDataModule):
         assert self._splits is not None
         return {name: split.files for name, split in self._splits.items()}
 
-    def unit_description(self, unit: str = "example") -> str:
-        if unit == "user":
-            return (f"one user: all the records of {self.train_name()} with the same value in field "
-                    f"{self.user_column!r} (data.user_column)")
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
         what = "a conversation" if self._splits_kind else "a prompt with its completion"
-        return f"one record of {self.train_name()} ({what})"
+        return unit.describe(f"records of {self.train_name()}", f"field {self.user_column!r}",
+                             f"one record of {self.train_name()} ({what})")
 
     def train_name(self) -> str:
         """The training file's name (after reading the data), for the descriptions."""

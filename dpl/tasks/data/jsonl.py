@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.errors import DataError
 from dpl.tasks.data.conversations import check_messages
 from dpl.tasks.data.files import json_lines, read_text
@@ -53,8 +54,8 @@ class JSONLDataModule(GenerationDataModule):
         self.format = format
         self.messages_field = messages_field
 
-    def unit_description(self, unit: str = "example") -> str:
-        if unit == "user":
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
+        if unit.per_user:
             return super().unit_description(unit)
         if self.conversational:
             return f"one line of {self.train_name()} (a conversation)"

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.tasks.data.classification import ClassificationDataModule, SplitData
 from dpl.tasks.data.quickstart_gen import SEED
 from dpl.errors import ConfigError
@@ -128,13 +129,11 @@ class QuickstartDataModule(ClassificationDataModule):
         return describe_generated("dpl.tasks.data.quickstart_gen.generate", settings, lines,
                                   "<TAB>".join(columns))
 
-    def unit_description(self, unit: str = "example") -> str:
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
         if self.train_size is None:
             return super().unit_description(unit)
-        if unit == "user":
-            return (f"one user: all the generated reviews with the same value in column {self.user_column!r} "
-                    f"(data.user_column)")
-        return "one generated review (a sentence with its label)"
+        return unit.describe("generated reviews", f"column {self.user_column!r}",
+                             "one generated review (a sentence with its label)")
 
 
     def count_train_examples(self) -> int:

@@ -235,7 +235,7 @@ class DPGenerationModule(DPTaskModule):
     def predictions_path(self, split: str) -> Path:
         """``<log dir>/predictions/<split>_step<N>.jsonl``."""
         root = self.trainer.log_dir or self.trainer.default_root_dir
-        return Path(root) / "predictions" / f"{split}_step{self.steps_done}.jsonl"
+        return Path(root) / "predictions" / f"{split}_step{self.engine.steps_done}.jsonl"
 
     def on_validation_epoch_end(self) -> None:
         self._finish("validation")
