@@ -152,8 +152,9 @@ def test_non_finite_example_contributes_zero(mode):
     with torch.no_grad():
         model.get_input_embeddings().weight[49] = float("nan")
 
-    def reforward(rows):
-        return _loss_fn(model)({k: v[rows] for k, v in batch.items()})
+    def reforward(rows):  # the whole batch, each row not kept replaced by a kept one (no dropout here to replay)
+        index = torch.where(rows, torch.arange(5), int(rows.nonzero()[0, 0]))
+        return _loss_fn(model)({k: v[index] for k, v in batch.items()})
 
     sums, norms, _ = _clipped(model, batch, mode, 0.0 if mode == "auto" else None, 0.05, reforward=reforward)
     assert not math.isfinite(float(norms[0]))
@@ -162,6 +163,78 @@ def test_non_finite_example_contributes_zero(mode):
     for name in expected:
         assert torch.isfinite(sums[name]).all(), name
         torch.testing.assert_close(sums[name].double(), expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _dropout_step(mode, budget, checkpointing, lora, seed, batch, max_norm):
+    """The clip plugin's clipped sum of ``batch`` on a tiny BERT with dropout 0.5, the global generator seeded first."""
+    from dpl.core.step import StepContext
+    from plugins.clip import ClipPlugin
+
+    options = FinetuneOptions(method="lora" if lora else "full", gradient_checkpointing=checkpointing,
+                              lora=LoraOptions(r=2, target_modules=None))
+    model = apply_finetuning(tiny_bert(dropout=0.5), options, "SEQ_CLS").double()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[49] = float("nan")  # the first example's gradient is not finite
+    plugin = ClipPlugin()
+    plugin.memory, plugin.budget_mib = mode, budget
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ctx = StepContext(model=model, trainable=trainable, per_example_loss=_loss_fn(model), max_grad_norm=max_norm,
+                      noise_multiplier=0.0, expected_batch_size=2, step=0, noise_source=torch.Generator(),
+                      log=lambda *_: None)
+    torch.manual_seed(seed)
+    return plugin.estimate_gradient(ctx, batch).values
+
+
+#: float32's unit roundoff. The clipper forms norms and sums in float32 (from the float64 model's activations and
+#: output gradients): each entry is a float32 sum of at most n = B * T products (the batch's tokens), so it is off by
+#: at most ~n * U32 of its size; norms and sums of the same gradient then agree to ~n * U32 in norm
+U32 = 2.0 ** -24
+
+
+def _norm(sums):
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in sums.values()))
+
+
+def _assert_same_sum(sums, expected, n):
+    """``sums`` equal ``expected`` to float32 sums of ``n`` terms: ||sums - expected|| <= 2 n U32 ||expected|| (the
+    difference taken as a whole: entries that cancel to ~0 have no relative precision of their own)."""
+    difference = _norm({k: sums[k].double() - expected[k].double() for k in expected})
+    assert difference <= 2 * n * U32 * _norm(expected), difference / _norm(expected)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("mode,budget", [("low", None), ("auto", 0.0)], ids=["low", "auto-nothing-kept"])
+def test_non_finite_example_under_dropout_adds_at_most_c(mode, budget, lora):
+    """With dropout 0.5 and a non-finite example, low/auto form the clipped sum by a second forward pass; it must
+    draw the first pass's dropout masks, on which the clip factors were measured. A batch of that example and one
+    whose gradient is far above C: the clipped sum is that one example's, of norm C * ||g|| / (||g|| + 1e-6) <= C up
+    to float32 rounding (2 n U32, n = B * T the longest float32 sum), and equal to fast's (one pass) under the same
+    seed. With fresh masks in the second pass (the replay removed from plugins.clip: ``with _replaying(rng):`` made a
+    no-op) the norms reach ~1.1 C and fast's sum differs by O(1)."""
+    batch = random_batch(batch_size=2, length=12)
+    batch["input_ids"][0, 0] = 49
+    batch["input_ids"][1][batch["input_ids"][1] == 49] = 48
+    max_norm, n = 1e-4, 2 * 12
+    for seed in range(6):
+        sums = _dropout_step(mode, budget, False, lora, seed, batch, max_norm)
+        assert 0.5 * max_norm < _norm(sums) <= max_norm * (1 + 2 * n * U32), (seed, _norm(sums) / max_norm)
+        _assert_same_sum(sums, _dropout_step("fast", None, False, lora, seed, batch, max_norm), n)
+
+
+@pytest.mark.parametrize("mode,budget", [("low", None), ("auto", 0.0)], ids=["low", "auto-nothing-kept"])
+def test_second_backward_pass_under_checkpointing_and_dropout_matches_fast(mode, budget):
+    """The second backward pass of low (and the first, under activation checkpointing) recomputes the checkpointed
+    segments: with dropout 0.5 they must replay the forward pass's masks (torch's preserve_rng_state), so the
+    clipped sum equals fast's (one forward and one backward pass) under the same seed, with and without a non-finite
+    example (then a second forward pass too)."""
+    clean = random_batch(batch_size=4, length=12)
+    clean["input_ids"][clean["input_ids"] == 49] = 48
+    broken = {k: v.clone() for k, v in clean.items()}
+    broken["input_ids"][0, 0] = 49
+    for batch in (clean, broken):
+        for seed in range(3):
+            sums = _dropout_step(mode, budget, True, False, seed, batch, 0.05)
+            _assert_same_sum(sums, _dropout_step("fast", None, True, False, seed, batch, 0.05), 4 * 12)
 
 
 def test_bad_value_refused_in_one_line():
