@@ -293,6 +293,36 @@ def test_norms_chunked_over_examples_match_loop(monkeypatch, length):
         _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05, units=units))
 
 
+@pytest.mark.parametrize("length,chunk", [(6, 720), (24, 3328)], ids=["gram", "per-example"])
+def test_a_partial_last_chunk_of_norms_counts(monkeypatch, length, chunk):
+    """NORM_CHUNK set to twice the largest layer's elements per example (at length 6: 2 T^2 + T (16 + 32) = 360; at
+    24: 16 * 32 + T (16 + 32) = 1,664): chunks of 2 to 4 of the 5 examples (or 3 users), so every layer's last chunk
+    is partial (checked), and the norms and sums still equal the loop (and per user). Planted bug this catches: in
+    ``layer_gradients.sq_norms`` append ``torch.zeros(rows - start)`` instead of the norms of a chunk shorter than
+    ``chunk`` (the partial last one)."""
+    from dpl.core import layer_gradients
+
+    monkeypatch.setattr(layer_gradients, "NORM_CHUNK", chunk)
+    seen: list[tuple[int, int]] = []
+    for kind, prepare_fn in list(layer_gradients._PREPARE.items()):
+        def spy(rec, grads, grams, *rest, _prepare=prepare_fn):
+            seen.append((id(rec.module), rec.inputs[0].shape[0]))
+            return _prepare(rec, grads, grams, *rest)
+        monkeypatch.setitem(layer_gradients._PREPARE, kind, spy)
+    for units in (None, torch.tensor([0, 0, 1, 2, 2])):
+        seen.clear()
+        model = _build("llama-full", True)
+        batch = random_batch(batch_size=5, length=length)
+        sums, norms, _ = _clipped(model, batch, "low", None, 0.05, units=units)
+        _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05, units=units))
+        sizes: dict[int, list[int]] = {}
+        for module, rows in seen:
+            sizes.setdefault(module, []).append(rows)
+        linear = [v for v in sizes.values() if len(v) > 1]
+        if units is None:  # (a user's tokens are its rows' tokens: chunks of one user there)
+            assert sum(v[-1] < v[0] for v in linear) >= 10, sizes  # layers in several chunks, the last one partial
+
+
 @pytest.mark.parametrize("budget", [0.0, None], ids=["nothing-kept", "default-budget"])
 def test_auto_bounds_every_contribution_under_bf16_autocast(budget):
     """Under bf16 autocast a second backward pass would round each clipped gradient apart from its norm: auto keeps

@@ -258,6 +258,14 @@ def test_a_batch_size_search_is_bounded_by_every_configuration_and_meets_the_tot
     dist, delta = accounting.poisson(2.0), report["delta"]
     expected = accounting.tuned_epsilon(dist, accounting.ORDERS, np.maximum(curves["8"], curves["32"]), delta)
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+    # the root ledger's line: its event (one trial is any of the two configurations) is worth the same. Planted bug
+    # this catches: dpl.tune.ledger_line.tuning_event taking trials[0] instead of events.AnyOf(tuple(trials))
+    from dpl.core.accounting import events
+    from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
+
+    lines, _ = read_entries(tmp_path / "runs" / LEDGER_NAME)
+    [(event, _)] = events.history_from_json(lines[-1]["events"])
+    assert events.epsilon(event, delta) == pytest.approx(expected, rel=1e-9)
     # the planted mistakes: the kept trial's curve, or only the drawn configurations' (batch size 8 alone)
     kept_only = accounting.tuned_epsilon(dist, accounting.ORDERS, release_curve(report), delta)
     assert report["epsilon"] > kept_only * 1.005
