@@ -252,26 +252,53 @@ def _rows(count: int = 48, length: int = 10) -> list[dict[str, torch.Tensor]]:
     return [{k: v[i] for k, v in batch.items()} for i in range(count)]
 
 
-@pytest.mark.parametrize("plugins", [{}, {"denoise": {}}, {"adambc": {}}, {"ftrl": {"noise": "independent"}}],
+#: test_plugins_train_alike_in_every_mode: 3 steps of lr 0.1, C 0.1, sigma 0.5, B 8 (physical 3) over 48 rows of 10
+#: tokens. Between the modes only the float32 rounding of each step's clipped sum differs: each entry a float32 sum of at
+#: most n = 3 * 10 tokens + 16 micro-batches = 46 terms, so ||delta sum|| <= 2 n U32 ||sum|| <= 2 n U32 * 48 * C (every
+#: row at most). The difference that makes to the parameters moves them by ~1e-9 (SGD) to ~1e-7 (adambc) per step,
+#: whose own effect on the next steps' gradients is of second order.
+LR, STEPS, SIGMA, C, B = 0.1, 3, 0.5, 0.1, 8
+SUM_ROUNDING = 2 * (3 * 10 + 16) * U32 * 48 * C
+BOUNDS = {
+    # the update is linear in the clipped sum: ||delta theta|| <= lr * steps * ||delta sum|| / B
+    "default": LR * STEPS * SUM_ROUNDING / B, "ftrl": LR * STEPS * SUM_ROUNDING / B,
+    # denoise shrinks the singular values above its threshold (here up to 1.28 times the bulk edge): a spectral map
+    # whose slope there is a few (the shrinker's, and the singular vectors' 1 / gap with the gap >= 0.28 edge); an
+    # allowance of 10 times the linear bound, not a proof (a singular value within rounding of the threshold would
+    # flip, a jump no tolerance covers; measured here: 1.3e-9, as the linear updates)
+    "denoise": 10 * LR * STEPS * SUM_ROUNDING / B,
+    # adambc: u = m^ / sqrt(D), D = max(v^ - Phi, Phi) >= Phi = (sigma C / B)^2 (gamma_relative 1). Per coordinate
+    # |delta u| <= |delta m^| / sqrt(D) + |m^| |delta v^| / (2 D^1.5) <= (1 + 2 * 1.06) max_s |delta g~_s| / sqrt(Phi)
+    # (m^2 <= 1.06 v^ for 3 steps of beta1 0.9, beta2 0.999; v^ <= 2 D): the division by sqrt(Phi) = sigma C / B
+    # amplifies each rounding B / (sigma C) = 160 times; over the steps' coordinates ||.|| <= sqrt(steps) max_s
+    "adambc": LR * STEPS * 3.2 * STEPS ** 0.5 * (SUM_ROUNDING / B) / (SIGMA * C / B),
+}
+
+
+@pytest.mark.parametrize("name,plugins", [("default", {}), ("denoise", {"denoise": {}}), ("adambc", {"adambc": {}}),
+                                          ("ftrl", {"ftrl": {"noise": "independent"}})],
                          ids=["default", "denoise", "adambc", "ftrl"])
-def test_plugins_train_alike_in_every_mode(plugins):
-    """Same seed, same noise: the parameters after a few steps agree across fast, low and auto (checkpointing on)."""
+def test_plugins_train_alike_in_every_mode(name, plugins):
+    """Same seed, same noise: the parameters after a few steps agree across fast, low and auto (checkpointing on), to
+    the float32 rounding of the clipped sums carried through each plugin's update (:data:`BOUNDS`: ~1e-6 for the
+    SGD-like updates, ~1e-3 for adambc's division by the noise std; measured on an AMD EPYC: 9e-10 and 2.5e-7); a mode that lost or mis-weighted a layer's
+    gradient moves them by ~lr (adambc: ~lr per coordinate)."""
     results = {}
     for mode in ("fast", "low", "auto"):
         model = _build("llama-full", True)
-        privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=0.5, batch_size=8, physical_batch_size=3,
-                                max_grad_norm=0.1, seed=0, clipping_memory=mode, clipping_memory_budget=0.002)
+        privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=SIGMA, batch_size=B, physical_batch_size=3,
+                                max_grad_norm=C, seed=0, clipping_memory=mode, clipping_memory_budget=0.002)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PrivacyWarning)
-            training = PrivateTraining(model, _loss_fn(model), privacy, data=_rows(), steps=3, plugins=plugins,
-                                       optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+            training = PrivateTraining(model, _loss_fn(model), privacy, data=_rows(), steps=STEPS, plugins=plugins,
+                                       optimizer=lambda params: torch.optim.SGD(params, lr=LR))
         plugin = dict(training.engine.plugin_manager.list_name_plugin())["clip"]
         assert plugin.memory == mode
         training.run()
         results[mode] = {n: p.detach().clone() for n, p in model.named_parameters()}
     for mode in ("low", "auto"):
-        for name, value in results["fast"].items():
-            torch.testing.assert_close(results[mode][name], value, rtol=1e-6, atol=1e-8, msg=f"{mode} {name}")
+        difference = _norm({n: results[mode][n].double() - value.double() for n, value in results["fast"].items()})
+        assert difference <= BOUNDS[name], (mode, difference, BOUNDS[name])
 
 
 def test_gradient_checkpointing_option_turns_it_on():
