@@ -4,6 +4,8 @@ gradients is clipped to C as one vector."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -71,13 +73,18 @@ class ClipPlugin:
             return losses
 
         def reforward(keep: torch.Tensor) -> torch.Tensor:
-            rows = keep.cpu()
-            return unit_losses({k: v[rows.to(v.device)] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size
-                                else [x for x, flag in zip(v, rows.tolist()) if flag] if isinstance(v, list) else v
-                                for k, v in batched.items()})
+            index = torch.arange(size)  # every row not kept replaced by a kept one: the same shapes as the first pass
+            index[~keep.cpu()] = int(keep.cpu().nonzero()[0, 0])
+            picks = index.tolist()
+            with _replaying(rng):  # the first pass's dropout masks (see _replaying)
+                return unit_losses({k: v if k == UNITS_KEY else v[index.to(v.device)]
+                                    if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size
+                                    else [v[i] for i in picks] if isinstance(v, list) and len(v) == size else v
+                                    for k, v in batched.items()})
 
         batched = batch if units is None else {**batch, UNITS_KEY: units}
         with clipper.record(size):
+            rng = _generator_states()
             losses = unit_losses(batched)
         if units is not None:
             units = units.to(losses.device)
@@ -86,3 +93,27 @@ class ClipPlugin:
         if units is not None:
             return GradientSum(sums, int(norms.numel()))
         return GradientSum(sums, size - (int(fillers.sum()) if fillers is not None else 0))
+
+
+def _generator_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The states of the default CPU and CUDA generators, which dropout draws from (public randomness: kept in memory
+    for one step, never written anywhere)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+
+
+@contextmanager
+def _replaying(states: tuple[torch.Tensor, list[torch.Tensor]]) -> Iterator[None]:
+    """Run a forward pass again with the generators as they were before the first one, and leave them as they were
+    after it. ``low``/``auto`` run a second forward pass only when an example's gradient is not finite (a zero weight
+    on it would still make the retained graph's sum NaN): the clip factors come from the first pass, so the second
+    must draw the same dropout masks, or an example's clipped gradient ``c_i * g_i'`` would be a gradient its norm
+    was never measured on (norm above C). The masks are the same only for the same draws in the same order on tensors
+    of the same shapes: the second pass runs on the whole batch, each row not kept replaced by a kept one (its weight
+    is zero), and the clipper checks that every kept row's loss is the first pass's, bit for bit. Activation
+    checkpointing replays its own segments (``preserve_rng_state``), in both backward passes."""
+    cpu, cuda = states
+    with torch.random.fork_rng(devices=range(len(cuda))):
+        torch.set_rng_state(cpu)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+        yield

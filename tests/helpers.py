@@ -6,11 +6,12 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
 
-def tiny_bert(num_labels: int = 2, seed: int = 0, positions: int = 32) -> BertForSequenceClassification:
+def tiny_bert(num_labels: int = 2, seed: int = 0, positions: int = 32,
+              dropout: float = 0.0) -> BertForSequenceClassification:
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=positions, num_labels=num_labels,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     return BertForSequenceClassification(config).train()
 
 

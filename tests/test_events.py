@@ -5,6 +5,7 @@ sampler, the tuning bound of every distribution of K, and the trial RDP curve ag
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -180,6 +181,29 @@ def test_user_sampling_is_drawn_from_a_secret_generator():
     assert batches() != batches()
 
 
+def test_the_user_row_pick_depends_on_the_secret_sampler_state_alone():
+    """Users of 3 rows, k = 2: each sampled user contributes 2 of its rows, picked with the secret sampler generator.
+    Two engines with the same privacy.seed (the same secret streams) but the public generator (whose state goes into
+    checkpoints) set apart draw the same users and rows; two engines whose public generator is set to one state but
+    whose secrets come from OS entropy pick differently. Planted bug this catches: in
+    ``PrivateEngine.batch_sampler`` pass ``self._public_generator`` instead of ``self._sampler_generator`` to
+    ``self.unit.sampler(...)`` (the picks then follow the public state: the first assertion fails)."""
+    def batches(seed: int | None, public: int) -> list[list[int]]:
+        privacy = PrivacyConfig(target_epsilon=4.0, batch_size=5, unit="user", max_rows_per_user=2, seed=seed)
+        engine = PrivateEngine(privacy)
+        engine.setup(nn.Sequential(nn.Linear(4, 2)), num_rows=60, steps=6,
+                     users=Users.from_keys([r // 3 for r in range(60)], 2))
+        engine.load_public_rng_state(torch.Generator().manual_seed(public).get_state())
+        return [list(b) for b in engine.batches()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # privacy.seed: experiments only
+        seeded = [batches(7, public) for public in (1, 2, 3)]
+    assert any(seeded[0]) and seeded[0] == seeded[1] == seeded[2]
+    picks = {tuple(map(tuple, batches(None, 1))) for _ in range(3)}
+    assert len(picks) == 3
+
+
 # ------------------------------------------------------------------------------------------------ tuning
 
 
@@ -209,6 +233,26 @@ def test_dpl_tunes_distributions_carry_their_eta():
         curve = tuning.subsampled_gaussian_rdp([(1.0, 0.01, 1000)])
         assert ev.epsilon(event, DELTA) == pytest.approx(tuning.tuned_epsilon(dist, tuning.ORDERS, curve, DELTA),
                                                          rel=1e-9)
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["q-0.01-first", "q-0.05-first"])
+def test_the_tuning_event_is_any_of_the_space_configurations(first):
+    """Two configurations whose RDP curves cross (sigma 1, q 0.01 and sigma 3.6, q 0.05, 1,000 steps): the tuning's
+    event (one trial is either, the best of K ~ Poisson(5)) is worth the bound on the larger curve at every order,
+    above either configuration's alone by > 2%, in either order of the plans. Planted bug this catches: in
+    ``dpl.tune.ledger_line.tuning_event`` take ``trials[0]`` instead of ``events.AnyOf(tuple(trials))``."""
+    from dpl.core.accounting import tuning
+    from dpl.tune.ledger_line import tuning_event
+
+    configs = [(1.0, 0.01, 1000), (3.6, 0.05, 1000)]
+    configs = configs[first:] + configs[:first]
+    dist = tuning.poisson(5.0)
+    curves = [tuning.subsampled_gaussian_rdp([config]) for config in configs]
+    expected = tuning.tuned_epsilon(dist, tuning.ORDERS, np.maximum(*curves), DELTA)
+    alone = [tuning.tuned_epsilon(dist, tuning.ORDERS, curve, DELTA) for curve in curves]
+    assert expected > 1.02 * max(alone)
+    plans = [{"noise_multiplier": s, "sampling_rate": q, "steps": n} for s, q, n in configs]
+    assert ev.epsilon(tuning_event(plans, dist), DELTA) == pytest.approx(expected, rel=1e-9)
 
 
 def _exact_renyi(q: float, sigma: float, alpha: float) -> float:

@@ -258,6 +258,14 @@ def test_a_batch_size_search_is_bounded_by_every_configuration_and_meets_the_tot
     dist, delta = accounting.poisson(2.0), report["delta"]
     expected = accounting.tuned_epsilon(dist, accounting.ORDERS, np.maximum(curves["8"], curves["32"]), delta)
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+    # the root ledger's line: its event (one trial is any of the two configurations) is worth the same. Planted bug
+    # this catches: dpl.tune.ledger_line.tuning_event taking trials[0] instead of events.AnyOf(tuple(trials))
+    from dpl.core.accounting import events
+    from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
+
+    lines, _ = read_entries(tmp_path / "runs" / LEDGER_NAME)
+    [(event, _)] = events.history_from_json(lines[-1]["events"])
+    assert events.epsilon(event, delta) == pytest.approx(expected, rel=1e-9)
     # the planted mistakes: the kept trial's curve, or only the drawn configurations' (batch size 8 alone)
     kept_only = accounting.tuned_epsilon(dist, accounting.ORDERS, release_curve(report), delta)
     assert report["epsilon"] > kept_only * 1.005
@@ -416,6 +424,42 @@ def test_a_tuning_is_one_line_in_the_ledger_of_its_root_with_the_tuned_epsilon(w
     [(event, _)] = events.history_from_json(tuning["events"])
     assert isinstance(event, events.RepeatAndSelect) and event.shape == 1.0
     assert events.epsilon(event, tuning["delta"]) == pytest.approx(tuned["epsilon"], rel=1e-9)
+
+
+def test_a_tuning_logs_one_run_to_the_tracker_with_the_tuned_epsilon(world, capsys, monkeypatch, tmp_path):
+    """Three trials with the shipped MLflow fragment (a file store under tmp_path): the store holds exactly one run,
+    the tuned model's, with the whole search's epsilon and the released score, the tuning's public description and
+    the tuned privacy.json; no trial's run, steps or validation metrics (each trial writing its own runs would reveal
+    the secret K and the losing trials' scores)."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store behind this switch
+    from mlflow.tracking import MlflowClient
+
+    root, store = tmp_path / "runs", f"file:{tmp_path / 'mlruns'}"
+    _force_k(monkeypatch, 3)
+    assert _tune(world, "--config", str(Path(__file__).resolve().parents[1] / "configs" / "trackers" / "mlflow.yaml"),
+                 "--trainer.logger.init_args.tracking_uri", store, "--search", "lr=0.01,0.1", "--trials-mean", "3",
+                 "--trainer.default_root_dir", str(root)) == 0
+    assert "the tuned model logged to MLFlowLogger as one run" in capsys.readouterr().out
+    (folder,) = _folders(root)
+    (run,) = [p.parent for p in folder.glob("trial_*/**/privacy.json")]
+    tuned = json.loads((run / "privacy.json").read_text())
+    client = MlflowClient(tracking_uri=store)
+    experiments = client.search_experiments()
+    runs = [r for e in experiments for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1
+    (found,) = runs
+    assert found.info.status == "FINISHED"
+    assert found.data.metrics == {"epsilon": pytest.approx(tuned["epsilon"], rel=1e-6),
+                                  "val_acc": pytest.approx(tuned["tuning"]["score"], rel=1e-6)}
+    assert tuned["epsilon"] > tuned["tuning"]["epsilon_one_trial"]
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "val_acc")] == [tuned["steps_taken"]]
+    params = found.data.params
+    assert params["tuning/method"] == "papernot-steinke" and params["privacy/unit"] == "example"
+    assert float(params["privacy/sigma"]) == pytest.approx(tuned["noise_multiplier"])
+    assert not any("trial" in k and k != "tuning/epsilon_one_trial" for k in params)
+    copy = Path(client.download_artifacts(found.info.run_id, "privacy/privacy.json", str(tmp_path / "copy")))
+    assert json.loads(copy.read_text()) == tuned
 
 
 def test_a_failed_tuning_keeps_its_line_and_its_folder(world, capsys, monkeypatch, tmp_path):

@@ -252,8 +252,9 @@ class PerExampleClipper:
         embedding layers treat a unit as one example whose tokens are all its rows' tokens (the ghost-norm and
         direct paths as for one example); the others sum their per-example gradients by unit.
 
-        ``reforward(rows)`` (``low``/``auto``): the per-example losses of the rows flagged in ``rows`` from a new
-        forward pass, for the second backward pass when some example's gradient is not finite (its zero weight
+        ``reforward(rows)`` (``low``/``auto``): the per-example losses of a forward pass that replays the first one
+        (the same random draws, e.g. dropout masks, on the same shapes) with each row not flagged in ``rows`` replaced
+        by a flagged one, for the second backward pass when some example's gradient is not finite (its zero weight
         would still turn the retained graph's sum into NaN)."""
         if losses.dim() != 1 or losses.shape[0] != self._batch_size:
             raise ValueError(f"expected per-example losses of shape ({self._batch_size},), got {tuple(losses.shape)}")
@@ -344,8 +345,7 @@ class PerExampleClipper:
         if low:
             weights = factors if grouping is None else factors[grouping.inverse.to(factors.device)]
             if keep is not None and not bool(torch.isfinite(losses.detach()).all() and torch.isfinite(norms).all()):
-                losses, weights = self._finite_losses(keep if grouping is None else keep[grouping.inverse],
-                                                      weights, reforward)
+                losses = self._finite_losses(losses, keep if grouping is None else keep[grouping.inverse], reforward)
             if losses is not None:
                 grads = torch.autograd.grad((losses * weights.to(losses.dtype).detach()).sum(), [p for _, p in low],
                                             allow_unused=True)
@@ -353,17 +353,27 @@ class PerExampleClipper:
                     sums[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if g is None else g.float()
         return self._complete(sums), norms
 
-    def _finite_losses(self, rows: Tensor, weights: Tensor,
-                       reforward: Callable[[Tensor], Tensor] | None) -> tuple[Tensor | None, Tensor]:
-        """The losses of the ``rows`` to keep from a new forward pass (a zero weight on a non-finite gradient would
-        still make the retained graph's sum NaN)."""
+    def _finite_losses(self, losses: Tensor, rows: Tensor,
+                       reforward: Callable[[Tensor], Tensor] | None) -> Tensor | None:
+        """The losses of a forward pass that replays the first one with the rows not flagged in ``rows`` replaced by
+        kept ones (a zero weight on a non-finite gradient would still make the retained graph's sum NaN). The clip
+        factors were measured on the first pass: every kept row's loss must be the first pass's, bit for bit (the
+        same dropout masks), or the step stops rather than release gradients whose norms were never measured."""
         if reforward is None:
             raise RuntimeError("an example's gradient is not finite: clipped_sum needs reforward under "
                                "clipping_memory low/auto")
         if not bool(rows.any()):
-            return None, weights
-        self._batch_size = int(rows.sum())
-        return reforward(rows), weights[rows.to(weights.device)]
+            return None
+        again = reforward(rows)
+        kept = rows.to(losses.device)
+        if again.shape != losses.shape or not torch.equal(again.detach()[kept], losses.detach()[kept]):
+            raise RuntimeError("clipping_memory low/auto: the forward pass run again without the non-finite examples "
+                               "differs from the first (randomness the replay does not cover, or a non-deterministic "
+                               "kernel); use privacy.clipping_memory fast")
+        if not bool(torch.isfinite(again.detach()).all()):
+            raise RuntimeError("clipping_memory low/auto: a kept example's loss is not finite at a non-finite example's "
+                               "place in the batch; use privacy.clipping_memory fast")
+        return again
 
 
 def _low_precision(records: list[LayerRecord], device: torch.device) -> bool:

@@ -6,7 +6,8 @@ starts, the run's fixed privacy values as hyperparameters (``privacy/delta``, ``
 ...: public values of the plan, nothing secret), and, once the fit has ended and the final ``privacy.json`` /
 ``privacy.md`` are written, attaches those two files as artifacts to the loggers that store files (MLflow:
 ``log_artifact`` under ``privacy/``; Weights & Biases: ``save``). :func:`with_run_folder` keeps dpl's run folder
-(``metrics.csv``, checkpoints, the report) when a config names its own loggers.
+(``metrics.csv``, checkpoints, the report) when a config names its own loggers. :func:`log_release` logs a run
+that no fit logged (``dpl tune``'s tuned model: its trials log to no tracker) as one run of its own.
 """
 
 from __future__ import annotations
@@ -71,6 +72,28 @@ class TrackerLogging(Callback):
         for logger in trainer.loggers if paths else []:
             if attach_files(logger, paths):
                 log.info("dpl: privacy report attached to %s", type(logger).__name__)
+
+
+def log_release(loggers: list[Any], report: dict[str, Any], folder: Path) -> None:
+    """Log one released run to each of ``loggers`` and end it: the privacy hyperparameters of ``report`` (a
+    ``privacy.json``), its ``epsilon`` (under ``dpl tune``: the whole search's) and, for a tuned model, the tuning's
+    public description and the released model's score (as its report states them), and ``folder``'s privacy.json /
+    privacy.md as files. Nothing of the trials that were not released."""
+    from dpl.lightning.report import REPORT_JSON, REPORT_MD
+
+    params, metrics = privacy_params(report), {"epsilon": float(report["epsilon"])}
+    tuning = report.get("tuning")
+    if tuning:
+        params.update({"tuning/method": tuning["method"], "tuning/theorem": tuning["theorem"],
+                       "tuning/distribution": tuning["distribution"]["distribution"], "tuning/metric": tuning["metric"],
+                       "tuning/epsilon_one_trial": tuning["epsilon_one_trial"]})
+        metrics[tuning["metric"]] = float(tuning["score"])
+    paths = [folder / name for name in (REPORT_JSON, REPORT_MD) if (folder / name).is_file()]
+    for logger in loggers:
+        logger.log_hyperparams(params)
+        logger.log_metrics(metrics, step=int(report.get("steps_taken") or 0))
+        attach_files(logger, paths)
+        logger.finalize("success")
 
 
 def with_run_folder(loggers: Any, root: str | None) -> Any:

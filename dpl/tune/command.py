@@ -23,6 +23,7 @@ import yaml
 
 from dpl.core.accounting import tuning as accounting
 from dpl.errors import ConfigError, DPLError
+from dpl.lightning import trackers
 from dpl.tune import ledger_line, plans, probe, release, trials
 from dpl.tune.probe import tunable
 from dpl.tune.search import SearchSpace, config_args, parse_search, short
@@ -381,6 +382,11 @@ def _release(state: TuningState) -> None:
     _ledger_update(state, status="finished")
     state.save()
     _say_released(state)
+    loggers = trials.trackers(state.fit_args)  # the trials logged to none: the tuned model is their one run
+    trackers.log_release(loggers, report, _kept(state))
+    for logger in loggers:
+        print(f"dpl: the tuned model logged to {type(logger).__name__} as one run (epsilon={report['epsilon']:.3f})",
+              flush=True)
 
 
 def _ledger_update(state: TuningState, status: str) -> None:

@@ -1,6 +1,10 @@
 """One trial of ``dpl tune``: a full private ``dpl fit`` in its own folder and a ``dpl validate`` of its last
 checkpoint, both through :func:`dpl.cli_training.training_command` (the command line's own code path), in this
-process."""
+process.
+
+A trial logs to no tracker the config names (MLflow, W&B, ...): only to dpl's run folder inside the trial's folder,
+deleted with the trial when it loses. A tracker run per trial would reveal the secret number of trials K and the
+losing trials' scores; the tuning logs its one released run there instead (:func:`trackers`)."""
 
 from __future__ import annotations
 
@@ -12,12 +16,17 @@ import math
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from dpl.errors import ConfigError
 from dpl.tune import probe
 from dpl.tune.search import config_args
 
 PROBE = "dpl.tune.probe.TrialProbe"
+#: the loggers that write into dpl's run folder, not to a tracker
+RUN_FOLDER_LOGGERS = ("CSVLogger", "TensorBoardLogger")
 #: the default metric: the first of these the validation logs
 DEFAULT_METRICS = ("val_acc", "val_bleu")
 
@@ -72,8 +81,20 @@ def _unbind(*buffers: io.StringIO) -> None:
 def fit(fit_args: list[str], config: dict[str, str], folder: Path, extra: list[str]) -> Path:
     """Train one trial under ``folder``; return its run folder (``.../lightning_logs/version_N``)."""
     run_cli(["fit", *fit_args, *config_args(config), *extra, "--trainer.default_root_dir", str(folder),
-             f"--trainer.callbacks+={PROBE}"])
+             "--trainer.logger", "true", f"--trainer.callbacks+={PROBE}"])
     return run_folder(folder)
+
+
+def trackers(fit_args: list[str]) -> list[Any]:
+    """The loggers the trials' config names beside dpl's run folder (CSV and TensorBoard): the user's trackers, built
+    from the config (nothing is logged yet)."""
+    from lightning.pytorch.cli import instantiate_class
+
+    resolved = yaml.safe_load(check_args(["fit", *fit_args])) or {}
+    given = (resolved.get("trainer") or {}).get("logger")
+    specs = given if isinstance(given, list) else [given]
+    return [instantiate_class((), spec) for spec in specs if isinstance(spec, dict) and "class_path" in spec
+            and spec["class_path"].rsplit(".", 1)[-1] not in RUN_FOLDER_LOGGERS]
 
 
 def run_folder(folder: Path) -> Path:
