@@ -247,13 +247,16 @@ class DPLightningCLI(LightningCLI):
 
     def _data_paths_beside_configs(self, config: Any) -> None:
         """A relative data path (``data.data_dir``, ``train_file``, ``val_file``, ``test_file``) that does not exist
-        in the working folder is looked up beside the config files, the last given first."""
+        in the working folder is looked up beside the config files, the last given first; with a ``data_dir``, the
+        files are the data module's to find in it (a config's example files never stand in for one's own)."""
         init = (config.get("data") or {}).get("init_args") if hasattr(config.get("data") or {}, "get") else None
         if init is None:
             return
         folders = [Path(c).parent for c in reversed(config_files(self._argv))]
         for key in DATA_PATH_KEYS:
             value = init.get(key) if hasattr(init, "get") else None
+            if key != "data_dir" and init.get("data_dir"):  # a file of one's own folder: the data module looks there
+                continue
             if not isinstance(value, str) or "://" in value or Path(value).is_absolute() or Path(value).exists():
                 continue
             beside = next((folder / value for folder in folders if (folder / value).exists()), None)
