@@ -235,6 +235,10 @@ class DPLightningCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        if trainer.get("logger") not in (None, True, False):
+            from dpl.lightning.trackers import allow_file_store
+
+            allow_file_store(trainer.get("logger"))  # MLflow 3's switch for the local file store a config names
         accumulate = trainer.get("accumulate_grad_batches")
         if accumulate not in (None, 1):
             raise ConfigError(f"trainer.accumulate_grad_batches ({accumulate}) is not used by dpl: a private step "

@@ -81,3 +81,27 @@ def test_chat_config_finds_its_files_outside_the_checkout_and_takes_ones_own(tin
     mine = fit_chat(ROOT / "configs" / "chat" / "dpsgd.yaml", tiny_chat, tmp_path / "runs-b", "--data.data_dir",
                     str(own))
     assert mine["num_examples"] == 20 and mine["training_data"]["id"] != shipped["training_data"]["id"]
+
+
+def test_mlflow_file_store_needs_no_environment_switch(tmp_path, monkeypatch, capsys):
+    """configs/trackers/mlflow.yaml as shipped, without MLFLOW_ALLOW_FILE_STORE in the environment: the run logs
+    epsilon to the file store; the switch set to false is one line."""
+    pytest.importorskip("mlflow")
+    import test_trackers
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    data = tmp_path / "data"
+    write_sentiment_tsv(data / "train.tsv", rows=64)
+    write_sentiment_tsv(data / "validation.tsv", rows=8, seed=1)
+    from helpers import save_tiny_bert
+
+    tiny = {"model": save_tiny_bert(tmp_path / "bert"), "data": data}
+    store = tmp_path / "mlruns"
+    test_trackers._fit(tiny, tmp_path, "mlflow", f"file:{store}")
+    assert "dpl: trained 3 private steps" in capsys.readouterr().out
+    assert list(store.rglob("metrics/epsilon"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
+    with pytest.raises(SystemExit):
+        test_trackers._fit(tiny, tmp_path / "again", "mlflow", f"file:{store}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MLFLOW_ALLOW_FILE_STORE=true" in err[0], err
