@@ -24,6 +24,7 @@ from dpl.cli_errors import summarize_parse_error
 from dpl.cli_runs import missing_folders, remove_partial_run, run_folder
 from dpl.errors import ConfigError
 from dpl.folders import check_writable
+from dpl.lightning import checkpoint as ckpt_io
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 from dpl.lightning.report import PrivacyReport
@@ -314,7 +315,9 @@ class DPLightningCLI(LightningCLI):
         trainer = super().instantiate_trainer(**native_precision(config))
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
-                callback.save_last = True
+                # without a monitor the newest checkpoint is the last: last.ckpt links to it (one file on disk)
+                callback.save_last = "link" if callback.monitor is None else True
+                callback._link_checkpoint = ckpt_io.link_checkpoint
         return trainer
 
     def before_fit(self) -> None:

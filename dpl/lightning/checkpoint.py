@@ -179,3 +179,17 @@ class SidecarCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+    """Lightning's ``save_last: link`` with the sidecar: ``linkpath`` (``last.ckpt``) a link to ``filepath``, and
+    ``linkpath``'s sidecar a link to ``filepath``'s (none if it has none), so a run keeps one file per checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+    source, link = secret_path(filepath), secret_path(linkpath)
+    if source.is_file():
+        ModelCheckpoint._link_checkpoint(trainer, str(source), str(link))
+    elif trainer.is_global_zero and (link.is_symlink() or link.exists()):
+        link.unlink()  # a stale sidecar must not pair with the new link
+
