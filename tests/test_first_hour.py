@@ -114,3 +114,28 @@ def test_mlflow_file_store_needs_no_environment_switch(tmp_path, monkeypatch, ca
         test_trackers._fit(tiny, tmp_path / "again", "mlflow", f"file:{store}")
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MLFLOW_ALLOW_FILE_STORE=true" in err[0], err
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_its_step(tmp_path, capsys):
+    """Interrupted at step 3 after a checkpoint at step 2: the final line says epsilon for the 3 steps and that the
+    checkpoint holds step 2."""
+    import lightning as L
+    from helpers import InterruptAt, VectorDataModule, VectorModule
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dpl import PrivacyConfig
+    from dpl.lightning.report import PrivacyReport
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
+    trainer = L.Trainer(max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=str(tmp_path),
+                        callbacks=[checkpoints, PrivacyReport(), InterruptAt(3)])
+    module = VectorModule(privacy=PrivacyConfig(target_epsilon=8.0, batch_size=16, physical_batch_size=16))
+    try:
+        trainer.fit(module, datamodule=VectorDataModule())
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("dpl: interrupted")]
+    assert len(line) == 1 and "interrupted after 3 private steps" in line[0], line
+    assert line[0].endswith(f"; its last checkpoint, {tmp_path / 'ckpt' / 'last.ckpt'}, holds step 2 (--ckpt_path "
+                            "resumes from it)"), line[0]
