@@ -139,3 +139,19 @@ def test_ctrl_c_names_the_last_checkpoint_and_its_step(tmp_path, capsys):
     assert len(line) == 1 and "interrupted after 3 private steps" in line[0], line
     assert line[0].endswith(f"; its last checkpoint, {tmp_path / 'ckpt' / 'last.ckpt'}, holds step 2 (--ckpt_path "
                             "resumes from it)"), line[0]
+
+
+def test_a_chat_export_shows_loading_with_the_conversation():
+    """The export's README of a conversation run: the turns through the chat template, not a prompt template."""
+    from types import SimpleNamespace
+
+    from dpl.trained.export import inputs_as_trained
+
+    module = SimpleNamespace(task="generation", export_meta=lambda: {"generation": {"max_new_tokens": 32}})
+    run = SimpleNamespace(module=module, data={"format": "messages", "max_length": 256, "chat_template": "auto"},
+                          tokenizer=None)
+    text = inputs_as_trained(run)
+    assert text.startswith("# as trained: conversations") and "prompt_template" not in text
+    assert "tokenizer.apply_chat_template(messages, add_generation_prompt=True" in text
+    assert "ids[:, -255:]" in text and "max_new_tokens=32" in text
+    compile(text, "card", "exec")  # the lines are Python
