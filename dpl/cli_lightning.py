@@ -25,6 +25,7 @@ from dpl.cli_errors import summarize_parse_error
 from dpl.cli_runs import missing_folders, remove_partial_run, run_folder
 from dpl.errors import ConfigError
 from dpl.folders import check_writable
+from dpl.lightning import checkpoint as ckpt_io
 from dpl.lightning.data import DPDataModule
 from dpl.lightning.module import DPModule
 from dpl.lightning.report import PrivacyReport
@@ -191,6 +192,10 @@ class DPLightningCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        if trainer.get("logger") not in (None, True, False):
+            from dpl.lightning.trackers import allow_file_store
+
+            allow_file_store(trainer.get("logger"))  # MLflow 3's switch for the local file store a config names
         accumulate = trainer.get("accumulate_grad_batches")
         if accumulate not in (None, 1):
             raise ConfigError(f"trainer.accumulate_grad_batches ({accumulate}) is not used by dpl: a private step "
@@ -203,13 +208,16 @@ class DPLightningCLI(LightningCLI):
 
     def _data_paths_beside_configs(self, config: Any) -> None:
         """A relative data path (``data.data_dir``, ``train_file``, ``val_file``, ``test_file``) that does not exist
-        in the working folder is looked up beside the config files, the last given first."""
+        in the working folder is looked up beside the config files, the last given first; with a ``data_dir``, the
+        files are the data module's to find in it (a config's example files never stand in for one's own)."""
         init = (config.get("data") or {}).get("init_args") if hasattr(config.get("data") or {}, "get") else None
         if init is None:
             return
         folders = [Path(c).parent for c in reversed(config_files(self._argv))]
         for key in DATA_PATH_KEYS:
             value = init.get(key) if hasattr(init, "get") else None
+            if key != "data_dir" and init.get("data_dir"):  # a file of one's own folder: the data module looks there
+                continue
             if not isinstance(value, str) or "://" in value or Path(value).is_absolute() or Path(value).exists():
                 continue
             beside = next((folder / value for folder in folders if (folder / value).exists()), None)
@@ -263,7 +271,9 @@ class DPLightningCLI(LightningCLI):
         trainer = super().instantiate_trainer(**native_precision(config))
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
-                callback.save_last = True
+                # without a monitor the newest checkpoint is the last: last.ckpt links to it (one file on disk)
+                callback.save_last = "link" if callback.monitor is None else True
+                callback._link_checkpoint = ckpt_io.link_checkpoint
         return trainer
 
     def before_fit(self) -> None:

@@ -39,6 +39,7 @@ ARGS = {
     "ftrl_linear_regression": ["--simulate-max-d", "8", "--out", "{tmp}/ftrl_linear_regression.png",
                                "--json", "{tmp}/ftrl_linear_regression.json"],
     "gradient_snr": ["--batch", "2"],
+    "hf_step_time": ["--tiny", "--rounds", "1", "--steps", "3", "--batch", "4", "--tokens", "8"],
     "llm_scale": ["--quick", "--methods", "full", "--variants", "non-private", "low", "--out", "{tmp}/llm_scale.json"],
     "noise_cost": ["--sizes", "1000", "--repeats", "1"],
     "quickstart_templates": ["--trainer.callbacks.size", "200", "--trainer.limit_train_batches", "1",

@@ -252,6 +252,7 @@ class PrivacyReport(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self.run, self._sources, self._start_steps, self._recorded = new_run(), None, None, False
+            self._checkpoint_steps: int | None = None
             self._folder = None
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
@@ -288,6 +289,7 @@ class PrivacyReport(Callback):
             self._log_epsilon(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint_steps = getattr(pl_module, "steps_done", 0)  # the steps the newest checkpoint holds
         report = self._write(trainer, pl_module)
         if report is not None:
             checkpoint[REPORT_KEY] = report
@@ -324,7 +326,17 @@ class PrivacyReport(Callback):
                   file=sys.stderr, flush=True)
             return
         if path is not None and self._report is not None:
-            print(data_ledger.stop_line(self._report, status, path), file=sys.stderr, flush=True)
+            print(data_ledger.stop_line(self._report, status, path) + self._checkpoint_note(trainer), file=sys.stderr,
+                  flush=True)
+
+    def _checkpoint_note(self, trainer: Any) -> str:
+        """Where a stopped run can resume from: its newest checkpoint and the steps it holds ("" without one)."""
+        callback = getattr(trainer, "checkpoint_callback", None)
+        last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+        steps = getattr(self, "_checkpoint_steps", None)
+        if not last or steps is None or not Path(last).is_file():
+            return ""
+        return f"; its last checkpoint, {last}, holds step {steps} (--ckpt_path resumes from it)"
 
     def _end(self, trainer: Any, pl_module: Any, status: str) -> Path | None:
         """Write the final report with ``status``; record the run in the ledger; return the ledger's path (``None``:

@@ -114,3 +114,39 @@ def with_run_folder(loggers: Any, root: str | None) -> Any:
     if given[0] is folder:
         return loggers
     return [folder, *(x for x in given if x is not folder)]
+
+
+def allow_file_store(loggers: Any) -> None:
+    """MLflow 3 opens a local file store (a ``file:`` tracking URI, as ``configs/trackers/mlflow.yaml`` names) only
+    with ``MLFLOW_ALLOW_FILE_STORE=true``: a config whose ``trainer.logger`` (as parsed, before the loggers are made)
+    names one asks for it, so it is set here (one log line) unless the variable is set already; set to anything else,
+    the run is refused in one line."""
+    import os
+
+    from dpl.errors import ConfigError
+
+    given = list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+    for logger in given:
+        if not str(_field(logger, "class_path") or "").endswith("MLFlowLogger"):
+            continue
+        init = _field(logger, "init_args")
+        uri = str(_field(init, "tracking_uri") or "")
+        if not (uri.startswith("file:") or (not uri and _field(init, "save_dir"))):
+            continue
+        value = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+        if value is None:
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+            log.info("dpl: MLflow logs to a local file store (%s): MLFLOW_ALLOW_FILE_STORE=true for this run",
+                     uri or _field(init, "save_dir"))
+        elif value.strip().lower() not in ("true", "1"):
+            raise ConfigError(f"the MLflow logger writes to a local file store, which MLflow 3 opens only with "
+                              f"MLFLOW_ALLOW_FILE_STORE=true (it is {value!r}); set it, or give "
+                              "trainer.logger.init_args.tracking_uri a server or sqlite: URI")
+
+
+def _field(value: Any, name: str) -> Any:
+    """``value.name`` or ``value[name]`` of a parsed config node (``None`` if absent)."""
+    if value is None:
+        return None
+    getter = getattr(value, "get", None)
+    return getter(name) if callable(getter) else getattr(value, name, None)

@@ -123,6 +123,19 @@ def inputs_as_trained(run: LoadedRun) -> str:
     (classification)."""
     data, module = run.data, run.module
     max_length = data.get("max_length")
+    if module.task == "generation" and data.get("format") == "messages":  # conversations: the turns so far
+        new_tokens = (module.export_meta().get("generation") or {}).get("max_new_tokens")
+        lines = [f"# as trained: conversations rendered with the tokenizer's chat template, data.max_length {max_length}",
+                 "messages = [{\"role\": \"user\", \"content\": \"...\"}]  # the conversation so far (system, user, "
+                 "assistant turns)",
+                 "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+                 "return_dict=True).input_ids"]
+        if max_length:
+            lines += [f"ids = ids[:, -{int(max_length) - 1}:]  # evaluation kept a conversation's last max_length - 1 "
+                      "tokens"]
+        lines += [f"output = model.generate(ids, max_new_tokens={new_tokens or 64})",
+                  "print(tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True))"]
+        return "\n".join(lines)
     if module.task == "generation":
         from dpl.tasks.data.templates import uses_chat_template
 
