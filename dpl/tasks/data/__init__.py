@@ -6,7 +6,8 @@ Classification: :class:`ClassificationDataModule` (files found and read by :mod:
 (:mod:`~dpl.tasks.data.prompt`) and the quickstart data (:mod:`~dpl.tasks.data.quickstart`). Generation:
 :class:`GenerationDataModule` and its readers :class:`E2EDataModule`, :class:`DARTDataModule`,
 :class:`JSONLDataModule` (one module each), and the generation quickstart's generated tables
-(:class:`QuickstartE2EDataModule`)."""
+(:class:`QuickstartE2EDataModule`); records to learn to generate, for synthetic data
+(:class:`SyntheticDataModule`)."""
 
 from dpl.errors import DataError
 from dpl.lightning.data import DPDataModule
@@ -18,8 +19,9 @@ from dpl.tasks.data.jsonl import JSONLDataModule
 from dpl.tasks.data.prompt import PromptClassificationDataModule
 from dpl.tasks.data.quickstart import QuickstartDataModule
 from dpl.tasks.data.quickstart_tables import QuickstartE2EDataModule
+from dpl.tasks.data.synthetic import SyntheticDataModule
 from dpl.tasks.data.templates import Record
 
 __all__ = ["DPDataModule", "ClassificationDataModule", "PromptClassificationDataModule", "QuickstartDataModule",
            "DataError", "GenerationDataModule", "E2EDataModule", "QuickstartE2EDataModule", "DARTDataModule",
-           "JSONLDataModule", "Record"]
+           "JSONLDataModule", "SyntheticDataModule", "Record"]
