@@ -221,6 +221,33 @@ def test_the_dp_histogram_is_composed_in_the_ledger_and_no_private_value_reaches
     assert len(numbers) == 2 and set(numbers).isdisjoint({float(POSITIVE), float(NEGATIVE)})
 
 
+def test_user_level_units_and_their_histogram(world, tmp_path):
+    """privacy.unit user: one user's records are one unit in training, and one vector of L2 norm <= 1 in the DP
+    histogram, whose report and ledger line say user-level."""
+    lines = (world["tmp"] / "data" / "train.tsv").read_text().splitlines()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.tsv").write_text("\n".join([lines[0] + "\tuser", *(f"{line}\tu{i % 9}" for i, line in
+                                                                     enumerate(lines[1:]))]) + "\n")
+    checkpoint = _fit(world, "configs/synthetic/sst2.yaml", "--data.init_args.data_dir", str(data),
+                      "--data.init_args.user_column", "user", "--model.init_args.privacy.unit", "user",
+                      "--model.init_args.privacy.max_rows_per_user", "8", "--model.init_args.privacy.batch_size", "3",
+                      "--model.init_args.privacy.physical_batch_size", "8",
+                      "--trainer.default_root_dir", str(tmp_path / "runs"))
+    training = json.loads((checkpoint.parent.parent / "privacy.json").read_text())
+    assert training["unit"] == "user"
+    out = tmp_path / "synthetic"
+    code, _, err = _run(["synthesize", str(checkpoint), "--rows", "4", "--out", str(out), "--max_new_tokens", "3",
+                         "--label_epsilon", "2"])
+    assert code == 0, err
+    report = json.loads((out / "privacy.json").read_text())
+    assert report["source"]["unit"] == "user" and report["label_counts"]["histogram"]["unit"] == "user"
+    assert "every user adds at most 1" in (out / "privacy.md").read_text()
+    code, stdout, _ = _run(["ledger", str(tmp_path / "runs"), "--json"])
+    (group,) = json.loads(stdout)["data_sets"]
+    assert group["unit"] == "user" and len(group["runs"]) == 2
+
+
 def test_chat_fit_synthesize_evaluate(world):
     out = world["tmp"] / "synthetic" / "chat"
     code, stdout, err = _run(["synthesize", str(world["chat"]), "--rows", "3", "--turns", "2", "--out", str(out),
