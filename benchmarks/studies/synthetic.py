@@ -113,7 +113,7 @@ def cell(name: str, epsilon: float, seed: int, s: dict[str, Any], folder: Path) 
     page = json.loads((synthetic / "evaluation" / "evaluation.json").read_text())
     report = json.loads((synthetic / "privacy.json").read_text())
     down, leak = page["downstream"], page["leakage"]["synthetic"]
-    return {"data": name, "epsilon": epsilon, "seed": seed, "epsilon_spent": report["training"]["epsilon"],
+    return {"data": name, "epsilon": epsilon, "seed": seed, "epsilon_spent": float(report["training"]["epsilon"]),
             "sigma": report["training"]["noise_multiplier"], "tstr_accuracy": down["tstr_accuracy"],
             "real_accuracy": down["real_accuracy"], "majority_accuracy": down["majority_accuracy"],
             "mauve": page["mauve"].get("mauve"), "mauve_real": (page.get("mauve_real") or {}).get("mauve"),
