@@ -32,6 +32,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "a fit config, without training (docs/planning.md)", "dpl.planning.command:plan_command"),
     "tune": ("private hyperparameter tuning: the best of a secret, random number of private trainings, with the "
              "epsilon of the whole search (docs/privacy.md)", "dpl.tune.command:tune_command"),
+    "synthesize": ("a synthetic copy of a run's training data, sampled from its private model, with its privacy "
+                   "report (docs/synthetic.md)", "dpl.synthetic.command:synthesize_command"),
+    "evaluate-synthetic": ("what synthetic data is worth: train-on-synthetic accuracy, MAUVE, distributions and "
+                           "leakage against the real data (docs/synthetic.md)",
+                           "dpl.synthetic.evaluation:evaluate_command"),
 }
 
 def task_classes() -> tuple[list[str], list[str]]:

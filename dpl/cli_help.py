@@ -50,8 +50,9 @@ def width() -> int:
 def _wrap(text: str, indent: int, first: str = "", lead: int = 2) -> list[str]:
     """``first`` (after ``lead`` spaces, padded to ``indent``) then ``text`` wrapped with a hanging indent; nothing
     is cut."""
-    lead = f"{' ' * lead}{first}".ljust(indent) if first else " " * indent
-    if first and len(lead) > indent:  # a long name: the text starts on the next line
+    named = f"{' ' * lead}{first}"
+    lead = named.ljust(indent) if first else " " * indent
+    if first and len(named) >= indent:  # a long name (no space left after it): the text starts on the next line
         return [lead.rstrip(), *textwrap.wrap(text, width(), initial_indent=" " * indent,
                                               subsequent_indent=" " * indent, break_on_hyphens=False, break_long_words=False)]
     return textwrap.wrap(text, width(), initial_indent=lead, subsequent_indent=" " * indent, break_on_hyphens=False,

@@ -23,7 +23,7 @@ cd "$(dirname "$script")/.."
 mode=${1:-}
 case "$mode" in
   quickstart) extras="" ;;
-  test|env) extras="test,trackers,hf" ;;
+  test|env) extras="test,trackers,hf,synthetic" ;;
   *) fail "usage: bash scripts/setup.sh quickstart|test|env [ARGS]  (got '${mode}')" ;;
 esac
 shift

@@ -247,6 +247,8 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         return args, None
     if args[0] == "audit":
         return args + ["--steps", "3", "--canaries", "20", "--examples", "20", "--batch_size", "4"], None
+    if args[0] in ("synthesize", "evaluate-synthetic"):
+        return _synthetic_args(args, world), None
     merged = _merged(configs, work)
     gpu = _gpu_only(merged)
     if gpu and not torch.cuda.is_available():
@@ -261,9 +263,11 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     if devices and devices.isdigit() and int(devices) > 2 and torch.cuda.device_count() < int(devices):
         args[args.index("--trainer.devices") + 1] = "2"  # as many CPU processes as this machine can host
     model_class, data_class = _class_of(args, merged, "model"), _class_of(args, merged, "data")
-    generation = any(k in data_class for k in ("E2E", "DART", "JSONL", "Generation"))
+    generation = any(k in data_class for k in ("E2E", "DART", "JSONL", "Generation", "Synthetic"))
     kind = next((k for k in ("E2E", "DART", "JSONL") if k in data_class), "classification")
     init = (merged.get("data") or {}).get("init_args") or {}
+    if kind == "classification" and "Synthetic" in data_class:  # records to generate: a table, or conversations
+        kind = "CHAT" if init.get("format") == "messages" else kind
     if kind == "JSONL" and (_option(args, "--data.format") or init.get("format")) == "messages":
         kind = "CHAT"  # conversations: tiny conversation data, a tiny model whose tokenizer has a chat template
     for i, a in enumerate(args):
@@ -293,6 +297,27 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
         if generation or "Generation" in model_class:
             args += ["--model.init_args.generation.max_new_tokens", "4"]
     return args, None
+
+
+def _synthetic_args(args: list[str], world: dict) -> list[str]:
+    """``dpl synthesize``: its run trained first if need be, a few records of 4 tokens; ``dpl evaluate-synthetic``:
+    its synthetic folder sampled first if need be (by the documented command that writes it), the tiny encoder."""
+    work = world["work"]
+    if args[0] == "synthesize":
+        if not (work / args[1]).exists():
+            _train_config_of(args[1], world)
+        args = list(args)
+        args[args.index("--rows") + 1] = "6"
+        return args + ["--max_new_tokens", "4", "--overwrite"]
+    if not (work / args[1]).exists():
+        writer = next(c for _, c in ALL if c.startswith("dpl synthesize ") and f"--out {args[1]}" in c)
+        cwd = Path.cwd()
+        try:
+            os.chdir(work)
+            main(_synthetic_args(shlex.split(writer)[1:], world))
+        finally:
+            os.chdir(cwd)
+    return args + ["--encoder", world["models"]["bert"], "--overwrite"]
 
 
 def _train_config_of(root: str, world: dict) -> None:

