@@ -11,11 +11,10 @@ import torch.nn.functional as F
 from helpers import save_tiny_bert, save_tiny_llama_lm, tiny_llama_lm
 
 from dpl.cli import main
-from dpl.core import layer_gradients, per_example
+from dpl.core import clipping_policy
 from dpl.core.per_example import PerExampleClipper
 from dpl.planning import memory
 from dpl.planning.memory import (
-    DEFAULT_BUDGET_MIB,
     NORM_CHUNK,
     KindMemory,
     LayerShape,
@@ -34,7 +33,21 @@ MIB = 2 ** 20
 
 
 def test_constants_are_the_clippers():
-    assert NORM_CHUNK == layer_gradients.NORM_CHUNK and DEFAULT_BUDGET_MIB == per_example.DEFAULT_CPU_BUDGET_MIB
+    assert NORM_CHUNK is clipping_policy.NORM_CHUNK
+
+
+def test_the_default_budget_is_a_quarter_of_the_available_ram(monkeypatch):
+    monkeypatch.setattr(clipping_policy, "available_ram_bytes", lambda: 8 * 1024 * MIB)
+    memory._default_budget.cache_clear()
+    try:
+        m = plan_memory([LayerShape("linear", 8, 4, 36)], physical_batch_size=2, tokens=5, mode="auto",
+                        budget_mib=None, precision="32-true")
+        assert m.budget_bytes == 2048 * MIB == clipping_policy.default_budget_bytes()
+        assert "auto's budget 2,048 MiB (default: a quarter of the available RAM here; on CUDA of the free memory " \
+               "at the first step)" in "\n".join(memory_lines(m))
+        assert clipping_policy.default_budget_bytes(4 * MIB) == MIB  # CUDA: a quarter of the free memory
+    finally:
+        memory._default_budget.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------- the formulas

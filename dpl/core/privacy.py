@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from dpl.core import clipping_policy as policy
 from dpl.errors import ConfigError, PrivacyWarning
 
 
@@ -56,8 +57,8 @@ class PrivacyConfig:
             more backward pass) or ``auto`` (default: ``low``, except that layers whose per-example gradients fit
             ``clipping_memory_budget`` keep them; with all of them kept, one backward pass; under bf16 the others
             keep ``fast``'s state). No effect on privacy.
-        clipping_memory_budget: MiB of per-example gradients ``auto`` may hold; default: a quarter of the free
-            device memory on CUDA, 256 MiB on a CPU.
+        clipping_memory_budget: MiB of per-example gradients and books ``auto`` may hold; default: a quarter of the
+            free device memory on CUDA, of the available RAM (``MemAvailable``) on a CPU, read at the first step.
         adjacency: the neighbouring relation the guarantee must hold for: ``add_remove`` (one example added or
             removed), ``zero_out`` (one example's contribution replaced by zero) or ``replace_one`` (one example
             replaced by another). Default: the mechanism's own (DP-SGD: add_remove; ftrl: zero_out). A
@@ -116,8 +117,7 @@ class PrivacyConfig:
         if self.unit == "user" and self.max_rows_per_user is None:
             raise ConfigError("privacy.unit: user needs privacy.max_rows_per_user (k, the most rows one user "
                               "contributes)")
-        if self.clipping_memory not in ("fast", "low", "auto"):
-            raise ConfigError(f"privacy.clipping_memory must be fast, low or auto, got {self.clipping_memory!r}")
+        policy.check_choice("clipping_memory", self.clipping_memory, policy.CLIPPING_MEMORY)
         if self.clipping_memory_budget is not None and not self.clipping_memory_budget >= 0:
             raise ConfigError(f"privacy.clipping_memory_budget (MiB) must be >= 0, got {self.clipping_memory_budget}")
         if self.max_rows_per_user is not None and self.max_rows_per_user < 1:
