@@ -11,7 +11,9 @@ arguments are its options (typed: they are checked when the config is parsed); i
 
 from dpl.core.accounting import (PoissonGaussianAccountant, calibrate_gaussian_mechanism, calibrate_noise_multiplier,
                                  epsilon_for, gaussian_mechanism_epsilon)
+from dpl.core import clipping_policy
 from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.group_clipping import noisy_fractions
 from dpl.core.hookspecs import hookimpl
 from dpl.core.accounting import events
 from dpl.core.mechanism import Mechanism, PoissonGaussian, UserLevelExampleSampling, steps_event
@@ -20,12 +22,12 @@ from dpl.core.noise import (NoiseSource, SecureNormal, noisy_mean_, noisy_means_
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import Contract
 from dpl.core.sampling import PoissonBatchSampler, poisson_mask
-from dpl.core.step import PADDING_KEY, UNITS_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
+from dpl.core.step import CLIPPING_COUNTS_KEY, PADDING_KEY, UNITS_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
 from dpl.core.units import unit_sizes
 from dpl.core.update import StreamingDirection, streaming_refusal
 from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarning
 
-__all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PADDING_KEY", "PerExampleClipper",
+__all__ = ["CLIPPING_COUNTS_KEY", "clipping_policy", "noisy_fractions", "ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PADDING_KEY", "PerExampleClipper",
            "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PoissonGaussianAccountant", "PrivacyViolation",
            "PrivacyWarning", "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "StepContext",
            "StreamingDirection", "batch_size_of", "calibrate_gaussian_mechanism", "calibrate_noise_multiplier",

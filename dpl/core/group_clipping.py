@@ -9,7 +9,7 @@ of :class:`~dpl.core.streaming.StreamingNorms`, activation checkpointing include
 no second backward pass. A group of several layers holds its layers' states until its last layer has arrived.
 
 With adaptive thresholds the step also counts, per group, the units whose norm is within C_g, centred (sum_i (b_i -
-1/2)): a private value that only ``privatize`` reads (it releases it with noise, :mod:`dpl.core.adaptive_clipping`).
+1/2): a private value that only ``privatize`` reads (it releases it with noise: :func:`noisy_fractions`).
 Norms and sums are float32 whatever the model's precision.
 """
 
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, lean_prepare
+from dpl.core.noise import NoiseSource, normal
 from dpl.core.streaming import StreamingNorms, _Layer
 
 
@@ -97,3 +98,14 @@ class GroupClipping(StreamingNorms):
         super().finish()
         self._pending.clear()
         self._group_sq.clear()
+
+
+def noisy_fractions(counts: Tensor, count_std: float, expected_batch: float, source: NoiseSource) -> list[float]:
+    """The released fraction of units within each group's threshold: (sum_i (b_i - 1/2) + N(0, count_std^2)) / B +
+    1/2, the noise from the run's secret ``source`` (``privatize`` only; the counts are wiped after)."""
+    noisy = counts.double()
+    if count_std > 0:
+        noisy = noisy + count_std * normal(tuple(counts.shape), source, counts.device, torch.float64)
+    fractions = (noisy / expected_batch + 0.5).tolist()
+    counts.zero_()
+    return fractions
