@@ -131,3 +131,26 @@ def test_bad_values_in_one_line():
         _training(clipping="per_layer", clipping_thresholds="adaptive", plugins={"ftrl": {"noise": "independent"}})
     with pytest.raises(ConfigError, match="per_layer is dpl's default estimate_gradient"):
         _training(clipping="per_layer", plugins={"dpzero": {}})
+
+
+def test_dpl_plan_shows_the_groups_and_the_split(tmp_path, capsys):
+    from pathlib import Path
+
+    from helpers import save_tiny_bert
+
+    from dpl.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    bert = save_tiny_bert(tmp_path / "bert")
+    common = ["--config", str(root / "configs/quickstart.yaml"), "--model.init_args.model", bert,
+              "--data.init_args.tokenizer", bert, "--data.init_args.train_size", "400",
+              "--data.init_args.validation_size", "20", "--trainer.precision", "32-true",
+              "--model.init_args.privacy.batch_size", "16"]
+    main(["plan", *common, "--config", str(root / "configs/clipping/per-layer-adaptive.yaml")])
+    out = capsys.readouterr().out
+    line = next(text for text in out.splitlines() if text.startswith("  clipping "))
+    assert "per_layer adaptive over" in line and "the counts take 0.1 of 1/sigma^2" in line
+    assert "per step sigma x 1.05" in out  # the gradient's noise: sigma / sqrt(1 - 0.1)
+    main(["plan", *common, "--config", str(root / "configs/clipping/per-layer.yaml")])
+    out = capsys.readouterr().out
+    assert "  clipping per_layer fixed over" in out and "sigma and epsilon: flat clipping's" in out

@@ -170,6 +170,8 @@ def _privacy(values: dict[str, Any]) -> PrivacyConfig:
         kwargs[key] = _typed(value, hints[key], key)
     privacy = PrivacyConfig(**kwargs)
     privacy.validate()
+    if privacy.clipping != "flat":  # its groups come from the model's layers: the full path
+        raise Unplannable("privacy.clipping")
     warn_if_seeded(privacy)  # as the engine's setup warns on the full path
     return privacy
 
