@@ -245,3 +245,13 @@ def test_auto_prediction_is_what_a_lora_step_holds_within_its_budget(kept):
     predicted = _predicted(model, budget)
     assert predicted == kept * 4 * 3 * 32
     assert _held(model, budget) == predicted
+
+
+def test_the_plan_says_why_auto_holds_more_than_fast():
+    """On the Gram path fast holds g (and the bias's per-example gradients), auto's book a and g: the book is larger,
+    and the plan says it counts the inputs that checkpointing would have dropped."""
+    layer = LayerShape("linear", 64, 64, 64 * 64 + 64)
+    m = _one(layer, 3, 2, budget=1.0)
+    assert m.fast == 4 * 3 * 2 * 64 + 4 * 3 * 64 and m.auto == 4 * 3 * 2 * (64 + 64) > m.fast
+    assert "auto's books count their layer inputs too" in "\n".join(memory_lines(m))
+    assert "auto's books" not in "\n".join(memory_lines(_one(LayerShape("linear", 8, 4, 36), 3, 5)))
