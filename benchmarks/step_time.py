@@ -1,6 +1,6 @@
 """Step time of dpl's private step vs non-private training and opacus, side by side in one run.
 
-    python benchmarks/step_time.py [--repeats 10] [--batch 32] [--tokens 64]
+    python benchmarks/step_time.py [--repeats 10] [--batch 32] [--tokens 64] [--only-clipping]
 
 Each configuration runs one full optimizer step (forward, backward, clipping/noise where private) on the
 same batch of random token ids. Timings are interleaved round-robin so that machine noise hits every
@@ -57,15 +57,16 @@ def nonprivate_step(model, batch) -> Callable[[], None]:
 
 
 def fixed_batch_training(model, per_example_loss, batch_size: int, plugins: dict | None = None, lr: float = 1e-4,
-                         rows_per_user: int | None = None, steps: int = 1000) -> PrivateTraining:
+                         rows_per_user: int | None = None, steps: int = 1000, **settings) -> PrivateTraining:
     """dpl's training loop for timing steps on a fixed batch of ``batch_size`` examples (with ``rows_per_user``:
     users of k rows each, user-level sampling): sigma 1, C 1, physical batch = batch, plain SGD. The plan (50
-    batches, ``steps`` steps) sizes the accounting and the plugins' fits; no budget limits the steps."""
+    batches, ``steps`` steps) sizes the accounting and the plugins' fits; no budget limits the steps. ``settings``:
+    more privacy settings (``clipping="per_layer"``, ``clipping_memory="fast"``)."""
     k = rows_per_user or 1
     rows = batch_size * k
     privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=batch_size,
                             physical_batch_size=rows, unit="user" if rows_per_user else "example",
-                            max_rows_per_user=rows_per_user)
+                            max_rows_per_user=rows_per_user, **settings)
     users = [row // k for row in range(50 * rows)] if rows_per_user else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     return PrivateTraining(model, per_example_loss, privacy, num_examples=50 * rows, steps=steps, users=users,
@@ -79,10 +80,10 @@ def classification_loss(model) -> Callable[[dict], torch.Tensor]:
     return loss
 
 
-def dpl_step(model, batch, plugins: dict | None = None) -> Callable[[], None]:
+def dpl_step(model, batch, plugins: dict | None = None, **settings) -> Callable[[], None]:
     """One private step (the four hooks and the SGD update) on ``batch``, through dpl's training loop, on the
-    model's device."""
-    training = fixed_batch_training(model, classification_loss(model), batch["labels"].shape[0], plugins)
+    model's device; ``settings``: more privacy settings."""
+    training = fixed_batch_training(model, classification_loss(model), batch["labels"].shape[0], plugins, **settings)
     return lambda: training.step(batch)
 
 
@@ -146,6 +147,9 @@ def main() -> None:
                         help="also time dpl with the denoise plugin, per SVD method")
     parser.add_argument("--only-denoise", action="store_true",
                         help="time only non-private, dpl and dpl + denoise (no opacus, no frozen-embeddings model)")
+    parser.add_argument("--only-clipping", action="store_true",
+                        help="time only non-private, dpl (clipping_memory auto), dpl fast and dpl per-layer (the "
+                             "clipping comparison: no opacus, no denoise, no frozen-embeddings model)")
     parser.add_argument("--clock", default="wall", choices=["wall", "process"],
                         help="process: CPU seconds of this process (robust to other jobs on a shared machine; use "
                              "with OMP_NUM_THREADS=1)")
@@ -155,17 +159,20 @@ def main() -> None:
     batch = make_batch(args.batch, args.tokens)
     rows = []
     configs = [("full", False), ("full", True), ("lora", False)]
-    if args.only_denoise:
+    if args.only_denoise or args.only_clipping:
         configs = [c for c in configs if not c[1]]
     for method, freeze in configs:
         label = f"MiniLM {method}" + (" (embeddings frozen)" if freeze else "")
         variants = {"non-private": nonprivate_step(load(method, freeze), batch),
                     "dpl": dpl_step(load(method, freeze), batch)}
         if not freeze:
+            variants["dpl fast"] = dpl_step(load(method, freeze), batch, clipping_memory="fast")
+            variants["dpl per-layer"] = dpl_step(load(method, freeze), batch, clipping="per_layer")
+        if not freeze and not args.only_clipping:
             for svd in args.denoise:
                 variants[f"dpl + denoise ({svd} SVD)"] = dpl_step(load(method, freeze), batch,
                                                                   {"denoise": {"svd": svd}})
-        for mode in () if args.only_denoise else ("hooks", "ghost"):
+        for mode in () if args.only_denoise or args.only_clipping else ("hooks", "ghost"):
             step = opacus_step(load(method, freeze), batch, mode)
             if step is not None:
                 variants[f"opacus {mode}"] = step

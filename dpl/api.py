@@ -12,7 +12,9 @@ A plugin declares what its mechanism releases as events (:mod:`dpl.core.accounti
 computes no epsilon and calibrates no sigma: dpl does both from the events, for every run, resume and ledger.
 """
 
+from dpl.core import clipping_policy
 from dpl.core.gradients import GradientSum, PrivateGradient
+from dpl.core.group_clipping import noisy_fractions
 from dpl.core.hookspecs import hookimpl
 from dpl.core.accounting import events
 from dpl.core.mechanism import Mechanism, PoissonGaussian, UserLevelExampleSampling, steps_event
@@ -21,14 +23,14 @@ from dpl.core.noise import (NoiseSource, SecureNormal, noisy_mean_, noisy_means_
 from dpl.core.per_example import PerExampleClipper
 from dpl.core.plugin_manager import Contract
 from dpl.core.sampling import PoissonBatchSampler, poisson_mask
-from dpl.core.step import PADDING_KEY, UNITS_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
+from dpl.core.step import CLIPPING_COUNTS_KEY, PADDING_KEY, UNITS_KEY, ReleaseContext, RunSetup, StepContext, batch_size_of
 from dpl.core.units import unit_sizes
 from dpl.core.update import StreamingDirection, streaming_refusal
 from dpl.errors import ConfigError, PluginError, PrivacyViolation, PrivacyWarning
 
-__all__ = ["ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PADDING_KEY", "PerExampleClipper",
+__all__ = ["CLIPPING_COUNTS_KEY", "ConfigError", "Contract", "GradientSum", "Mechanism", "NoiseSource", "PADDING_KEY", "PerExampleClipper",
            "PluginError", "PoissonBatchSampler", "PoissonGaussian", "PrivacyViolation", "PrivacyWarning",
            "PrivateGradient", "ReleaseContext", "RunSetup", "SecureNormal", "StepContext", "StreamingDirection",
-           "batch_size_of", "events", "hookimpl", "noisy_mean_", "noisy_means_", "normal", "normals", "normals_like",
+           "batch_size_of", "clipping_policy", "events", "hookimpl", "noisy_fractions", "noisy_mean_", "noisy_means_", "normal", "normals", "normals_like",
            "poisson_mask", "replay_source", "steps_event", "streaming_refusal", "UNITS_KEY", "UserLevelExampleSampling",
            "unit_sizes"]

@@ -1,6 +1,8 @@
 """Default ``estimate_gradient``: per-example gradients by backpropagation, clipped to norm C, summed. Under
 user-level sampling (``privacy.unit: user``, ``user_sampling: users``) the unit is a user: the mean of its rows'
-gradients is clipped to C as one vector."""
+gradients is clipped to C as one vector. With ``privacy.clipping: per_layer`` each group of parameters is clipped to
+its own threshold C_g (sum_g C_g^2 = C^2) in the one backward pass; adaptive thresholds move after each step from the
+released noisy counts (``post_process`` reads only the release)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import Any
 
 import torch
 
-from dpl.api import (PADDING_KEY, UNITS_KEY, ConfigError, GradientSum, PerExampleClipper, RunSetup, StepContext,
-                     batch_size_of, hookimpl, unit_sizes)
+from dpl.api import (CLIPPING_COUNTS_KEY, PADDING_KEY, UNITS_KEY, ConfigError, GradientSum, PerExampleClipper,
+                     PrivateGradient, ReleaseContext, RunSetup, StepContext, batch_size_of, clipping_policy, hookimpl,
+                     unit_sizes)
 
 
 class ClipPlugin:
@@ -23,6 +26,9 @@ class ClipPlugin:
         self._clipper: PerExampleClipper | None = None
         self.memory = "auto"  # privacy.clipping_memory
         self.budget_mib: float | None = None  # privacy.clipping_memory_budget
+        self.groups: list[list[str]] | None = None  # privacy.clipping per_layer: the groups' parameter names
+        self.thresholds: list[float] = []  # C_g per group (adaptive: functions of the released counts only)
+        self.adaptive: tuple[float, float, float] | None = None  # (quantile, rate, C) of adaptive thresholds
 
     def _clipper_for(self, model: torch.nn.Module) -> PerExampleClipper:
         clipper = self._clipper
@@ -31,17 +37,41 @@ class ClipPlugin:
             if clipper is not None:
                 clipper.remove()
             self._clipper = PerExampleClipper(model, memory=self.memory, budget_mib=self.budget_mib)
+            if self.groups is not None:
+                self._clipper.set_groups(self.groups)
         return self._clipper
+
+    def _set_up_groups(self, setup: RunSetup) -> None:
+        """``privacy.clipping: per_layer``: the groups and their first thresholds; refused in one line where the
+        release could not carry them."""
+        privacy = setup.privacy
+        if "estimate_gradient" in setup.replaced_hooks:
+            raise ConfigError("privacy.clipping per_layer is dpl's default estimate_gradient; a named plugin replaces "
+                              "it (use clipping: flat)")
+        if privacy.adaptive_clipping and "privatize" in setup.replaced_hooks:
+            raise ConfigError("privacy.clipping_thresholds adaptive releases its counts through dpl's default "
+                              "privatize; a named plugin replaces it (use fixed thresholds)")
+        names = [n for n in self._clipper_for(setup.model).parameter_names]
+        groups = clipping_policy.clipping_groups(names, privacy.clipping_groups)
+        sizes = [sum(setup.model.get_parameter(n).numel() for n in group) for group in groups]
+        self.thresholds = clipping_policy.group_thresholds(privacy.max_grad_norm, sizes, privacy.clipping_split)
+        self.groups = groups
+        self._clipper.set_groups(groups)
+        if privacy.adaptive_clipping:
+            self.adaptive = (privacy.clipping_quantile, privacy.clipping_rate, privacy.max_grad_norm)
 
     @hookimpl(trylast=True)
     def validate_setup(self, setup: RunSetup) -> None:
+        if setup.privacy.clipping == "per_layer":
+            self._set_up_groups(setup)
         if "estimate_gradient" in setup.replaced_hooks:
             if setup.sharded:
                 raise ConfigError("FSDP: only dpl's default estimate_gradient aligns the ranks' forward passes and "
                                   "weighs FSDP's filler examples zero; a plugin replacing it needs strategy ddp")
             return  # another estimator replaces this one
         self.memory, self.budget_mib = setup.clipping_memory, setup.clipping_memory_budget
-        if setup.sharded:  # FSDP: the second backward pass of low/auto would gather the sharded parameters again
+        if setup.sharded and self.groups is None:  # FSDP: low/auto's second backward pass would gather the sharded
+            # parameters again (per_layer needs none: each rank clips its examples' groups in its one pass)
             if self.memory == "low":
                 raise ConfigError("FSDP: privacy.clipping_memory low is not supported; use fast or auto")
             self.memory = "fast"
@@ -64,7 +94,10 @@ class ClipPlugin:
         units = batch.pop(UNITS_KEY, None)  # user-level sampling: the user of every row
         size = batch_size_of(batch)
         if size == 0:
-            return GradientSum(clipper.zero_sums(), 0)
+            zeros = clipper.zero_sums()
+            if self.adaptive is not None:
+                zeros[CLIPPING_COUNTS_KEY] = torch.zeros(len(self.thresholds), device=next(iter(zeros.values())).device)
+            return GradientSum(zeros, 0)
 
         def unit_losses(rows: dict[str, Any]) -> torch.Tensor:
             losses = ctx.per_example_loss({k: v for k, v in rows.items() if k != UNITS_KEY})
@@ -88,11 +121,37 @@ class ClipPlugin:
             losses = unit_losses(batched)
         if units is not None:
             units = units.to(losses.device)
-        sums, norms = clipper.clipped_sum(losses, ctx.max_grad_norm, exclude=fillers, units=units,
-                                          reforward=reforward)
+        if self.groups is not None:
+            thresholds = torch.tensor(self.thresholds, dtype=torch.float32, device=losses.device)
+            sums, norms, counts = clipper.group_clipped_sum(losses, thresholds, exclude=fillers, units=units)
+            if self.adaptive is not None:
+                sums[CLIPPING_COUNTS_KEY] = counts
+        else:
+            sums, norms = clipper.clipped_sum(losses, ctx.max_grad_norm, exclude=fillers, units=units,
+                                              reforward=reforward)
         if units is not None:
             return GradientSum(sums, int(norms.numel()))
         return GradientSum(sums, size - (int(fillers.sum()) if fillers is not None else 0))
+
+    @hookimpl(trylast=True)
+    def post_process(self, ctx: ReleaseContext, gradient: PrivateGradient) -> None:
+        """Adaptive thresholds: one geometric step of each C_g from the released noisy fractions."""
+        fractions = gradient.info.get("clipping_fractions")
+        if self.adaptive is not None and fractions is not None:
+            quantile, rate, max_norm = self.adaptive
+            self.thresholds = clipping_policy.adapted_thresholds(self.thresholds, fractions, quantile, rate, max_norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The thresholds (public: functions of the released counts) of adaptive per_layer clipping."""
+        return {"thresholds": list(self.thresholds)} if self.adaptive is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("thresholds")
+        if self.adaptive is not None and saved is not None:
+            if len(saved) != len(self.thresholds):
+                raise ConfigError(f"the checkpoint's adaptive clipping has {len(saved)} groups, this run's "
+                                  f"{len(self.thresholds)}")
+            self.thresholds = [float(c) for c in saved]
 
 
 def _generator_states() -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -310,9 +310,9 @@ def test_gradient_checkpointing_option_turns_it_on():
 @pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])
 def test_norms_chunked_over_examples_match_loop(monkeypatch, length):
     """low computes each layer's norms a few examples at a time (no Gram or per-example gradient of the whole batch)."""
-    from dpl.core import layer_gradients
+    from dpl.core import clipping_policy
 
-    monkeypatch.setattr(layer_gradients, "NORM_CHUNK", 200)
+    monkeypatch.setattr(clipping_policy, "NORM_CHUNK", 200)
     for units in (None, torch.tensor([0, 0, 1, 2, 2])):
         model = _build("llama-full", True)
         batch = random_batch(batch_size=5, length=length)

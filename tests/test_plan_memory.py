@@ -11,11 +11,10 @@ import torch.nn.functional as F
 from helpers import save_tiny_bert, save_tiny_llama_lm, tiny_llama_lm
 
 from dpl.cli import main
-from dpl.core import layer_gradients, per_example
+from dpl.core import clipping_policy
 from dpl.core.per_example import PerExampleClipper
 from dpl.planning import memory
 from dpl.planning.memory import (
-    DEFAULT_BUDGET_MIB,
     NORM_CHUNK,
     KindMemory,
     LayerShape,
@@ -34,7 +33,21 @@ MIB = 2 ** 20
 
 
 def test_constants_are_the_clippers():
-    assert NORM_CHUNK == layer_gradients.NORM_CHUNK and DEFAULT_BUDGET_MIB == per_example.DEFAULT_CPU_BUDGET_MIB
+    assert NORM_CHUNK is clipping_policy.NORM_CHUNK
+
+
+def test_the_default_budget_is_a_quarter_of_the_available_ram(monkeypatch):
+    monkeypatch.setattr(clipping_policy, "available_ram_bytes", lambda: 8 * 1024 * MIB)
+    memory._default_budget.cache_clear()
+    try:
+        m = plan_memory([LayerShape("linear", 8, 4, 36)], physical_batch_size=2, tokens=5, mode="auto",
+                        budget_mib=None, precision="32-true")
+        assert m.budget_bytes == 2048 * MIB == clipping_policy.default_budget_bytes()
+        assert "auto's budget 2,048 MiB (default: a quarter of the available RAM here; on CUDA of the free memory " \
+               "at the first step)" in "\n".join(memory_lines(m))
+        assert clipping_policy.default_budget_bytes(4 * MIB) == MIB  # CUDA: a quarter of the free memory
+    finally:
+        memory._default_budget.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------- the formulas
@@ -232,3 +245,13 @@ def test_auto_prediction_is_what_a_lora_step_holds_within_its_budget(kept):
     predicted = _predicted(model, budget)
     assert predicted == kept * 4 * 3 * 32
     assert _held(model, budget) == predicted
+
+
+def test_the_plan_says_why_auto_holds_more_than_fast():
+    """On the Gram path fast holds g (and the bias's per-example gradients), auto's book a and g: the book is larger,
+    and the plan says it counts the inputs that checkpointing would have dropped."""
+    layer = LayerShape("linear", 64, 64, 64 * 64 + 64)
+    m = _one(layer, 3, 2, budget=1.0)
+    assert m.fast == 4 * 3 * 2 * 64 + 4 * 3 * 64 and m.auto == 4 * 3 * 2 * (64 + 64) > m.fast
+    assert "auto's books count their layer inputs too" in "\n".join(memory_lines(m))
+    assert "auto's books" not in "\n".join(memory_lines(_one(LayerShape("linear", 8, 4, 36), 3, 5)))

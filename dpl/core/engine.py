@@ -137,7 +137,7 @@ class PrivateEngine:
                          replaced_hooks=replaced, seed=cfg.seed, world_size=world_size,
                          optimizer_factory=optimizer_factory, secure_noise=cfg.secure_noise, sharded=sharded,
                          unit=unit, clipping_memory=cfg.clipping_memory,
-                         clipping_memory_budget=cfg.clipping_memory_budget)
+                         clipping_memory_budget=cfg.clipping_memory_budget, privacy=cfg)
         hook.validate_setup(setup=setup)
         mechanism = hook.configure_mechanism(setup=setup)
         if mechanism is None:

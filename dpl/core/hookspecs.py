@@ -124,7 +124,8 @@ def validate_setup(setup: RunSetup) -> None:
     ``dpzero``: no plugin names another). ``setup`` holds ``model``, ``trainable``, ``plugin_names`` (the active
     plugins), ``population``, ``expected_batch_size``, ``steps``, ``sampling_rate``, ``accountant``,
     ``optimizer_name``, ``replaced_hooks``, ``seed``, ``world_size``, ``optimizer_factory``, ``secure_noise``,
-    ``sharded``, ``unit``, ``clipping_memory`` and ``clipping_memory_budget`` (docs/hooks.md says what each is).
+    ``sharded``, ``unit``, ``clipping_memory``, ``clipping_memory_budget`` and ``privacy`` (docs/hooks.md says what
+    each is).
     Example: ``denoise`` refuses a model with no trainable 2-D parameter matching its patterns.
     """
 

@@ -16,6 +16,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from dpl.core import clipping_policy as policy
+from dpl.core.clipping_policy import per_example_path
+
 
 @dataclass
 class LayerRecord:
@@ -101,12 +104,6 @@ def _input_gram(a: Tensor, source: list[Tensor], grams: dict[tuple, Tensor]) -> 
     return grams[key]
 
 
-def per_example_path(steps: int, d_in: int, d_out: int) -> bool:
-    """Whether a linear layer's weight norm is cheaper through its per-example gradients (B d_in d_out) than through
-    the Gram matrices of its inputs and output gradients (B T^2 (d_in + d_out)); one position: neither."""
-    return steps > 1 and steps * (d_in + d_out) >= d_in * d_out
-
-
 def _prepare_linear(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor]) -> PreparedLayer:
     a = _cat_steps(rec.inputs)
     g = _cat_steps(grads)
@@ -146,12 +143,8 @@ def _prepare_linear(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Te
             if per_example_weight is not None:  # one (1, B) x (B, d_out * d_in) product
                 summed = (factors @ per_example_weight.reshape(batch, -1)).view(per_example_weight.shape[1:])
                 out["weight"] = summed if d_out <= d_in else summed.t().contiguous()
-            elif d_out <= d_in:  # scale the smaller of the two operands by the clipping factors
-                gw = g.float() * factors[:, None, None]
-                out["weight"] = gw.reshape(-1, d_out).t() @ a.reshape(-1, d_in).float()
             else:
-                aw = a.float() * factors[:, None, None]
-                out["weight"] = g.reshape(-1, d_out).float().t() @ aw.reshape(-1, d_in)
+                out["weight"] = _linear_weight_sum(a, g, factors)
         if has_bias:
             out["bias"] = factors @ bias_grad
         return out
@@ -159,15 +152,56 @@ def _prepare_linear(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Te
     return PreparedLayer(sq, weighted_sum)
 
 
-def _prepare_embedding(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor]) -> PreparedLayer:
+def _linear_weight_sum(a: Tensor, g: Tensor, factors: Tensor) -> Tensor:
+    """sum_i c_i g_i^T a_i in float32, the smaller of the two operands scaled by the clipping factors."""
+    d_in, d_out = a.shape[-1], g.shape[-1]
+    if d_out <= d_in:
+        gw = g.float() * factors[:, None, None]
+        return gw.reshape(-1, d_out).t() @ a.reshape(-1, d_in).float()
+    aw = a.float() * factors[:, None, None]
+    return g.reshape(-1, d_out).float().t() @ aw.reshape(-1, d_in)
+
+
+def _direct_sums(rec: LayerRecord, grads: list[Tensor], factors: Tensor, keep: Tensor | None) -> dict[str, Tensor]:
+    """The clipped sum of a linear or embedding layer from its inputs and output gradients, no per-example gradient
+    formed (:func:`lean_prepare`)."""
+    if rec.kind == "embedding":
+        return _prepare_embedding(rec, grads, {}, norms=False).weighted_sum(factors, keep)
+    a, g = _zero_rows(_cat_steps(rec.inputs), keep), _zero_rows(_cat_steps(grads), keep)
+    out = {}
+    if "weight" in rec.full_names:
+        out["weight"] = _linear_weight_sum(a, g, factors)
+    if "bias" in rec.full_names:
+        out["bias"] = factors @ g.float().sum(1)
+    return out
+
+
+def lean_prepare(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
+                 grouping: Grouping | None) -> PreparedLayer:
+    """As :func:`prepare`, holding less: a linear or embedding layer's norms a chunk of examples at a time
+    (:func:`sq_norms`) and its weighted sum from its inputs and output gradients (group-wise clipping, where the
+    factors are known as soon as the layer's norms are)."""
+    if rec.kind not in _PREPARE:
+        return prepare(rec, grads, grams, grouping)
+    sq = sq_norms(rec, grads, grams, grouping)
+    if grouping is not None:
+        rec = LayerRecord(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs])
+        grads = [grouping.tokens(g) for g in grads]
+    return PreparedLayer(sq, lambda factors, keep=None: _direct_sums(rec, grads, factors, keep))
+
+
+def _prepare_embedding(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
+                       norms: bool = True) -> PreparedLayer:
     module: nn.Embedding = rec.module
     ids = [x.reshape(x.shape[0], -1) for x in rec.inputs]
     ids = ids[0] if len(ids) == 1 else torch.cat(ids, dim=1)
     g = _cat_steps(grads).float()
     if module.padding_idx is not None:
         g = g * (ids != module.padding_idx).unsqueeze(-1)
-    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).float()
-    sq = _batched_dot(same, torch.bmm(g, g.transpose(1, 2)))
+    sq = None
+    if norms:
+        same = (ids.unsqueeze(2) == ids.unsqueeze(1)).float()
+        sq = _batched_dot(same, torch.bmm(g, g.transpose(1, 2)))
 
     def weighted_sum(factors: Tensor, keep: Tensor | None = None) -> dict[str, Tensor]:
         weight = rec.params["weight"]
@@ -248,15 +282,11 @@ _PREPARE = {"linear": _prepare_linear, "embedding": _prepare_embedding}
 _PER_EXAMPLE = {"layer_norm": _layer_norm_per_example, "rms_norm": _rms_norm_per_example, "generic": _generic}
 
 
-#: elements of the largest temporary of :func:`sq_norms` for one chunk of examples (64 MiB in float32)
-NORM_CHUNK = 1 << 24
-
-
 def sq_norms(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
              grouping: Grouping | None) -> Tensor:
     """The per-example (or per-unit) squared norms of one module's gradient alone, a chunk of examples at a time so
     that a Gram matrix (T x T) or a per-example weight gradient (d_out x d_in) of the whole batch never exists at
-    once: at most about ``NORM_CHUNK`` elements per chunk (one example at least)."""
+    once: at most about :data:`~dpl.core.clipping_policy.NORM_CHUNK` elements per chunk (one example at least)."""
     if rec.kind not in _PREPARE:
         return prepare(rec, grads, grams, grouping).sq_norms
     inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
@@ -264,9 +294,7 @@ def sq_norms(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
     rows = inputs[0].shape[0]
     steps = sum(_as_3d(g).shape[1] for g in grads)
     d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(inputs[0]).shape[-1]
-    ghost = rec.kind == "embedding" or steps * (d_in + d_out) < d_in * d_out  # the choice of _prepare_linear
-    per_row = (2 * steps * steps if ghost else d_in * d_out) + steps * (d_in + d_out)
-    chunk = max(1, NORM_CHUNK // max(1, per_row))
+    chunk = policy.norm_chunk(policy.norm_temporary(rec.kind, steps, d_in, d_out))
     if chunk >= rows:
         return _PREPARE[rec.kind](LayerRecord(rec.module, rec.kind, rec.full_names, inputs), grads, grams).sq_norms
     parts = []

@@ -106,6 +106,9 @@ class PoissonGaussian:
     sampling = "poisson"
     resumable_with_changes = True
     noise_scale = 1.0
+    #: adaptive clipping thresholds (``privacy.clipping_thresholds: adaptive``): how the step's privacy is split
+    #: between the gradient and the thresholds' counts (the event is the pair's; docs/privacy.md)
+    clipping: str | None = None
 
     def __init__(self, sample_rate: float, accountant: str = "prv", unit: str = "example") -> None:
         self.sample_rate = sample_rate
@@ -120,7 +123,7 @@ class PoissonGaussian:
     def scope(self) -> dict[str, Any]:
         sampled = {"example": "rows", "user": "users"}[self.unit]
         return {"mechanism": self.name, "sampling": f"{self.sampling} ({sampled})", "unit": self.unit,
-                "adjacency": self.adjacency}
+                "adjacency": self.adjacency, **({"clipping": self.clipping} if self.clipping else {})}
 
     def batch_sampler(self, num_examples: int, steps_per_epoch: int, generator: torch.Generator,
                       start_step: int = 0) -> Sampler:

@@ -23,13 +23,13 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dpl.core.clipping_policy import available_ram_bytes
 from dpl.errors import ConfigError
 
 log = logging.getLogger("dpl")
@@ -115,12 +115,9 @@ def default_budget_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(CUDA_SHARE * (free + cached))
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(CPU_SHARE * int(line.split()[1]) * 1024)
-    except OSError:
-        pass
+    available = available_ram_bytes()
+    if available is not None:
+        return int(CPU_SHARE * available)
     return int(CPU_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 

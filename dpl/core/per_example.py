@@ -27,6 +27,7 @@ This module records and clips; the formulas of each layer kind are in :mod:`dpl.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,14 +35,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from dpl.core import clipping_policy as policy
+from dpl.core.group_clipping import GroupClipping
 from dpl.core.layer_gradients import Grouping, LayerRecord, _zero_rows, exact_per_example, prepare, rms_normed
 from dpl.core.streaming import StreamingNorms, in_backward
 from dpl.errors import ConfigError
 
-#: ``privacy.clipping_memory``: how the clipper trades memory for time (see :class:`PerExampleClipper`)
-CLIPPING_MEMORY = ("fast", "low", "auto")
-#: ``auto``'s budget of per-example gradients on a CPU when ``privacy.clipping_memory_budget`` is unset (MiB)
-DEFAULT_CPU_BUDGET_MIB = 256.0
+log = logging.getLogger("dpl")
 
 
 def _kind(module: nn.Module) -> str:
@@ -118,18 +118,18 @@ class PerExampleClipper:
       (:mod:`dpl.core.streaming`); the clipped sum by a second backward pass of sum_i c_i * loss_i. It holds what
       the non-private step holds plus one layer's state, and works with activation checkpointing.
     * ``auto``: as ``low``, except that layers whose per-example gradients fit what is left of ``budget_mib``
-      (default: a quarter of the free device memory on CUDA, 256 MiB elsewhere) keep them; when every layer does,
+      (default: :func:`~dpl.core.clipping_policy.default_budget_bytes`) keep them; when every layer does,
       there is no second pass. Under bf16 (autocast or 16-bit parameters) the other layers keep ``fast``'s state
       instead of a second pass, whose bf16 products would round each clipped gradient apart from its norm; ``low``
       is refused there.
     """
 
     def __init__(self, model: nn.Module, memory: str = "fast", budget_mib: float | None = None) -> None:
-        if memory not in CLIPPING_MEMORY:
-            raise ConfigError(f"privacy.clipping_memory must be one of {', '.join(CLIPPING_MEMORY)}, got {memory!r}")
+        policy.check_choice("clipping_memory", memory, policy.CLIPPING_MEMORY)
         self.model = model
         self.memory = memory
         self.budget_mib = budget_mib
+        self._budget: int | None = None  # auto's budget in bytes, fixed at the first step
         self.stream: StreamingNorms | None = None
         self.peak_held_bytes = 0  # ``auto``: the most bytes of per-example gradients held in the last step
         self.records: list[LayerRecord] = []
@@ -156,6 +156,19 @@ class PerExampleClipper:
             self._handles.append(rec.module.register_forward_pre_hook(self._make_pre_hook(rec)))
             self._handles.append(rec.module.register_forward_hook(self._make_hook(rec)))
         self.parameter_names: list[str] = [n for rec in self.records for n in rec.full_names.values()]
+        self.group_of: dict[int, int] | None = None  # per_layer: each record's group (set_groups)
+
+    def set_groups(self, groups: list[list[str]]) -> None:
+        """Clip group-wise (``privacy.clipping: per_layer``): ``groups`` partition :attr:`parameter_names`
+        (:func:`~dpl.core.clipping_policy.clipping_groups`); a layer's parameters lie in one group."""
+        index = {name: g for g, names in enumerate(groups) for name in names}
+        self.group_of = {}
+        for rec in self.records:
+            owners = {index[name] for name in rec.full_names.values()}
+            if len(owners) != 1:
+                raise ConfigError(f"the parameters of {type(rec.module).__name__} {sorted(rec.full_names.values())} "
+                                  "lie in several clipping groups; a layer is clipped as one")
+            self.group_of[id(rec)] = owners.pop()
 
     def modules_needing_parameter_values(self) -> list[str]:
         """Modules whose per-example gradients need the parameter values (``torch.func`` path): they cannot run on
@@ -204,8 +217,10 @@ class PerExampleClipper:
         """Record layer inputs and outputs during a forward pass over ``batch_size`` examples."""
         self._clear()
         self._batch_size = batch_size
-        if self.memory != "fast":
-            device = next((p.device for rec in self.records for p in rec.params.values()), torch.device("cpu"))
+        if self.group_of is not None:
+            self.stream = GroupClipping(self._device(), self.group_of)
+        elif self.memory != "fast":
+            device = self._device()
             book = _low_precision(self.records, device)
             if book and self.memory == "low":
                 raise ConfigError("privacy.clipping_memory low needs float32 parameters without autocast (its second "
@@ -218,14 +233,24 @@ class PerExampleClipper:
         finally:
             self._recording = False
 
+    def _device(self) -> torch.device:
+        return next((p.device for rec in self.records for p in rec.params.values()), torch.device("cpu"))
+
     def _budget_bytes(self, device: torch.device) -> int | None:
+        """``auto``'s budget, fixed at the first step and logged once: the configured MiB, or a share of what the
+        device has free then (:func:`~dpl.core.clipping_policy.default_budget_bytes`)."""
         if self.memory == "low":
             return None
-        if self.budget_mib is not None:
-            return int(self.budget_mib * 2 ** 20)
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0] // 4)
-        return int(DEFAULT_CPU_BUDGET_MIB * 2 ** 20)
+        if self._budget is None:
+            if self.budget_mib is not None:
+                self._budget = int(self.budget_mib * policy.MIB)
+            else:
+                free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+                self._budget = policy.default_budget_bytes(free)
+            log.info("dpl: clipping_memory auto: budget %s; each layer keeps its per-example gradients or book within "
+                     "it, and with all of them kept one backward pass (fast's time)",
+                     policy.describe_budget(self._budget, self.budget_mib is not None, device.type))
+        return self._budget
 
     def _clear(self) -> None:
         self._armed = False
@@ -261,11 +286,35 @@ class PerExampleClipper:
         # Under mixed precision (bf16-mixed) autocast would run the norms' and sums' products in bfloat16, with
         # separate roundings for the norm and for the summed gradient: an example could then add more than
         # max_norm. Both are computed in float32 from the recorded activations and output gradients.
+        if isinstance(self.stream, GroupClipping):
+            raise RuntimeError("the clipper clips group-wise: call group_clipped_sum")
         try:
             if self.stream is not None:
                 return self._streamed_sum(losses, max_norm, exclude, units, reforward)
             with torch.autocast(device_type=losses.device.type, enabled=False):
                 return self._clipped_sum(losses, max_norm, exclude, units)
+        finally:
+            self._clear()
+
+    def group_clipped_sum(self, losses: Tensor, thresholds: Tensor, exclude: Tensor | None = None,
+                          units: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """Group-wise clipping (:mod:`dpl.core.group_clipping`) in the one backward pass of ``losses``: each group's
+        gradient of each example (or unit, as :meth:`clipped_sum`) clipped to its threshold, summed. Returns the
+        sums, the norms before clipping and, per group, the centred count of units within its threshold (private:
+        only ``privatize`` may read the sums and the counts)."""
+        if losses.dim() != 1 or losses.shape[0] != self._batch_size:
+            raise ValueError(f"expected per-example losses of shape ({self._batch_size},), got {tuple(losses.shape)}")
+        stream = self.stream
+        try:
+            grouping = None if units is None else Grouping(units.to(losses.device), cache=False)
+            rows = self._batch_size if grouping is None else grouping.count
+            if exclude is not None:
+                exclude = exclude.to(device=losses.device, dtype=torch.bool)
+                exclude = exclude if grouping is None else grouping.all_rows(exclude)
+            stream.start(rows, thresholds, grouping, exclude)
+            torch.autograd.grad(losses.sum(), stream.sink, allow_unused=True)
+            stream.flush()
+            return self._complete(stream.sums), stream.sq_norms.sqrt(), stream.counts
         finally:
             self._clear()
 

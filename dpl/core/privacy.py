@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from dpl.core import clipping_policy as policy
 from dpl.errors import ConfigError, PrivacyWarning
 
 
@@ -56,8 +57,23 @@ class PrivacyConfig:
             more backward pass) or ``auto`` (default: ``low``, except that layers whose per-example gradients fit
             ``clipping_memory_budget`` keep them; with all of them kept, one backward pass; under bf16 the others
             keep ``fast``'s state). No effect on privacy.
-        clipping_memory_budget: MiB of per-example gradients ``auto`` may hold; default: a quarter of the free
-            device memory on CUDA, 256 MiB on a CPU.
+        clipping_memory_budget: MiB of per-example gradients and books ``auto`` may hold; default: a quarter of the
+            free device memory on CUDA, of the available RAM (``MemAvailable``) on a CPU, read at the first step.
+        clipping: ``flat`` (default: each example's whole gradient clipped to C) or ``per_layer`` (group-wise: each
+            group of parameters clipped to its own C_g with sum_g C_g^2 = C^2, inside the one backward pass: the
+            non-private step's memory at about its time; same sigma and epsilon; ``clipping_memory`` is then unused).
+        clipping_groups: ``per_layer``'s groups as parameter-name patterns (``fnmatch``; a parameter joins the first
+            it matches); default: each trainable layer (its weight and bias together) is a group.
+        clipping_thresholds: ``fixed`` (default: C_g proportional to the square root of the group's parameters, or
+            ``clipping_split``) or ``adaptive`` (each C_g moves toward the ``clipping_quantile`` of its per-example
+            norms from a noisy count each step, the C_g rescaled to sum_g C_g^2 = C^2; the counts' noise takes
+            ``clipping_count_share`` of the step's privacy: docs/privacy.md).
+        clipping_split: the stated thresholds C_g, one per group in order (their squares must add up to C^2); with
+            ``adaptive``, the first step's.
+        clipping_quantile: ``adaptive``'s target quantile of each group's per-example norms (0.5: the median).
+        clipping_rate: ``adaptive``'s geometric step eta: C_g <- C_g exp(-eta (b_g - quantile)).
+        clipping_count_share: ``adaptive``: the counts' part of 1/sigma^2 (the gradient's noise multiplier is then
+            sigma / sqrt(1 - share), the counts' noise std sqrt(G) sigma / (2 sqrt(share)) over G groups).
         adjacency: the neighbouring relation the guarantee must hold for: ``add_remove`` (one example added or
             removed), ``zero_out`` (one example's contribution replaced by zero) or ``replace_one`` (one example
             replaced by another). Default: the mechanism's own (DP-SGD: add_remove; ftrl: zero_out). A
@@ -84,6 +100,13 @@ class PrivacyConfig:
     user_sampling: Literal["users", "rows"] = "users"
     clipping_memory: Literal["fast", "low", "auto"] = "auto"
     clipping_memory_budget: float | None = None
+    clipping: Literal["flat", "per_layer"] = "flat"
+    clipping_groups: list[str] | None = None
+    clipping_thresholds: Literal["fixed", "adaptive"] = "fixed"
+    clipping_split: list[float] | None = None
+    clipping_quantile: float = 0.5
+    clipping_rate: float = 0.2
+    clipping_count_share: float = 0.1
 
     def validate(self) -> None:
         """Raise :class:`~dpl.errors.ConfigError` with one line for an unusable setting."""
@@ -116,12 +139,39 @@ class PrivacyConfig:
         if self.unit == "user" and self.max_rows_per_user is None:
             raise ConfigError("privacy.unit: user needs privacy.max_rows_per_user (k, the most rows one user "
                               "contributes)")
-        if self.clipping_memory not in ("fast", "low", "auto"):
-            raise ConfigError(f"privacy.clipping_memory must be fast, low or auto, got {self.clipping_memory!r}")
+        policy.check_choice("clipping_memory", self.clipping_memory, policy.CLIPPING_MEMORY)
         if self.clipping_memory_budget is not None and not self.clipping_memory_budget >= 0:
             raise ConfigError(f"privacy.clipping_memory_budget (MiB) must be >= 0, got {self.clipping_memory_budget}")
+        self._validate_clipping()
         if self.max_rows_per_user is not None and self.max_rows_per_user < 1:
             raise ConfigError(f"privacy.max_rows_per_user must be >= 1, got {self.max_rows_per_user}")
+
+    def _validate_clipping(self) -> None:
+        policy.check_choice("clipping", self.clipping, policy.CLIPPING)
+        policy.check_choice("clipping_thresholds", self.clipping_thresholds, policy.THRESHOLDS)
+        if self.clipping == "flat":
+            named = [name for name, value in (("clipping_groups", self.clipping_groups),
+                                              ("clipping_split", self.clipping_split)) if value is not None]
+            if self.clipping_thresholds != "fixed":
+                named.append("clipping_thresholds")
+            if named:
+                raise ConfigError(f"privacy.{named[0]} needs privacy.clipping: per_layer")
+            return
+        if math.isinf(self.max_grad_norm):
+            raise ConfigError("privacy.clipping per_layer splits a finite max_grad_norm C over the groups")
+        if self.clipping_groups is not None and not self.clipping_groups:
+            raise ConfigError("privacy.clipping_groups is empty: name at least one pattern (or leave it unset)")
+        if not 0 < self.clipping_quantile < 1:
+            raise ConfigError(f"privacy.clipping_quantile must be in (0, 1), got {self.clipping_quantile}")
+        if not self.clipping_rate > 0:
+            raise ConfigError(f"privacy.clipping_rate must be > 0, got {self.clipping_rate}")
+        if not 0 < self.clipping_count_share < 1:
+            raise ConfigError(f"privacy.clipping_count_share must be in (0, 1), got {self.clipping_count_share}")
+
+    @property
+    def adaptive_clipping(self) -> bool:
+        """Whether the thresholds adapt (their noisy counts are part of the release)."""
+        return self.clipping == "per_layer" and self.clipping_thresholds == "adaptive"
 
     def delta_for(self, num_examples: int) -> float:
         return self.target_delta if self.target_delta is not None else 0.1 / num_examples

@@ -14,8 +14,11 @@ from torch import Tensor, nn
 from dpl.errors import PluginError
 from dpl.core.gradients import GradientSum, PrivateGradient
 from dpl.core.noise import NoiseSource
+from dpl.core.privacy import PrivacyConfig
 from dpl.core.privacy_unit import UNITS_KEY, PrivacyUnit
 
+#: key of the per-group centred counts of adaptive clipping thresholds in the clipped sum (only privatize reads them)
+CLIPPING_COUNTS_KEY = "dpl_clipping_counts"
 #: batch key of the filler flags (bool per example) in FSDP training batches; fillers are weighted zero
 PADDING_KEY = "dpl_padding"
 #: batch key of the privacy unit of every row (int64 per row) under user-level sampling: the rows of one unit are
@@ -45,6 +48,7 @@ class RunSetup:
     # carry UNITS_KEY; bounds_rows: ELS), k (max_rows) and the users
     clipping_memory: str = "auto"  # privacy.clipping_memory: "fast", "low" or "auto" (the default estimator)
     clipping_memory_budget: float | None = None  # privacy.clipping_memory_budget (MiB)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # the run's privacy settings (privacy.clipping...)
 
 
 @dataclass

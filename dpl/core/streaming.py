@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dpl.core.layer_gradients import (Grouping, LayerRecord, PreparedLayer, per_example_gradients, per_example_path,
-                                     prepare, sq_norms)
+from dpl.core import clipping_policy as policy
+from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, per_example_gradients, prepare, sq_norms
 
 
 def in_backward() -> bool:
@@ -141,8 +141,7 @@ class StreamingNorms:
         view = LayerRecord(rec.module, rec.kind, rec.full_names, inputs)
         if layer.decided is None:
             if self.one_pass:
-                kept, book = self._costs(rec, layer)
-                layer.decided = "kept" if kept is not None and (book is None or kept <= book) else "booked"
+                layer.decided = policy.one_pass_choice(*self._costs(rec, layer))
             else:
                 layer.decided = "kept" if self._fits(rec) else "booked" if self.book else "low"
         if layer.decided == "kept":
@@ -163,43 +162,29 @@ class StreamingNorms:
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def _book_bytes(self, rec: LayerRecord, inputs: list[Tensor], grads: list[Tensor]) -> int:
-        """What a layer's book holds: its inputs and output gradients, and a linear layer's per-example weight
-        gradients where they are cheaper than the Gram path (the rule of :func:`~dpl.core.layer_gradients.sq_norms`)."""
+        """What a layer's book holds (:func:`~dpl.core.clipping_policy.book_bytes`)."""
         size = sum(t.numel() * t.element_size() for t in (*inputs, *grads))
-        steps = sum(g.shape[1] if g.dim() > 2 else 1 for g in grads)
-        return size + self._per_example_path_bytes(rec, steps)
+        return self._book_of(rec, size, sum(g.shape[1] if g.dim() > 2 else 1 for g in grads))
 
-    def _per_example_path_bytes(self, rec: LayerRecord, steps: int) -> int:
-        if rec.kind != "linear" or "weight" not in rec.full_names:
-            return 0
-        d_out, d_in = rec.params["weight"].shape
-        return 4 * self.sq_norms.numel() * d_in * d_out if per_example_path(steps, d_in, d_out) else 0
+    def _book_of(self, rec: LayerRecord, activation_bytes: int, steps: int) -> int:
+        linear = rec.kind == "linear" and "weight" in rec.full_names
+        d_out, d_in = rec.params["weight"].shape if linear else (0, 0)
+        return policy.book_bytes(activation_bytes, self.sq_norms.numel(), steps, d_in, d_out, linear)
 
     def _costs(self, rec: LayerRecord, layer: _Layer) -> tuple[int | None, int | None]:
         """(bytes of the layer's per-example gradients, of its book); None where the layer cannot hold that."""
-        kept = None if rec.kind == "embedding" else 4 * self.sq_norms.numel() * sum(
-            p.numel() for p in rec.params.values())
-        book = (layer.book_bytes + self._per_example_path_bytes(rec, layer.steps)
-                if rec.kind in ("linear", "embedding") else None)
-        return kept, book
+        kept = policy.kept_bytes(self.sq_norms.numel(), sum(p.numel() for p in rec.params.values()))
+        return policy.layer_costs(rec.kind, kept, self._book_of(rec, layer.book_bytes, layer.steps))
 
     def plan_passes(self) -> None:
         """Before the first backward pass (the forward pass has noted every layer): one pass if every layer's
         per-example gradients or book, the smaller, fit the budget together (``auto`` in float32)."""
-        self.one_pass = False
-        if self.budget_bytes is None or self.book:
-            return
-        total = 0
-        for rec, layer in self.layers.values():
-            total += min(c for c in self._costs(rec, layer) if c is not None)
-        self.one_pass = total <= self.budget_bytes
+        self.one_pass = not self.book and policy.one_pass(
+            [self._costs(rec, layer) for rec, layer in self.layers.values()], self.budget_bytes)
 
     def _fits(self, rec: LayerRecord) -> bool:
-        if self.budget_bytes is None or rec.kind == "embedding":
-            return False
-        rows = self.sq_norms.numel()
-        need = 4 * rows * sum(p.numel() for p in rec.params.values())
-        return self.held_bytes + need <= self.budget_bytes
+        need = policy.kept_bytes(self.sq_norms.numel(), sum(p.numel() for p in rec.params.values()))
+        return policy.fits(rec.kind, self.held_bytes, need, self.budget_bytes)
 
     def _gram_cache(self, inputs: list[Tensor]) -> dict[tuple, Tensor]:
         """The Gram matrix of the latest input, shared by the layers that read it (Q, K, V); the input is held

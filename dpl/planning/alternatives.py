@@ -205,6 +205,7 @@ class PlanReport:
     recommended: Row | None = None
     why: str = ""
     memory: MemoryPlan | None = None  # None: the gradient estimate is a plugin's own (no per-example clipping)
+    clipping: str | None = None  # privacy.clipping per_layer: its groups, thresholds and (adaptive) privacy split
 
 
 def finish_report(report: PlanReport, engine: Any, replan: Any) -> PlanReport:

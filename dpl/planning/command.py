@@ -142,7 +142,22 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
         trainable=sum(p.numel() for p in trainable.values()), estimator=_estimator(engine), lora=_lora(module))
     if report.estimator is None:
         report.memory = _memory(module, datamodule, trainer)
+    report.clipping = _clipping(engine, cfg)
     return finish_report(report, engine, partial(_replan, module, trainer, float(target)))
+
+
+def _clipping(engine: Any, cfg: Any) -> str | None:
+    """``privacy.clipping: per_layer``: the groups and thresholds the default estimator set up, and under adaptive
+    thresholds the split of the step's privacy (the mechanism's scope)."""
+    if cfg.clipping == "flat":
+        return None
+    clip = dict(engine.plugin_manager.list_name_plugin()).get("clip")
+    groups = len(clip.groups) if clip is not None and clip.groups is not None else 0
+    thresholds = clip.thresholds if clip is not None else []
+    shown = (f"C_g from {min(thresholds):.3g} to {max(thresholds):.3g}, sum of squares C^2" if thresholds else "")
+    adaptive = engine.mechanism.scope.get("clipping")
+    kind = adaptive if adaptive else f"per_layer fixed over {groups} groups (sigma and epsilon: flat clipping's)"
+    return f"{kind}; {shown}; one backward pass, no book" if shown else kind
 
 
 def _replan(module: Any, trainer: Any, epsilon: float, batch_size: int, steps: int) -> Any:
@@ -217,6 +232,8 @@ def format_report(report: PlanReport) -> str:
     lines.append(f"  model    d = {r.trainable:,} trainable parameters{lora}")
     lines.append("  noise    " + _noise_line(r))
     lines.append("  regime   " + _regime_line(r))
+    if r.clipping is not None:
+        lines.append(f"  clipping {r.clipping}")
     if r.memory is None:
         lines.append(f"  memory   not predicted: the gradient estimate is {r.estimator}'s own, not per-example "
                      "clipping")

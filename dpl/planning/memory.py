@@ -22,15 +22,14 @@ Python (no torch): both :mod:`~dpl.planning.command` and the torch-free :mod:`~d
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-#: elements of the largest norm temporary of ``low`` (``dpl.core.layer_gradients.NORM_CHUNK``; a test checks)
-NORM_CHUNK = 1 << 24
-#: ``auto``'s budget on a CPU when ``privacy.clipping_memory_budget`` is unset (``dpl.core.per_example``'s)
-DEFAULT_BUDGET_MIB = 256.0
+from dpl.core import clipping_policy as policy
+from dpl.core.clipping_policy import MIB, NORM_CHUNK
+
 KINDS = ("linear", "embedding", "layer_norm", "rms_norm", "generic")
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,7 @@ def shape_of(record: Any) -> LayerShape:
 def per_example_path(layer: LayerShape, tokens: int) -> bool:
     """Whether a linear layer's weight norm materialises per-example gradients (else Gram matrices; T = 1: neither)
     - the choice of ``dpl.core.layer_gradients._prepare_linear``."""
-    d_in, d_out = layer.d_in, layer.d_out
-    return (layer.kind == "linear" and layer.matrix and tokens > 1
-            and tokens * tokens * (d_in + d_out) >= d_in * d_out * tokens)
+    return layer.kind == "linear" and layer.matrix and policy.per_example_path(tokens, layer.d_in, layer.d_out)
 
 
 def grad_bytes(kind: str, precision: str) -> int:
@@ -79,7 +76,7 @@ def grad_bytes(kind: str, precision: str) -> int:
 
 def kept_bytes(layer: LayerShape, batch: int) -> int:
     """The float32 per-example gradients of the layer's trainable parameters."""
-    return 4 * batch * layer.numel
+    return policy.kept_bytes(batch, layer.numel)
 
 
 def fast_bytes(layer: LayerShape, batch: int, tokens: int, precision: str) -> int:
@@ -106,32 +103,27 @@ def low_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
     layers (``dpl.core.layer_gradients.sq_norms``), the per-example gradients of the others."""
     if layer.kind not in ("linear", "embedding"):
         return kept_bytes(layer, batch)
-    d_in, d_out = layer.d_in, layer.d_out
-    ghost = layer.kind == "embedding" or tokens * (d_in + d_out) < d_in * d_out
-    per_row = (2 * tokens * tokens if ghost else d_in * d_out) + tokens * (d_in + d_out)
-    rows = min(batch, max(1, NORM_CHUNK // max(1, per_row)))
-    return 4 * rows * per_row
+    per_row = policy.norm_temporary(layer.kind, tokens, layer.d_in, layer.d_out)
+    return 4 * min(batch, policy.norm_chunk(per_row)) * per_row
 
 
 def book_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
     """What ``auto``'s book of a float32 layer holds (``dpl.core.streaming.StreamingNorms._book_bytes``): its input (an
     embedding's int64 token ids), its g, and its per-example gradients on the per-example path."""
     size = (8 if layer.kind == "embedding" else 4 * layer.d_in) * batch * tokens + 4 * batch * tokens * layer.d_out
-    return size + (4 * batch * layer.d_in * layer.d_out if per_example_path(layer, tokens) else 0)
+    return policy.book_bytes(size, batch, tokens, layer.d_in, layer.d_out, layer.kind == "linear" and layer.matrix)
 
 
 def _costs(layers: list[LayerShape], batch: int, tokens: int) -> list[tuple[int | None, int | None]]:
     """Per layer: (bytes of its per-example gradients, of its book); None where it cannot hold that."""
-    return [(None if layer.kind == "embedding" else kept_bytes(layer, batch),
-             book_bytes(layer, batch, tokens) if layer.kind in ("linear", "embedding") else None) for layer in layers]
+    return [policy.layer_costs(layer.kind, kept_bytes(layer, batch), book_bytes(layer, batch, tokens))
+            for layer in layers]
 
 
 def one_pass(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None, bf16: bool) -> bool:
     """Whether float32 ``auto`` holds every layer's per-example gradients or book, the smaller, and skips the second
     backward pass: they fit the budget together (``dpl.core.streaming.StreamingNorms.plan_passes``)."""
-    if bf16 or tokens is None:
-        return False
-    return sum(min(c for c in pair if c is not None) for pair in _costs(layers, batch, tokens)) <= budget_bytes
+    return not (bf16 or tokens is None) and policy.one_pass(_costs(layers, batch, tokens), budget_bytes)
 
 
 def keeps_in_any_order(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None = None,
@@ -151,12 +143,11 @@ def auto_choices(layers: list[LayerShape], batch: int, budget_bytes: int, tokens
     otherwise ``kept`` while its per-example gradients fit what is left of the budget (never an embedding's), the
     others ``low`` (under bf16 ``booked``, as ``fast``, outside the budget)."""
     if one_pass(layers, batch, budget_bytes, tokens, bf16):
-        return ["kept" if kept is not None and (book is None or kept <= book) else "booked"
-                for kept, book in _costs(layers, batch, tokens)]
+        return [policy.one_pass_choice(kept, book) for kept, book in _costs(layers, batch, tokens)]
     held, choices = 0, []
     for layer in layers:
         need = kept_bytes(layer, batch)
-        if layer.kind != "embedding" and held + need <= budget_bytes:
+        if policy.fits(layer.kind, held, need, budget_bytes):
             held += need
             choices.append("kept")
         else:
@@ -196,6 +187,7 @@ class MemoryPlan:
     tokens: int | None  # T: data.max_length (None: the data module has none)
     mode: str
     budget_mib: float | None  # privacy.clipping_memory_budget as configured (None: the default)
+    budget_bytes: int  # what auto is predicted with (the default: a quarter of this machine's available RAM)
     precision: str
     kinds: list[KindMemory]
     fast: int | None
@@ -208,13 +200,24 @@ class MemoryPlan:
         return self.precision.startswith("bf16")
 
 
+@functools.lru_cache(maxsize=1)
+def _default_budget() -> int:
+    """``auto``'s default budget on this machine's CPU, read once per process (one plan, one figure)."""
+    return policy.default_budget_bytes()
+
+
+def planned_budget(budget_mib: float | None) -> int:
+    """The budget ``auto`` is predicted with: the configured MiB, or the CPU default of the machine that plans."""
+    return int(budget_mib * MIB) if budget_mib is not None else _default_budget()
+
+
 def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tokens: int | None, mode: str,
                 budget_mib: float | None, precision: str, batch_memory_mib: float | None = None,
                 batch_size: int = 0) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``layers`` (in the order of the backward pass: last layer first)."""
     auto_batch = physical_batch_size == "auto"
     batch = 1 if auto_batch else int(physical_batch_size)
-    budget = int((DEFAULT_BUDGET_MIB if budget_mib is None else budget_mib) * MIB)
+    budget = planned_budget(budget_mib)
     bf16 = precision.startswith("bf16")
     choices = auto_choices(layers, batch, budget, tokens, bf16)
 
@@ -238,7 +241,7 @@ def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tok
     known = tokens is not None
     return MemoryPlan(
         micro_batch=None if auto_batch else batch, batch_size=batch_size, batch_memory_mib=batch_memory_mib,
-        tokens=tokens, mode=mode, budget_mib=budget_mib, precision=precision, kinds=kinds,
+        tokens=tokens, mode=mode, budget_mib=budget_mib, budget_bytes=budget, precision=precision, kinds=kinds,
         fast=sum(k.fast for k in kinds) if known else None,
         fast_transient=max((gram_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
         low_transient=max((low_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
@@ -272,8 +275,9 @@ def memory_lines(m: MemoryPlan) -> list[str]:
         larger = m.micro_batch > m.batch_size > 0
         note = f"; an upper bound: a sampled batch, B = {m.batch_size:,} expected, mostly fits in one" if larger else ""
         lines = [f"micro-batch b = {m.micro_batch:,} (privacy.physical_batch_size{note}), {length}"]
-    budget = f"{m.budget_mib:g} MiB" if m.budget_mib is not None else \
-        "256 MiB on a CPU (default; on CUDA a quarter of the free memory)"
+    budget = policy.describe_budget(m.budget_bytes, m.budget_mib is not None, "cpu")
+    if m.budget_mib is None:
+        budget = budget[:-1] + " here; on CUDA of the free memory at the first step)"
     dtype = {"bf16-mixed": "g of linear layers in bfloat16 (bf16-mixed)", "bf16-true": "g in bfloat16 (bf16-true)"}
     lines.append(f"clipping_memory {m.mode}, auto's budget {budget}; per-example gradients in float32, "
                  + dtype.get(m.precision, "g in float64" if m.precision.startswith("64") else "g in float32"))
@@ -285,8 +289,12 @@ def memory_lines(m: MemoryPlan) -> list[str]:
     lines += ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                                for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.append(f"predicted per-example clipping state above the non-private step ({m.mode}): {_mode(m, m.mode)}")
-    lines.append("  " + "; ".join(f"{mode} {_mode(m, mode)}" for mode in ("fast", "low", "auto") if mode != m.mode))
+    lines.append("  " + "; ".join(f"{mode} {_mode(m, mode)}" for mode in policy.CLIPPING_MEMORY if mode != m.mode))
     lines.append("  (counted: g and per-example state; layer inputs are autograd's saved activations)")
+    if m.auto is not None and m.fast is not None and m.auto > m.fast and any(k.booked_layers for k in m.kinds):
+        lines.append("  (auto's books count their layer inputs too, which they hold past a checkpointed block's "
+                     "recomputation; without checkpointing fast and auto hold the same inputs, and auto's one pass "
+                     "takes fast's time)")
     return lines
 
 

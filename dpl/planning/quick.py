@@ -36,7 +36,7 @@ from dpl.core.privacy import PrivacyConfig, warn_if_seeded
 from dpl.core.regime import NoiseRegime
 from dpl.errors import DPLError
 from dpl.planning.alternatives import alternatives, recommend, row_of
-from dpl.planning.memory import DEFAULT_BUDGET_MIB, MIB, LayerShape, MemoryPlan, keeps_in_any_order, plan_memory
+from dpl.planning.memory import LayerShape, MemoryPlan, keeps_in_any_order, plan_memory, planned_budget
 
 MODULES = ("dpl.tasks.modules.DPClassificationModule", "dpl.tasks.modules.classification.DPClassificationModule")
 DATA = ("dpl.tasks.data.QuickstartDataModule", "dpl.tasks.data.quickstart.QuickstartDataModule")
@@ -170,6 +170,8 @@ def _privacy(values: dict[str, Any]) -> PrivacyConfig:
         kwargs[key] = _typed(value, hints[key], key)
     privacy = PrivacyConfig(**kwargs)
     privacy.validate()
+    if privacy.clipping != "flat":  # its groups come from the model's layers: the full path
+        raise Unplannable("privacy.clipping")
     warn_if_seeded(privacy)  # as the engine's setup warns on the full path
     return privacy
 
@@ -274,7 +276,7 @@ def _memory(layers: list[LayerShape], privacy: PrivacyConfig, tokens: int, preci
     budget = privacy.clipping_memory_budget
     precision = str(precision or "32-true")
     precision = {"32": "32-true", "64": "64-true"}.get(precision, precision)
-    if not keeps_in_any_order(layers, batch, int((DEFAULT_BUDGET_MIB if budget is None else budget) * MIB), tokens,
+    if not keeps_in_any_order(layers, batch, planned_budget(budget), tokens,
                               precision.startswith("bf16")):
         raise Unplannable("auto's budget keeps some layers, in the backward pass's order")
     return plan_memory(layers[::-1], physical_batch_size=privacy.physical_batch_size, tokens=tokens,
