@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -336,6 +337,21 @@ def test_finetune_resume_keeps_finished_cells(finetune_quick):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "s per run)" not in done.stdout  # every cell was finished: nothing trained again
     assert json.loads((out / "finetune_ftrl_quick.json").read_text())["cells"] == finetune_quick["ftrl"]["cells"]
+
+
+def test_finetune_ftrl_resumes_within_a_cell(finetune_quick, tmp_path):
+    """Every run is saved as it ends: --resume trains only the runs not yet in the file, even within a cell."""
+    full = finetune_quick["ftrl"]
+    part = {**full, "cells": full["cells"][:-1], "runs": full["runs"][:-1]}  # stopped during the last cell
+    (tmp_path / "finetune_ftrl_quick.json").write_text(json.dumps(part))
+    done = subprocess.run([sys.executable, str(STUDIES / "finetune.py"), "ftrl", "--quick", "--resume",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(re.findall(r"\] run \d+: eps=", done.stderr)) == 1  # the one run missing, nothing else
+    res = json.loads((tmp_path / "finetune_ftrl_quick.json").read_text())
+    assert res["cells"][:-1] == full["cells"][:-1] and res["runs"][:-1] == full["runs"][:-1]
+    assert [c["arm"] for c in res["cells"]] == [c["arm"] for c in full["cells"]]
+    assert len(res["runs"]) == len(full["runs"]) and all(r["seconds"] > 0 for r in res["runs"])
 
 
 def test_the_docs_cpu_denoise_tables_are_what_finetune_py_prints(capsys):
