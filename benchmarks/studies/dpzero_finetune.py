@@ -72,7 +72,7 @@ TEMPERATURES = [1.0, 3.0, 10.0, 30.0, 100.0]
 
 DEFAULTS = {"shots": 512, "tune_rows": 512, "eval_rows": None, "max_length": 64, "zo_steps": 500, "zo_batch": 16,
             "fo_batch": 32, "mu": 1e-3, "zo_clip": 10.0, "fo_clip": 1.0, "direction": "rademacher",
-            "zo_grid": [3e-6, 1e-5, 3e-5], "fo_grid": [1e-4, 1e-3, 1e-2], "seeds": [0, 1, 2], "memory_steps": 3}
+            "zo_grid": [3e-5, 1e-4, 3e-4], "fo_grid": [1e-4, 1e-3, 1e-2], "seeds": [0, 1, 2], "memory_steps": 3}
 QUICK = {"shots": 8, "tune_rows": 16, "eval_rows": 32, "zo_steps": 3, "zo_batch": 4, "fo_batch": 8,
          "zo_grid": [1e-5], "fo_grid": [0.03], "seeds": [0], "memory_steps": 1}
 
@@ -305,6 +305,19 @@ def table(results: dict[str, Any]) -> str:
                      f"{'-' if c['lr'] is None else format(c['lr'], '.3g')}{edge} | {fmt(c['acc'])} | "
                      f"{c['acc']['n']} | {fmt(c['loss'], 1.0, 3)} | "
                      f"{'-' if mem is None else format(mem['above_model_mb'], '.0f')} |")
+    finished = {c["arm"] for c in results["cells"]}
+    for name in [a for a in order if a not in finished and any(r["arm"] == a for r in results.get("runs", []))]:
+        runs = [r for r in results["runs"] if r["arm"] == name]
+        tuned = ", ".join(f"{r['lr']:g}: " + ("diverged" if r["diverged"] else f"{100 * r['acc']:.1f}")
+                          for r in sorted(runs, key=lambda r: r["lr"]) if r["purpose"] == "tune")
+        report = [r for r in runs if r["purpose"] == "report" and not r["diverged"]]
+        done = (f"{fmt(spread([r['acc'] for r in report]))} | {len(report)} of {len(s['seeds'])} | "
+                f"{fmt(spread([r['loss'] for r in report]), 1.0, 3)}") if report else "- | 0 | -"
+        mem = memory_of.get(name)
+        eps = ARMS[order.index(name)]["epsilon"]
+        lines.append(f"| {name} | {'∞ (no DP)' if eps is None else format(eps, 'g')} | {runs[0]['sigma']:.3f} | "
+                     f"partial: tuning acc % by lr {tuned or '-'} | {done} | "
+                     f"{'-' if mem is None else format(mem['above_model_mb'], '.0f')} |")
     if "inference" in memory_of:
         m = memory_of["inference"]
         lines.append(f"| (inference forward, B = {m['micro_batch']}) | - | - | - | - | - | - | "
@@ -356,10 +369,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "trainable_parameters": built["model"].size, "forward_passes": 2 * s["zo_steps"] * s["zo_batch"]},
                "memory": old.get("memory")}
     start = time.perf_counter()
-    study(args, s, results, name, arms, built)
-    if not results["memory"] and not args.arms:
+    if not results["memory"]:  # first (every arm's, whatever --arms): minutes, whatever the training gets through
         results["memory"] = memory(args, ARMS)
         save(name, results, args.out)
+    study(args, s, results, name, arms, built)
     results["seconds"] = time.perf_counter() - start
     save(name, results, args.out)
     print(table(results))

@@ -81,7 +81,7 @@ METRICS = ["bleu", "rouge_l", "meteor", "nist", "cider"]
 #: full and --quick settings of each study (command-line options override them)
 DEFAULTS = {
     "ftrl": {"rows": 1_536, "tune_rows": 512, "eval_rows": None, "batch_size": 48, "physical_batch_size": 16,
-             "epochs": 6, "epsilons": [4.0, 16.0], "lr_grid": [0.3, 1.0, 3.0], "seeds": [0, 1, 2],
+             "epochs": 6, "epsilons": [4.0, 16.0], "lr_grid": [0.03, 0.1, 0.3], "seeds": [0, 1, 2],
              "lora": {"r": 1, "alpha": 2, "target_modules": ["query", "value"]}, "max_length": 64},
     "denoise": {"rows": None, "eval_rows": 100, "batch_size": 64, "planned_steps": 400, "scored_steps": [25, 50, 100],
                 "epsilon": 5.4, "lr": 2e-4, "seeds": [0, 1, 2, 3, 4], "metrics": METRICS, "max_new_tokens": 64,
@@ -324,7 +324,28 @@ def ftrl_table(results: dict[str, Any]) -> str:
         lines.append(f"| {c['epsilon']:g} | {c['arm']} | {c['mechanism']}{bands} | {c['sigma']:.3f} | {c['lr']:.3g}"
                      f"{edge} | {fmt(c['acc']) if c['acc'] else 'diverged'} | "
                      f"{fmt(c['loss'], 1.0, 3) if c['loss'] else '-'} |")
-    return "\n".join(lines)
+    return "\n".join(lines + partial_rows(results))
+
+
+def partial_rows(results: dict[str, Any]) -> list[str]:
+    """Rows of the cells still running (their runs saved so far): the tuning scores, and the report seeds done."""
+    finished = {(c["arm"], c["epsilon"]) for c in results["cells"]}
+    order = [a["name"] for a in FTRL_ARMS]
+    started = sorted({(r["epsilon"], r["arm"]) for r in results.get("runs", [])
+                      if (r["arm"], r["epsilon"]) not in finished}, key=lambda k: (k[0], order.index(k[1])))
+    lines = []
+    for eps, arm in started:
+        runs = [r for r in results["runs"] if (r["arm"], r["epsilon"]) == (arm, eps)]
+        tuned = ", ".join(f"{r['lr']:g}: {100 * r['acc']:.1f}" if not r["diverged"] else f"{r['lr']:g}: diverged"
+                          for r in sorted(runs, key=lambda r: r["lr"]) if r["purpose"] == "tune")
+        report = [r for r in runs if r["purpose"] == "report" and not r["diverged"]]
+        bands = f" ({runs[0]['bands']})" if runs[0]["bands"] else ""
+        lines.append(f"| {eps:g} | {arm} | {runs[0]['mechanism']}{bands} | {runs[0]['sigma']:.3f} | partial: tuning "
+                     f"acc % by lr {tuned} | " + (f"{fmt(spread([r['acc'] for r in report]))} ({len(report)} of "
+                                                    f"{len(results['settings']['seeds'])} seeds) | "
+                                                    f"{fmt(spread([r['loss'] for r in report]), 1.0, 3)} |"
+                                                    if report else "- (no seed yet) | - |"))
+    return lines
 
 
 def ftrl_plot(results: dict[str, Any]) -> None:
