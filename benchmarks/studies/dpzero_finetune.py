@@ -41,6 +41,7 @@ the docs' tables.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -53,7 +54,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from common import (DATA, ENCODER, choose, fmt, read_tsv, result_name, save, spread, study_parser, tune)
 from finetune import Encoded, Model, classify
@@ -318,6 +319,11 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {'∞ (no DP)' if eps is None else format(eps, 'g')} | {runs[0]['sigma']:.3f} | "
                      f"partial: tuning acc % by lr {tuned or '-'} | {done} | "
                      f"{'-' if mem is None else format(mem['above_model_mb'], '.0f')} |")
+    started = finished | {r["arm"] for r in results.get("runs", [])}
+    for name in [a for a in order if a not in started and a in memory_of]:  # measured, not trained yet
+        eps = ARMS[order.index(name)]["epsilon"]
+        lines.append(f"| {name} | {'∞ (no DP)' if eps is None else format(eps, 'g')} | - | not run yet | - | 0 | - | "
+                     f"{memory_of[name]['above_model_mb']:.0f} |")
     if "inference" in memory_of:
         m = memory_of["inference"]
         lines.append(f"| (inference forward, B = {m['micro_batch']}) | - | - | - | - | - | - | "
@@ -340,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--arms", nargs="+", help="run only these arms (by name)")
     parser.add_argument("--resume", action="store_true", help="keep the runs already saved in the results file")
     parser.add_argument("--memory", action="store_true", help="only measure each arm's step memory")
-    parser.add_argument("--probe", help=argparse_hidden())
+    parser.add_argument("--probe", help=argparse.SUPPRESS)  # one arm's memory, in a process of its own
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="only print the tables of a results file")
     args = parser.parse_args(argv)
     if args.table:
@@ -377,12 +383,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     save(name, results, args.out)
     print(table(results))
     return results
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
