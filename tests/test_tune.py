@@ -424,6 +424,12 @@ def test_a_tuning_is_one_line_in_the_ledger_of_its_root_with_the_tuned_epsilon(w
     [(event, _)] = events.history_from_json(tuning["events"])
     assert isinstance(event, events.RepeatAndSelect) and event.shape == 1.0
     assert events.epsilon(event, tuning["delta"]) == pytest.approx(tuned["epsilon"], rel=1e-9)
+    from dpl.trained.spending import ledger_command
+
+    capsys.readouterr()
+    assert ledger_command([str(root)]) == 0  # shown as a tuning: no step count, no "None" folder
+    [line] = [line for line in capsys.readouterr().out.splitlines() if folder.name in line]
+    assert "None" not in line and "the best of K trials" in line and "     - " in line
 
 
 def test_a_tuning_logs_one_run_to_the_tracker_with_the_tuned_epsilon(world, capsys, monkeypatch, tmp_path):

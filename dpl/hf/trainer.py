@@ -113,8 +113,7 @@ class PrivateTrainerMixin:
 
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         location = getattr(getattr(base, "config", None), "_name_or_path", None) or None
-        unit = (f"one user: all the training rows with the same {user_column!r}"
-                if self.dpl_engine.privacy.unit == "user" else "one row of the training set")
+        unit = self.dpl_engine.unit.describe("training rows", f"column {user_column!r}", "one row of the training set")
         return {"base_model": describe_model(location), "training_data": describe_rows(self.train_dataset),
                 "unit_description": unit}
 

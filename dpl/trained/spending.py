@@ -233,9 +233,12 @@ def show(group: dict[str, Any]) -> list[str]:
     for run in group["runs"]:
         folder = run.get("run_folder")
         note = f"; continued by {run['continued_by']}, which accounts for its steps" if run["continued_by"] else ""
-        lines.append(f"  {run['status']:<12} {str(run.get('started')):<21} {run['steps']:>6} "
-                     f"{_fmt_eps(run['epsilon']):>9} {float(run['delta']):>9.3g}  {run['run_id']} "
-                     f"{folder}{'' if folder is None or _kept(run) else ' (removed)'}{note}")
+        tuning = run.get("mechanism") == "tuning"  # its steps and trials would reveal the secret number of trials
+        steps = "-" if tuning else run["steps"]
+        where = ("dpl tune: the best of K trials (K secret; no steps or folders shown)" if tuning else
+                 f"{folder}{'' if folder is None or _kept(run) else ' (removed)'}")
+        lines.append(f"  {run['status']:<12} {str(run.get('started')):<21} {steps:>6} "
+                     f"{_fmt_eps(run['epsilon']):>9} {float(run['delta']):>9.3g}  {run['run_id']} {where}{note}")
     composed = group["composed"]
     if composed is None:
         lines.append("  not composed: runs on unidentified data may be on different data sets")

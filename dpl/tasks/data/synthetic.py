@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
+from dpl.core.privacy_unit import EXAMPLE, PrivacyUnit
 from dpl.errors import DataError
 from dpl.tasks.data.conversations import check_messages, encode, segments
 from dpl.tasks.data.files import json_lines, read_text
@@ -173,8 +174,8 @@ class SyntheticDataModule(GenerationDataModule):
         rows = self._controls["train"]
         return rows[:self.max_train_examples] if self.max_train_examples is not None else rows
 
-    def unit_description(self, unit: str = "example") -> str:
-        if unit == "user":
+    def unit_description(self, unit: PrivacyUnit = EXAMPLE) -> str:
+        if unit.per_user:
             return super().unit_description(unit)
         what = "a conversation" if self.conversational else "a text"
         controls = f" with its {', '.join(self.control_columns)}" if self.control_columns else ""
