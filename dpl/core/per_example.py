@@ -13,9 +13,8 @@ dpl then forms once, already weighted by each example's clipping factor:
 * ``nn.LayerNorm``: per-example gradients in closed form (sum over positions of g * x_hat, and of g).
 * RMSNorm (``nn.RMSNorm``, Llama's ``LlamaRMSNorm`` and other ``*RMSNorm`` classes with one ``weight``): closed form
   (sum over positions of g * x / rms(x)), used only after a numerical check against the exact path at setup.
-* anything else (RMSNorm, ...): exact per-example gradients of that module's own parameters with
-  ``torch.func`` (vmap of a vjp through ``functional_call``), given the recorded input and output gradient.
-  The module's forward must take a single tensor.
+* anything else: exact per-example gradients of its own parameters with ``torch.func`` (vmap of a vjp through
+  ``functional_call``) from the recorded input and output gradient; its forward must take a single tensor.
 
 Inputs whose batch dimension is 1 while the batch has more examples (BERT's position ids) are expanded to
 the batch first, so that each example's gradient stays separate. A parameter shared by two modules (tied
