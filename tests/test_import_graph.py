@@ -123,3 +123,16 @@ def test_the_commands_loaded_by_name_count():
 def test_nothing_below_the_command_imports_it():
     importers = sorted(name for name, imported in import_graph().items() if "dpl.cli" in imported)
     assert importers == [], importers
+
+
+#: the largest a module may grow (lines): past it, a module holds more than one job
+ROOM = 450
+ROOMS = {"dpl/lightning/module.py": 300,  # the Lightning adapter: hooks over the engine, nothing of its own
+         "dpl/core/engine.py": 462}  # the engine, over the room and shrinking: never larger than now
+
+
+def test_every_module_is_within_its_room():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for folder in ("dpl", "plugins") for p in (ROOT / folder).rglob("*.py")}
+    over = {name: n for name, n in sizes.items() if n > ROOMS.get(name, ROOM)}
+    assert not over, over
