@@ -12,6 +12,7 @@ import numpy as np
 
 from dpl.audit.bound import Guess
 from dpl.audit.injections import INJECTIONS
+from dpl.core.privacy_unit import names_users
 from dpl.errors import ConfigError
 
 
@@ -107,7 +108,7 @@ class AuditConfig:
         need(self.inject in INJECTIONS, f"inject must be one of {', '.join(INJECTIONS)}, got {self.inject!r}")
         need(self.weak_noise_factor >= 0, "weak_noise_factor must be >= 0")
         need(self.max_rows_per_user >= 1, f"max_rows_per_user must be >= 1, got {self.max_rows_per_user}")
-        need(self.inject != "per_row_clip" or self.unit == "user", "inject: per_row_clip needs unit: user")
+        need(self.inject != "per_row_clip" or names_users(self.unit), "inject: per_row_clip needs unit: user")
         rows, cols = self.shape()
         need(rows >= 1 and cols >= 1, f"rows and cols must be >= 1, got {rows} x {cols}")
         if self.canary_type == "dirac":
@@ -117,7 +118,7 @@ class AuditConfig:
     @property
     def rows_per_user(self) -> int:
         """The rows each canary and ordinary example's user has: k with ``unit: user``, else 1."""
-        return self.max_rows_per_user if self.unit == "user" else 1
+        return self.max_rows_per_user if names_users(self.unit) else 1
 
     def shape(self) -> tuple[int, int]:
         """(rows, cols) of the weight matrix: a missing side equals the other; both missing: the smallest square

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dpl.core import clipping_policy as policy
+from dpl.core.privacy_unit import check_setting
 from dpl.errors import ConfigError, PrivacyWarning
 
 
@@ -136,9 +137,7 @@ class PrivacyConfig:
             raise ConfigError("privacy.secure_noise draws from the OS CSPRNG and cannot be seeded: unset privacy.seed")
         if self.log_epsilon_every_n_steps < 1:
             raise ConfigError("privacy.log_epsilon_every_n_steps must be >= 1")
-        if self.unit == "user" and self.max_rows_per_user is None:
-            raise ConfigError("privacy.unit: user needs privacy.max_rows_per_user (k, the most rows one user "
-                              "contributes)")
+        check_setting(self.unit, self.max_rows_per_user)
         policy.check_choice("clipping_memory", self.clipping_memory, policy.CLIPPING_MEMORY)
         if self.clipping_memory_budget is not None and not self.clipping_memory_budget >= 0:
             raise ConfigError(f"privacy.clipping_memory_budget (MiB) must be >= 0, got {self.clipping_memory_budget}")

@@ -27,6 +27,17 @@ Sampling = Literal["rows", "users", "bounded_rows"]
 UNITS_KEY = "dpl_units"
 
 
+def names_users(unit: str) -> bool:
+    """Whether a ``unit`` setting (``privacy.unit``, ``dpl audit``'s ``unit``) asks for user-level DP."""
+    return unit == "user"
+
+
+def check_setting(unit: str, max_rows_per_user: int | None) -> None:
+    """The unit's settings of :class:`~dpl.core.privacy.PrivacyConfig`, checked once: a user needs k."""
+    if names_users(unit) and max_rows_per_user is None:
+        raise ConfigError("privacy.unit: user needs privacy.max_rows_per_user (k, the most rows one user contributes)")
+
+
 @dataclass(frozen=True)
 class PrivacyUnit:
     """``kind``: ``example`` (one row) or ``user`` (all the rows of one user); ``sampling``: what the mechanism
