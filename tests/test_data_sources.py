@@ -164,3 +164,29 @@ def test_prompt_completion_dataset_and_row_errors():
     with pytest.raises(DataError) as err:
         build(JSONLDataModule, tok, dataset=bad, prompt_field="question", completion_field="answer").validate_data()
     assert one_line(err) == "Dataset:train row 3: empty completion in field 'answer'"
+
+
+# ----------------------------------------------------------------------------------- the library loop
+
+
+def test_private_training_takes_a_dataset_split_and_refuses_a_dataset_dict():
+    """A ``datasets.Dataset`` (torch format) trains as the same rows in a list: the same parameters, exactly (the
+    same sampled rows through the same float32 arithmetic); a DatasetDict is refused in one line."""
+    import torch
+    from test_training_loop import Classifier, loop, toy_data
+
+    from dpl.errors import ConfigError
+
+    rows = toy_data()
+    features = datasets.Features({"x": datasets.Sequence(datasets.Value("float32")), "y": datasets.Value("int64")})
+    table = datasets.Dataset.from_list([{"x": r["x"].tolist(), "y": int(r["y"])} for r in rows], features=features)
+    table.set_format("torch")
+    trained = {}
+    for name, data in (("list", rows), ("dataset", table)):
+        model = Classifier()
+        loop(model, data, steps=3).run()
+        trained[name] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(trained["list"], trained["dataset"]))
+    with pytest.raises(ConfigError) as err:
+        loop(Classifier(), datasets.DatasetDict({"train": table, "test": table}), steps=3)
+    assert str(err.value) == "data is a DatasetDict (splits: train, test): give the training split, e.g. data['train']"
