@@ -168,8 +168,8 @@ class DatasetSource:
                             "hash": digest})
         train = [e["hash"] for e in entries if e["split"] == "train"]
         return {"id": combined_id(train, keyed=True), "files": entries,
-                "hashed": f"each split's column types and rows as JSON lines ({DATA_HASH}: keyed with this machine's secret "
-                          f"data key, so that the hash confirms nothing to whoever holds a candidate copy of the "
+                "hashed": f"each split's column types and rows as JSON lines ({DATA_HASH}: keyed with this machine's "
+                          f"secret data key, so that the hash confirms nothing to whoever holds a candidate copy of the "
                           f"data); id: the training split's hash"}
 
 
