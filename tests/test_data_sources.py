@@ -192,3 +192,29 @@ def test_private_training_takes_a_dataset_split_and_refuses_a_dataset_dict():
     with pytest.raises(ConfigError) as err:
         loop(Classifier(), datasets.DatasetDict({"train": table, "test": table}), steps=3)
     assert str(err.value) == "data is a DatasetDict (splits: train, test): give the training split, e.g. data['train']"
+
+
+# ----------------------------------------------------------------------------------- dpl export --push-to-hub
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_push_to_hub_is_refused_offline_or_without_a_token(offline, tmp_path, monkeypatch, capsys):
+    """Refused in one line before anything is read or written: offline, or online without a configured token."""
+    import huggingface_hub.constants as constants
+
+    from dpl.trained.export import export_command
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
+    code = export_command([str(tmp_path / "no-run"), str(tmp_path / "out"), "--push-to-hub", "someone/model"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and not (tmp_path / "out").exists()
+    if offline:
+        assert err == ("dpl: error: --push-to-hub someone/model: the Hugging Face Hub is offline here (HF_HUB_OFFLINE "
+                       "is set); export without it and upload the folder later")
+    else:
+        assert err == ("dpl: error: --push-to-hub someone/model: no Hugging Face token is configured (set HF_TOKEN or "
+                       "run `hf auth login`)")
