@@ -71,6 +71,9 @@ class PrivateTraining:
                  probe_batch: Callable[[int], dict[str, Any]] | None = None, probe_tokens: int | None = None) -> None:
         if (data is None) == (num_examples is None):
             raise ConfigError("give the training data or its size (num_examples), not both")
+        if data is not None and isinstance(data, dict) and hasattr(data, "column_names"):  # a datasets.DatasetDict
+            raise ConfigError(f"data is a DatasetDict (splits: {', '.join(data)}): give the training split, e.g. "
+                              f"data['train']")
         if data is not None:
             num_examples = len(data)
         self.model = model

@@ -5,7 +5,8 @@ for two steps on a tiny model and tiny data.
 Commands run as written, in a scratch folder that mirrors the repository layout (`configs/`, `plugins/` linked, tiny
 data at `../shared/data/...`); only these arguments are appended: a tiny model and tokenizer, `--trainer.max_steps 2`
 and small evaluation limits (generation: 4 new tokens); `dpl tune` runs at most one trial. Placeholder folders
-(`path/to/folder`, `path/to/dart`, ...) are replaced by tiny data of the format the command's data module reads. A
+(`path/to/folder`, `path/to/dart`, ...) are replaced by tiny data of the format the command's data module reads (after
+`--data.dataset`: the same rows saved as a `DatasetDict` folder). A
 fragment config (no model/data class) runs composed as its header comment says, else with configs/quickstart.yaml.
 GPU-only configs are skipped on CPU.
 """
@@ -143,6 +144,25 @@ def _classification_dir(folder: Path, text: str = "sentence", label: str = "labe
     return folder
 
 
+def _saved_dataset(kind: str, world: dict, text: str, label: str) -> str:
+    """The tiny data of ``kind`` as a ``DatasetDict`` folder written by ``save_to_disk`` (for ``--data.dataset``)."""
+    import datasets
+
+    folder = world["tmp"] / "saved" / f"{kind}_{text}_{label}"
+    if not folder.exists():
+        if kind == "classification":
+            source = _classification_dir(world["tmp"] / "data" / f"cls_{text}_{label}", text, label)
+            splits = {s: datasets.Dataset.from_csv(str(source / f"{s}.tsv"), sep="\t", keep_in_memory=True)
+                      for s in ("train", "validation")}
+        else:
+            source = world[kind.lower()]
+            splits = {s: datasets.Dataset.from_list([json.loads(line) for line in
+                                                     (source / f"{s}.jsonl").read_text().splitlines() if line])
+                      for s in ("train", "validation")}
+        datasets.DatasetDict(splits).save_to_disk(str(folder))
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A scratch checkout: work/ (cwd; configs/ and plugins/ linked), shared/data/{sst2,e2e} and tiny models."""
@@ -271,7 +291,10 @@ def prepare(command: str, world: dict) -> tuple[list[str], str | None]:
     if kind == "JSONL" and (_option(args, "--data.format") or init.get("format")) == "messages":
         kind = "CHAT"  # conversations: tiny conversation data, a tiny model whose tokenizer has a chat template
     for i, a in enumerate(args):
-        if a.startswith("path/to/"):
+        if a.startswith("path/to/") and i > 0 and args[i - 1] == "--data.dataset":
+            args[i] = _saved_dataset(kind, world, _option(args, "--data.text_column") or "sentence",
+                                     _option(args, "--data.label_column") or "label")
+        elif a.startswith("path/to/"):
             if kind == "classification":
                 text = _option(args, "--data.text_column") or "sentence"
                 label = _option(args, "--data.label_column") or "label"

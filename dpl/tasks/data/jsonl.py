@@ -1,5 +1,5 @@
 """JSON-lines generation data: one object per line with a prompt and a completion field, or a conversation
-(a ``messages`` list of role/content turns)."""
+(a ``messages`` list of role/content turns); the same columns of a Hugging Face data set (``data.dataset``)."""
 
 from __future__ import annotations
 
@@ -62,35 +62,41 @@ class JSONLDataModule(GenerationDataModule):
         return f"one line of {self.train_name()} (a prompt with its completion)"
 
     def read_file(self, split: str, path: Path) -> list[Record]:
-        text = read_text(path)
-        items = json_lines(path, text)
+        return self._records(path, json_lines(path, read_text(path)), "line")
+
+    def read_rows(self, split: str, path: Path, rows: list[dict[str, Any]]) -> list[Record]:
+        """A data set split's rows, each with the columns of a JSON line."""
+        return self._records(path, list(enumerate(rows, start=1)), "row")
+
+    def _records(self, path: Path, items: list[tuple[int, dict[str, Any]]], unit: str) -> list[Record]:
+        """The records of ``items`` (numbered objects of ``path``; ``unit``: what a number counts, line or row)."""
         if self.format == "messages" or (self.format == "auto" and items and self.messages_field in items[0][1]):
-            return self._conversations(path, items)
+            return self._conversations(path, items, unit)
         records: list[Record] = []
         for number, item in items:
             for key, what in ((self.prompt_field, "prompt"), (self.completion_field, "completion")):
                 if key not in item:
-                    raise DataError(f"{path} line {number}: missing {what} field {key!r} (fields: "
+                    raise DataError(f"{path} {unit} {number}: missing {what} field {key!r} (fields: "
                                     f"{show_fields(item)})")
                 if not isinstance(item[key], str):
-                    raise DataError(f"{path} line {number}: {what} field {key!r} must be a string, found "
+                    raise DataError(f"{path} {unit} {number}: {what} field {key!r} must be a string, found "
                                     f"{type(item[key]).__name__}")
             if not item[self.completion_field].strip():
-                raise DataError(f"{path} line {number}: empty completion in field {self.completion_field!r}")
+                raise DataError(f"{path} {unit} {number}: empty completion in field {self.completion_field!r}")
             fields = {**item, "prompt": item[self.prompt_field], "completion": item[self.completion_field]}
-            records.append(Record(fields=fields, path=path, where=f"line {number}"))
+            records.append(Record(fields=fields, path=path, where=f"{unit} {number}"))
         if not records:
             raise DataError(f"{path}: the file has no JSON lines")
         return records
 
-    def _conversations(self, path: Path, items: list[tuple[int, dict[str, Any]]]) -> list[Record]:
+    def _conversations(self, path: Path, items: list[tuple[int, dict[str, Any]]], unit: str) -> list[Record]:
         records = []
         for number, item in items:
             if self.messages_field not in item:
-                raise DataError(f"{path} line {number}: missing conversation field {self.messages_field!r} "
+                raise DataError(f"{path} {unit} {number}: missing conversation field {self.messages_field!r} "
                                 f"(fields: {show_fields(item)})")
-            messages = check_messages(item[self.messages_field], path, f"line {number}", self.messages_field)
-            records.append(Record(fields=dict(item), path=path, where=f"line {number}", group=(str(path), number),
+            messages = check_messages(item[self.messages_field], path, f"{unit} {number}", self.messages_field)
+            records.append(Record(fields=dict(item), path=path, where=f"{unit} {number}", group=(str(path), number),
                                   messages=messages))
         if not records:
             raise DataError(f"{path}: the file has no JSON lines")
