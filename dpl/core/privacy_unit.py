@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dpl.errors import ConfigError
 
@@ -19,12 +19,20 @@ if TYPE_CHECKING:  # torch is imported where batches are drawn, not for planning
     import torch
     from torch.utils.data import Sampler
 
-    from dpl.core.privacy import PrivacyConfig
     from dpl.core.units import Users
 
 Sampling = Literal["rows", "users", "bounded_rows"]
 #: the batch key under which each row's unit travels under user-level sampling (:meth:`PrivacyUnit.tag`)
 UNITS_KEY = "dpl_units"
+
+
+class UnitSettings(Protocol):
+    """The settings a unit is built from (:class:`~dpl.core.privacy.PrivacyConfig` has them; it imports this
+    module to check them, so this module names only what it reads)."""
+
+    unit: str
+    user_sampling: str
+    max_rows_per_user: int | None
 
 
 def names_users(unit: str) -> bool:
@@ -51,7 +59,7 @@ class PrivacyUnit:
     users: Users | None = None
 
     @classmethod
-    def of(cls, privacy: PrivacyConfig, num_rows: int, users: Users | Sequence[Any] | None = None) -> PrivacyUnit:
+    def of(cls, privacy: UnitSettings, num_rows: int, users: Users | Sequence[Any] | None = None) -> PrivacyUnit:
         """The unit of ``privacy`` over ``num_rows`` training rows. ``users``: the rows of each user, or the user key of
         every row (``None``: the data names no user), required for ``privacy.unit: user`` (one-line ConfigError
         otherwise). With ``privacy.unit: example``, a warning when the keys give users several rows (the per-row
