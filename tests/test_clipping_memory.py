@@ -327,9 +327,9 @@ def test_a_partial_last_chunk_of_norms_counts(monkeypatch, length, chunk):
     is partial (checked), and the norms and sums still equal the loop (and per user). Planted bug this catches: in
     ``layer_gradients.sq_norms`` append ``torch.zeros(rows - start)`` instead of the norms of a chunk shorter than
     ``chunk`` (the partial last one)."""
-    from dpl.core import layer_gradients
+    from dpl.core import clipping_policy, layer_gradients
 
-    monkeypatch.setattr(layer_gradients, "NORM_CHUNK", chunk)
+    monkeypatch.setattr(clipping_policy, "NORM_CHUNK", chunk)
     seen: list[tuple[int, int]] = []
     for kind, prepare_fn in list(layer_gradients._PREPARE.items()):
         def spy(rec, grads, grams, *rest, _prepare=prepare_fn):
