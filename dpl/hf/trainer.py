@@ -38,9 +38,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from dpl.core.engine import PrivateEngine
-from dpl.core.ledger import steps_per_epoch
 from dpl.core.privacy import PrivacyConfig
-from dpl.core.privacy_unit import PrivacyUnit
 from dpl.core.sharding import as_gradient_of
 from dpl.core.update import StreamingDirection, apply_streaming
 from dpl.errors import BudgetExceeded, ConfigError
@@ -91,16 +89,18 @@ class PrivateTrainerMixin:
         privacy = replace(privacy, physical_batch_size=args.per_device_train_batch_size)
         self.dpl_task = losses.resolve_task(task, self.model)
         keys = user_keys(self.train_dataset, user_column)
-        unit = PrivacyUnit.from_keys(privacy, num_rows, keys)
-        per_epoch = steps_per_epoch(unit.population, privacy.batch_size)
-        steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
-        if steps < 1:
-            raise ConfigError("the trainer settings leave no training step (max_steps / num_train_epochs)")
+
+        def steps(per_epoch: int) -> int:  # the trainer's planned steps, from the unit's population (engine.setup)
+            planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+            if planned < 1:
+                raise ConfigError("the trainer settings leave no training step (max_steps / num_train_epochs)")
+            return planned
+
         self.dpl_engine = PrivateEngine(privacy, plugins)
         optimizer = self.create_optimizer()  # the trainer's own: the plugins check it at setup
         self._dpl_trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.dpl_engine.setup(self.model, num_rows=num_rows, steps=steps, trainable=self._dpl_trainable,
-                              optimizer_factory=_answering(optimizer), users=unit.users)
+                              optimizer_factory=_answering(optimizer), users=keys)
         self._dpl_record = RunRecord(self.dpl_engine, self.dpl_task, self._dpl_sources(user_column), args.output_dir)
         self._dpl_plan_logged = False
         self._dpl_metrics: dict[str, float] = {}
