@@ -271,7 +271,7 @@ def test_training_is_bit_identical_with_diagnostics_on_and_off(tiny_run):
     off, trainer_off, warned_off = _train(tiny_run, False)
     on, trainer_on, warned_on = _train(tiny_run, True)
     assert (warned_off, warned_on) == (False, True)
-    assert off.steps_done == on.steps_done == 4
+    assert off.engine.steps_done == on.engine.steps_done == 4
     params_off, params_on = dict(off.model.named_parameters()), dict(on.model.named_parameters())
     assert params_off.keys() == params_on.keys()
     for name, value in params_off.items():
