@@ -240,9 +240,9 @@ def test_the_tuning_event_is_any_of_the_space_configurations(first):
     """Two configurations whose RDP curves cross (sigma 1, q 0.01 and sigma 3.6, q 0.05, 1,000 steps): the tuning's
     event (one trial is either, the best of K ~ Poisson(5)) is worth the bound on the larger curve at every order,
     above either configuration's alone by > 2%, in either order of the plans. Planted bug this catches: in
-    ``dpl.tune.ledger_line.tuning_event`` take ``trials[0]`` instead of ``events.AnyOf(tuple(trials))``."""
+    ``dpl.tune.plans.tuning_event`` take ``trials[0]`` instead of ``events.AnyOf(tuple(trials))``."""
     from dpl.core.accounting import tuning
-    from dpl.tune.ledger_line import tuning_event
+    from dpl.tune.plans import tuning_event
 
     configs = [(1.0, 0.01, 1000), (3.6, 0.05, 1000)]
     configs = configs[first:] + configs[:first]

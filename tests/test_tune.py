@@ -259,7 +259,7 @@ def test_a_batch_size_search_is_bounded_by_every_configuration_and_meets_the_tot
     expected = accounting.tuned_epsilon(dist, accounting.ORDERS, np.maximum(curves["8"], curves["32"]), delta)
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
     # the root ledger's line: its event (one trial is any of the two configurations) is worth the same. Planted bug
-    # this catches: dpl.tune.ledger_line.tuning_event taking trials[0] instead of events.AnyOf(tuple(trials))
+    # this catches: dpl.tune.plans.tuning_event taking trials[0] instead of events.AnyOf(tuple(trials))
     from dpl.core.accounting import events
     from dpl.lightning.data_ledger import LEDGER_NAME, read_entries
 

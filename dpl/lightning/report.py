@@ -289,7 +289,7 @@ class PrivacyReport(Callback):
             self._log_epsilon(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self._checkpoint_steps = getattr(pl_module, "steps_done", 0)  # the steps the newest checkpoint holds
+        self._checkpoint_steps = getattr(getattr(pl_module, "engine", None), "steps_done", 0)  # the steps the newest checkpoint holds
         report = self._write(trainer, pl_module)
         if report is not None:
             checkpoint[REPORT_KEY] = report
