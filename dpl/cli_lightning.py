@@ -271,9 +271,7 @@ class DPLightningCLI(LightningCLI):
         trainer = super().instantiate_trainer(**native_precision(config))
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
-                # without a monitor the newest checkpoint is the last: last.ckpt links to it (one file on disk)
-                callback.save_last = "link" if callback.monitor is None else True
-                callback._link_checkpoint = ckpt_io.link_checkpoint
+                callback.save_last = True
         return trainer
 
     def before_fit(self) -> None:

@@ -136,8 +136,10 @@ class ClipPlugin:
     @hookimpl(trylast=True)
     def post_process(self, ctx: ReleaseContext, gradient: PrivateGradient) -> None:
         """Adaptive thresholds: one geometric step of each C_g from the released noisy fractions."""
+        if self.adaptive is None:
+            return
         fractions = gradient.info.get("clipping_fractions")
-        if self.adaptive is not None and fractions is not None:
+        if fractions is not None:
             quantile, rate, max_norm = self.adaptive
             self.thresholds = clipping_policy.adapted_thresholds(self.thresholds, fractions, quantile, rate, max_norm)
 

@@ -46,12 +46,6 @@ def test_readme_own_data_runs_as_written_on_300_rows(world, tmp_path, monkeypatc
             del args[at:at + 2]
         code, out, err = _run(args, capsys)
         assert code == 0, f"`{command}` exited {code}:\n{err[-2000:]}"
-        if "configs/smoke.yaml" in command:  # one checkpoint file: last.ckpt (and its sidecar) link to it
-            last = Path(world["work"]) / re.search(r"checkpoint (\S+)$", out.strip().splitlines()[-1]).group(1)
-            files = [p for p in last.parent.iterdir() if not p.is_symlink()]
-            assert sorted(p.suffix for p in files) == [".ckpt", ".secret"], files
-            assert last.is_symlink() and last.resolve() == next(p for p in files if p.suffix == ".ckpt")
-            assert Path(f"{last}.secret").resolve() == Path(f"{last.resolve()}.secret")
 
 
 @pytest.fixture(scope="module")

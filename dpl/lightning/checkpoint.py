@@ -212,17 +212,3 @@ def load_engine_state(engine: Any, checkpoint: dict[str, Any], trainer: Any) -> 
     engine.load_state_dict(state)
     engine.load_secret_state_dict(checkpoint.pop(SECRET_KEY, None))
     return True
-
-
-def link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
-    """Lightning's ``save_last: link`` with the sidecar: ``linkpath`` (``last.ckpt``) a link to ``filepath``, and
-    ``linkpath``'s sidecar a link to ``filepath``'s (none if it has none), so a run keeps one file per checkpoint."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
-    source, link = secret_path(filepath), secret_path(linkpath)
-    if source.is_file():
-        ModelCheckpoint._link_checkpoint(trainer, str(source), str(link))
-    elif trainer.is_global_zero and (link.is_symlink() or link.exists()):
-        link.unlink()  # a stale sidecar must not pair with the new link
-
