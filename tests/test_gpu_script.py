@@ -40,7 +40,7 @@ def test_dry_run_from_a_payload_through_the_device_script(tmp_path):
     report = json.loads(path.read_text())
     assert report["dry_run"] and list(report["stages"]) == ["llm_scale", "tests", "speed_memory", "finetune"]
     llm = report["stages"]["llm_scale"]
-    assert llm["status"] == "passed" and llm["results"]["passed"] == llm["results"]["rows"] == 2
+    assert llm["status"] == "passed" and llm["results"]["passed"] == llm["results"]["rows"] == 3  # non-private, the default and per-layer clipping
     assert all(s["status"] in STATUSES and s["seconds"] >= 0 for s in report["stages"].values())
     tests = report["stages"]["tests"]["results"]["tests"]
     assert tests and set(tests.values()) == {"skipped"}  # the gpu tests skip without CUDA (parsed from junit XML)
