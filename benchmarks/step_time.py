@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import json
+import platform
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -148,8 +151,9 @@ def main() -> None:
     parser.add_argument("--only-denoise", action="store_true",
                         help="time only non-private, dpl and dpl + denoise (no opacus, no frozen-embeddings model)")
     parser.add_argument("--only-clipping", action="store_true",
-                        help="time only non-private, dpl (clipping_memory auto), dpl fast and dpl per-layer (the "
-                             "clipping comparison: no opacus, no denoise, no frozen-embeddings model)")
+                        help="time only non-private, dpl (clipping_memory auto), dpl fast, low and per-layer (fixed "
+                             "and adaptive thresholds; the clipping comparison: no opacus, no denoise, no frozen-embeddings model)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the rows to this JSON file")
     parser.add_argument("--clock", default="wall", choices=["wall", "process"],
                         help="process: CPU seconds of this process (robust to other jobs on a shared machine; use "
                              "with OMP_NUM_THREADS=1)")
@@ -167,7 +171,10 @@ def main() -> None:
                     "dpl": dpl_step(load(method, freeze), batch)}
         if not freeze:
             variants["dpl fast"] = dpl_step(load(method, freeze), batch, clipping_memory="fast")
+            variants["dpl low"] = dpl_step(load(method, freeze), batch, clipping_memory="low")
             variants["dpl per-layer"] = dpl_step(load(method, freeze), batch, clipping="per_layer")
+            variants["dpl per-layer adaptive"] = dpl_step(load(method, freeze), batch, clipping="per_layer",
+                                                          clipping_thresholds="adaptive")
         if not freeze and not args.only_clipping:
             for svd in args.denoise:
                 variants[f"dpl + denoise ({svd} SVD)"] = dpl_step(load(method, freeze), batch,
@@ -189,6 +196,16 @@ def main() -> None:
     for label, name, seconds, ratio, fastest, fastest_ratio in rows:
         print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} | {seconds / dpl_time[label]:.3f} | {fastest:.3f} | "
               f"{fastest_ratio:.2f} |")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "settings": {"batch": args.batch, "tokens": args.tokens, "repeats": args.repeats, "clock": args.clock,
+                         "threads": torch.get_num_threads(), "malloc": malloc, "torch": torch.__version__,
+                         "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")},
+            "rows": [{"model": label, "step": name, "median_s": seconds, "x_nonprivate": ratio, "min_s": fastest,
+                      "min_x_nonprivate": fastest_ratio} for label, name, seconds, ratio, fastest, fastest_ratio in rows],
+        }, indent=1) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
