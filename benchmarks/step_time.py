@@ -140,6 +140,19 @@ def timeit(variants: dict[str, Callable[[], None]], repeats: int,
     return times
 
 
+def table(results: dict) -> str:
+    """The markdown table of a results file written with ``--out``: median and fastest step, each as a multiple of
+    the same model's non-private step."""
+    s = results["settings"]
+    lines = [f"batch {s['batch']} x {s['tokens']} tokens, {s['repeats']} interleaved repeats, {s['clock']} clock, "
+             f"{s['threads']} threads, {s['malloc']}, torch {s['torch']}, {s['date']}", "",
+             "| model | step | median s | × non-private | fastest × non-private |", "|---|---|---|---|---|"]
+    for row in results["rows"]:
+        lines.append(f"| {row['model']} | {row['step']} | {row['median_s']:.3f} | {row['x_nonprivate']:.2f} | "
+                     f"{row['min_x_nonprivate']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -154,10 +167,15 @@ def main() -> None:
                         help="time only non-private, dpl (clipping_memory auto), dpl fast, low and per-layer (fixed "
                              "and adaptive thresholds; the clipping comparison: no opacus, no denoise, no frozen-embeddings model)")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--table", type=Path, metavar="RESULTS", help="print the markdown table of a results file "
+                        "(written with --out) and exit")
     parser.add_argument("--clock", default="wall", choices=["wall", "process"],
                         help="process: CPU seconds of this process (robust to other jobs on a shared machine; use "
                              "with OMP_NUM_THREADS=1)")
     args = parser.parse_args()
+    if args.table is not None:
+        print(table(json.loads(args.table.read_text())))
+        return
     malloc = "freed memory kept (dpl.allocator)" if keep_freed_memory() else "system malloc"
     torch.set_num_threads(torch.get_num_threads())
     batch = make_batch(args.batch, args.tokens)

@@ -259,6 +259,24 @@ def test_two_processes_equal_one(tmp_path, monkeypatch, case):
     assert torch.equal(two[0]["fingerprint"], two[1]["fingerprint"])
 
 
+#: group-wise clipping: each rank clips its examples' groups in its one backward pass; the adaptive thresholds' counts
+#: are summed over the ranks with the clipped sums, so the ranks release and update the same thresholds
+PER_LAYER = {"fixed": dict(clipping="per_layer"),
+             "adaptive": dict(clipping="per_layer", clipping_thresholds="adaptive")}
+
+
+@pytest.mark.parametrize("thresholds", PER_LAYER)
+def test_per_layer_clipping_two_processes_equal_one(tmp_path, thresholds):
+    one = run(tmp_path / "one", 1, **PER_LAYER[thresholds])[0]
+    two = run(tmp_path / "two", 2, **PER_LAYER[thresholds])
+    for rank in two:
+        assert rank["epsilon"] == one["epsilon"] and rank["sigma"] == one["sigma"]
+        assert_same_params(rank["params"], one["params"], atol=summation_tolerance(one, steps=4, lr=0.5))
+    assert torch.equal(two[0]["fingerprint"], two[1]["fingerprint"])
+    start = VectorModule().build_model().state_dict()
+    assert max((one["params"][n] - start[n]).abs().max().item() for n in start) > 1e-3  # it trained
+
+
 def test_dpzero_embedding_rows_two_processes_equal_one(tmp_path):
     """dpzero moves an embedding table only in the rows each rank's batch looks up (different rows on each rank)
     and writes them back exactly before the update: the ranks stay bit-identical, and equal to one process."""

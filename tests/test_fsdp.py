@@ -111,8 +111,9 @@ def fit(module: DPModule, data: L.LightningDataModule, out: Path, devices: int, 
 
 
 def run_blocks(out: Path, devices: int, steps: int = 4, plugins=None, optimizer=None, sigma: float = 0.5,
-               **kwargs) -> list[dict]:
-    settings = dict(noise_multiplier=sigma, batch_size=16, physical_batch_size=3, seed=7, max_grad_norm=1.0)
+               privacy: dict | None = None, **kwargs) -> list[dict]:
+    settings = dict(noise_multiplier=sigma, batch_size=16, physical_batch_size=3, seed=7, max_grad_norm=1.0,
+                    **(privacy or {}))
     module = BlockModule(privacy=PrivacyConfig(**settings), plugins=plugins,
                          optimizer=optimizer or functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9))
     return fit(module, IndexedData(160), out, devices, steps, **kwargs)
@@ -212,6 +213,24 @@ def test_two_sharded_processes_equal_one(tmp_path, case):
     start = BlockModule().build_model().state_dict()
     assert max((one["params"][n] - start[n]).abs().max().item() for n in start) > 1e-3  # it trained
     assert torch.equal(two[0]["fingerprint"], two[1]["fingerprint"])  # same generator states
+
+
+@pytest.mark.parametrize("thresholds", ["fixed", "adaptive"])
+def test_per_layer_clipping_two_sharded_processes_equal_one(tmp_path, thresholds):
+    """Group-wise clipping under FSDP: each rank clips its examples layer by layer in its one backward pass (no
+    second pass, which ``clipping_memory: low`` would need and FSDP refuses); the adaptive counts are summed over
+    the ranks with the clipped sums."""
+    privacy = dict(clipping="per_layer", clipping_thresholds=thresholds)
+    one = run_blocks(tmp_path / "one", 1, privacy=privacy)[0]
+    two = run_blocks(tmp_path / "two", 2, privacy=privacy)
+    for rank in two:
+        assert rank["epsilon"] == one["epsilon"] and rank["sigma"] == one["sigma"]
+        # SGD with momentum 0.9 carries a difference into every later step: at most 1 / (1 - 0.9) = 10 times
+        assert_same_params(rank["params"], one["params"], atol=summation_tolerance(
+            one, steps=4, lr=0.5, amplification=10.0))
+    assert torch.equal(two[0]["fingerprint"], two[1]["fingerprint"])
+    start = BlockModule().build_model().state_dict()
+    assert max((one["params"][n] - start[n]).abs().max().item() for n in start) > 1e-3  # it trained
 
 
 def test_parameters_are_sharded_and_validation_synchronized(tmp_path):
