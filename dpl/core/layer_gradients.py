@@ -181,13 +181,26 @@ def lean_prepare(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tenso
     """As :func:`prepare`, holding less: a linear or embedding layer's norms a chunk of examples at a time
     (:func:`sq_norms`) and its weighted sum from its inputs and output gradients (group-wise clipping, where the
     factors are known as soon as the layer's norms are)."""
-    if rec.kind not in _PREPARE:
+    if rec.kind not in _PREPARE or _small_per_example_gradients(rec, grads, grouping):
         return prepare(rec, grads, grams, grouping)
     sq = sq_norms(rec, grads, grams, grouping)
     if grouping is not None:
         rec = LayerRecord(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs])
         grads = [grouping.tokens(g) for g in grads]
     return PreparedLayer(sq, lambda factors, keep=None: _direct_sums(rec, grads, factors, keep))
+
+
+def _small_per_example_gradients(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> bool:
+    """Whether a linear layer's per-example weight gradients are its cheaper norm path and, for the whole batch, no
+    larger than its recorded input and output gradient and one norm chunk: then they are formed once and reused for
+    the weighted sum (LoRA's matrices, long sequences), instead of a second product of the layer's size. Per example
+    only (units concatenate their rows' tokens: the chunked path)."""
+    if rec.kind != "linear" or "weight" not in rec.full_names or grouping is not None:
+        return False
+    rows = grads[0].shape[0]
+    steps = sum(_as_3d(g).shape[1] for g in grads)
+    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(rec.inputs[0]).shape[-1]
+    return per_example_path(steps, d_in, d_out) and rows * d_in * d_out <= policy.NORM_CHUNK
 
 
 def _prepare_embedding(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
