@@ -361,8 +361,8 @@ class DPLightningCLI(LightningCLI):
             return
         path = Path(value)
         if not path.exists():
-            raise ConfigError(f"checkpoint {str(value)!r} not found (a run saves checkpoints/last.ckpt in its "
-                              f"log folder)")
+            raise ConfigError(ckpt_io.broken_link(path) or f"checkpoint {str(value)!r} not found (a run saves "
+                              f"checkpoints/last.ckpt in its log folder)")
         if not path.is_file():
             raise ConfigError(f"checkpoint {str(value)!r} is not a file")
         with open(path, "rb") as f:

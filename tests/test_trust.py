@@ -237,6 +237,9 @@ def test_a_linked_last_checkpoint_resumes_with_the_sidecar_of_the_file_it_links_
         _trainer(tmp_path / "r", 6).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(last))
     assert resumed.engine.steps_done == 6
     assert not [r for r in caplog.records if "without the checkpoint's .secret sidecar" in r.getMessage()]
+    last.resolve().unlink()  # killed between removing the older checkpoint and linking to the newer: one line
+    with pytest.raises(ConfigError, match=r"last.ckpt links to epoch=0-step=4.ckpt, which does not exist: resume"):
+        _trainer(tmp_path / "r", 6).fit(_vector_module(seed=None), datamodule=VectorDataModule(), ckpt_path=str(last))
 
 
 # ---------------------------------------------------------------------------------------------------------

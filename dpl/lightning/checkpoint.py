@@ -80,11 +80,21 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def broken_link(path: str | os.PathLike) -> str | None:
+    """The one line for a checkpoint ``path`` that links to a file no longer there (``last.ckpt`` of a run killed
+    between removing the checkpoint it linked to and linking to the newer one); ``None`` for any other path."""
+    path = Path(path)
+    if not path.is_symlink() or path.exists():
+        return None
+    return (f"checkpoint {path} links to {os.readlink(path)}, which does not exist: resume from the newest .ckpt "
+            f"file beside it")
+
+
 def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any]:
     """``torch.load`` a checkpoint, turning a missing, truncated or corrupt file into a one-line ConfigError."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"checkpoint {path} does not exist")
+        raise ConfigError(broken_link(path) or f"checkpoint {path} does not exist")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # truncated zip, garbage bytes, pickle errors
