@@ -227,3 +227,19 @@ def test_a_truncated_checkpoint_outside_its_run_folder_is_said_to_be_truncated(t
     code, _, err = _run(args, capsys)
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and "corrupt or truncated" in lines[0] and "config.yaml" not in lines[0], err
+
+
+def test_last_ckpt_is_a_link_only_where_the_newest_checkpoint_is_the_last():
+    """Without a monitor the newest checkpoint kept is the newest state: last.ckpt links to it. With a monitor (the
+    best kept, not the newest), with no checkpoint kept, or in a remote folder, last.ckpt is a file of its own."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dpl.cli_lightning import _last_checkpoint_kind
+
+    local, remote = SimpleNamespace(default_root_dir="runs"), SimpleNamespace(default_root_dir="s3://bucket/runs")
+    assert _last_checkpoint_kind(ModelCheckpoint(), local) == "link"
+    assert _last_checkpoint_kind(ModelCheckpoint(monitor="val_acc", mode="max"), local) is True
+    assert _last_checkpoint_kind(ModelCheckpoint(save_top_k=0), local) is True
+    assert _last_checkpoint_kind(ModelCheckpoint(), remote) is True
