@@ -168,6 +168,14 @@ def run(args: list[str] | None) -> None:
     BANNERS.release()
 
 
+def _last_checkpoint_kind(callback: ModelCheckpoint, trainer: Any) -> bool | str:
+    """``save_last`` of a checkpoint callback the config left unset: ``"link"`` (``last.ckpt`` a symbolic link to the
+    newest checkpoint, one file on disk) where no monitor picks the checkpoints it keeps, so the newest saved is the
+    last, and the folder is local; else ``True`` (``last.ckpt`` a file of its own)."""
+    folder = str(callback.dirpath or trainer.default_root_dir)
+    return "link" if callback.monitor is None and callback.save_top_k != 0 and "://" not in folder else True
+
+
 class DPLightningCLI(LightningCLI):
     """LightningCLI that validates the privacy setup before the trainer writes anything, saves ``last.ckpt``,
     shows plain progress lines and a one-line model summary when stdout is not a terminal, and removes a run
@@ -271,7 +279,7 @@ class DPLightningCLI(LightningCLI):
         trainer = super().instantiate_trainer(**native_precision(config))
         for callback in trainer.checkpoint_callbacks:  # `dpl ... --ckpt_path .../checkpoints/last.ckpt` resumes
             if isinstance(callback, ModelCheckpoint) and callback.save_last is None:
-                callback.save_last = True
+                callback.save_last = _last_checkpoint_kind(callback, trainer)
         return trainer
 
     def before_fit(self) -> None:
@@ -353,8 +361,8 @@ class DPLightningCLI(LightningCLI):
             return
         path = Path(value)
         if not path.exists():
-            raise ConfigError(f"checkpoint {str(value)!r} not found (a run saves checkpoints/last.ckpt in its "
-                              f"log folder)")
+            raise ConfigError(ckpt_io.broken_link(path) or f"checkpoint {str(value)!r} not found (a run saves "
+                              f"checkpoints/last.ckpt in its log folder)")
         if not path.is_file():
             raise ConfigError(f"checkpoint {str(value)!r} is not a file")
         with open(path, "rb") as f:

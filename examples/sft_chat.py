@@ -60,7 +60,8 @@ def main() -> None:
     trainer.train()
     trainer.save_model()
     engine = trainer.dpl_engine
-    print(f"dpl: trained {engine.steps_done} private steps through SFTTrainer; epsilon = {engine.epsilon():.3f} "
+    steps = f"{engine.steps_done} private step{'' if engine.steps_done == 1 else 's'}"
+    print(f"dpl: trained {steps} through SFTTrainer; epsilon = {engine.epsilon():.3f} "
           f"(delta = {engine.plan.delta:.3g}); saved to {args.output} with privacy.json")
 
 

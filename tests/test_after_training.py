@@ -114,7 +114,8 @@ def test_classification_journey(classification, tmp_path, capsys, pooling):
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
     assert hf.config.id2label == {0: "negative", 1: "positive"}
     assert json.loads((exported / "privacy.json").read_text())["epsilon"] == pytest.approx(report["epsilon"])
-    secret = torch.load(run_dir / "checkpoints" / "last.ckpt.secret", weights_only=True)["entries"][-1]
+    last = (run_dir / "checkpoints" / "last.ckpt").resolve()  # a link to the newest checkpoint, beside its sidecar
+    secret = torch.load(f"{last}.secret", weights_only=True)["entries"][-1]
     noise_state = secret["noise_rng"].numpy().tobytes()[:64]
     assert not list(exported.rglob("*.secret")) and noise_state not in _files_text(exported)
 

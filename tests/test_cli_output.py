@@ -136,7 +136,7 @@ def test_export_is_public_and_the_secret_stays_owner_only(run, tmp_path):
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "export").iterdir() if p.is_file()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
-    secret = folder / "checkpoints" / "last.ckpt.secret"
+    secret = Path(f"{(folder / 'checkpoints' / 'last.ckpt').resolve()}.secret")  # the newest checkpoint's
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert stat.S_IMODE((folder / "checkpoints" / "last.ckpt").stat().st_mode) == 0o644
 

@@ -127,10 +127,13 @@ def test_help_lists_every_task_class_and_finds_it_by_name(capsys):
 
 
 @pytest.mark.parametrize("content,pattern", [(None, "not found"), (b"", "not a readable checkpoint"),
-                                             (b"PK\x03\x04 truncated", "not a readable checkpoint")])
+                                             (b"PK\x03\x04 truncated", "not a readable checkpoint"),
+                                             ("link", "links to gone.ckpt, which does not exist: resume from")])
 def test_bad_ckpt_path_is_one_line(tiny, tmp_path, capsys, content, pattern):
     path = tmp_path / "last.ckpt"
-    if content is not None:
+    if content == "link":  # last.ckpt linking to a checkpoint removed before the link moved on
+        path.symlink_to("gone.ckpt")
+    elif content is not None:
         path.write_bytes(content)
     line = _fails(_args(tiny, tmp_path / "runs", "--ckpt_path", str(path)), capsys)
     assert pattern in line

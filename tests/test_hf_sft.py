@@ -133,5 +133,26 @@ def test_trl_tokenizes_the_conversations_and_packing_is_refused(tiny_chat_model,
                                 args=sft_config(tmp_path, max_steps=2), train_dataset=conversations,
                                 processing_class=tokenizer, privacy=privacy, user_column="user")
     assert trainer.dpl_task == "causal_lm" and trainer.dpl_engine.plan.num_rows == 32
+    assert trainer.dpl_engine.task_kind == "generation"  # the noise regime's warning cites generation's evidence
     trainer.train()
     assert trainer.dpl_engine.steps_done == 2 and trainer.state.log_history[-1]["epsilon"] > 0
+
+
+def test_the_model_card_names_no_local_path_of_the_base_model(tiny_chat_model, tmp_path):
+    """A base model loaded from a local file (as a .gguf is) is not named by its path in TRL's README.md."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    weights = tmp_path / "models" / "tiny.Q4_1.gguf"
+    weights.parent.mkdir()
+    weights.write_bytes(b"GGUF")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    model.config.name_or_path = str(weights)  # what from_pretrained(..., gguf_file=...) records
+    conversations = datasets.load_dataset("json", data_files=str(CHAT / "train.jsonl"), split="train")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    trainer = PrivateSFTTrainer(model=model, args=sft_config(tmp_path, max_steps=1, max_length=64),
+                                train_dataset=conversations, processing_class=tokenizer,
+                                privacy=PrivacyConfig(target_epsilon=8.0, batch_size=8))
+    trainer.create_model_card(model_name="sft")
+    card = (tmp_path / "sft" / "README.md").read_text()
+    assert "# Model Card for sft" in card and str(tmp_path) not in card and "gguf" not in card
+    assert model.config.name_or_path == str(weights)  # the model's own config is left as it was

@@ -93,7 +93,7 @@ def test_three_steps_equal_private_training(tmp_path, monkeypatch):
     lib.next_indices = lambda: drawn.append(next_indices()) or drawn[-1]
     lib.run()
 
-    assert hf.dpl_engine.noise_multiplier == lib.noise_multiplier
+    assert hf.dpl_engine.noise_multiplier == lib.noise_multiplier and hf.dpl_engine.task_kind == "classification"
     assert hf.dpl_engine.epsilon() == lib.epsilon and hf.dpl_engine.steps_done == lib.steps_done == 3
     assert seen == drawn and any(seen)
     for (name, a), (_, b) in zip(hf.model.named_parameters(), model.named_parameters()):

@@ -71,6 +71,36 @@ def test_engine_start_warns_once_in_the_hopeless_regime(caplog):
     assert "\n" not in warned[0].getMessage()
 
 
+
+def test_the_warning_cites_classification_evidence_only_to_a_classification_run():
+    """Above 6 only classification runs failed to appear and the one generation run (E2E LoRA at 20) learned: a
+    generation run, or one whose driver names no task, is not told it is noisier than any classification run."""
+    from dpl.core.regime import CLASSIFICATION, GENERATION
+
+    regime = NoiseRegime(0.8017084690119702, 32, 338_690, 1.0)
+    classification, generation, unsaid = (regime.warning(k) for k in (CLASSIFICATION, GENERATION, None))
+    assert "above 6 C, noisier than any classification run the project has seen learn; raise B" in classification
+    for line in (generation, unsaid):
+        assert "noisier than any classification run" not in line and "\n" not in line
+        assert ("above 6 C, where no classification run the project has seen learned and its one generation run (a "
+                "pretrained language model's LoRA on E2E, at 20 C) did; if the validation loss does not fall") in line
+
+
+@pytest.mark.parametrize("kind", ["classification", "generation"])
+def test_engine_start_warns_in_the_words_of_its_drivers_task(kind, caplog):
+    from dpl.tasks.modules import DPClassificationModule, DPGenerationModule, DPPromptClassificationModule
+
+    assert DPClassificationModule(model="x").engine.task_kind == "classification"
+    assert DPPromptClassificationModule.task_kind == "classification"
+    assert DPGenerationModule(model="x").engine.task_kind == "generation"
+    engine = _engine(nn.Linear(1000, 400), n=64, batch=8, steps=16, epsilon=1.0)
+    engine.task_kind = kind
+    with caplog.at_level(logging.INFO, logger="dpl"):
+        engine.start()
+    warned = [r.getMessage() for r in caplog.records if WARNING in r.getMessage()]
+    assert len(warned) == 1 and warned[0] == engine.noise_regime().warning(kind)
+    assert ("noisier than any classification run" in warned[0]) == (kind == "classification")
+
 def test_engine_start_does_not_warn_below_the_threshold(caplog):
     engine = _engine(nn.Linear(8, 2), n=10_000, batch=256, steps=20, epsilon=8.0)
     assert engine.noise_regime().quiet

@@ -216,6 +216,32 @@ def test_resume_without_sidecar_uses_fresh_entropy(tmp_path):
     assert not torch.equal(normal((20,), resumed.engine.noise_source), next_noise)
 
 
+def test_a_linked_last_checkpoint_resumes_with_the_sidecar_of_the_file_it_links_to(tmp_path, caplog):
+    """``save_last: link`` (what dpl fit sets without a monitor): last.ckpt is a link to the newest checkpoint, with
+    no sidecar of its own; loading it reads the newest checkpoint's sidecar, and the run resumes with its secrets."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dpl.lightning.checkpoint import SidecarCheckpointIO
+
+    module = _vector_module(seed=None)
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last="link")
+    _trainer(tmp_path, 4, callbacks=[saving]).fit(module, datamodule=VectorDataModule())
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_symlink() and not secret_path(last).exists()
+    assert sorted(p.name for p in last.parent.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=0-step=4.ckpt.secret",
+                                                             "last.ckpt"]
+    loaded = SidecarCheckpointIO().load_checkpoint(last)
+    assert loaded[SECRET_KEY]["secret_id"] == loaded["dpl"]["secret_id"]  # the newest checkpoint's own secrets
+    resumed = _vector_module(seed=None)
+    with caplog.at_level(logging.INFO, logger="dpl"):
+        _trainer(tmp_path / "r", 6).fit(resumed, datamodule=VectorDataModule(), ckpt_path=str(last))
+    assert resumed.engine.steps_done == 6
+    assert not [r for r in caplog.records if "without the checkpoint's .secret sidecar" in r.getMessage()]
+    last.resolve().unlink()  # killed between removing the older checkpoint and linking to the newer: one line
+    with pytest.raises(ConfigError, match=r"last.ckpt links to epoch=0-step=4.ckpt, which does not exist: resume"):
+        _trainer(tmp_path / "r", 6).fit(_vector_module(seed=None), datamodule=VectorDataModule(), ckpt_path=str(last))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 2. a non-finite example contributes exactly zero
 

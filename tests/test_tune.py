@@ -205,7 +205,9 @@ def test_a_tuning_runs_k_trials_and_keeps_only_the_best(world, capsys, monkeypat
     assert "## Tuning" in (run / "privacy.md").read_text()
     assert "chosen by private tuning" in report["model_card"] and "Theorem 6" in report["model_card"]
     assert "hyperparameters tuned on the private data" not in json.dumps(report)
-    # the checkpoint carries the tuned report, so an export does too
+    # the checkpoint carries the tuned report, so an export does too; last.ckpt stays a link to it (one file)
+    assert (run / "checkpoints" / "last.ckpt").is_symlink()
+    assert len([p for p in (run / "checkpoints").glob("*.ckpt") if not p.is_symlink()]) == 1
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt[REPORT_KEY]["tuning"]["epsilon"] == pytest.approx(expected)
     main(["export", str(run), str(tmp_path / "export")])

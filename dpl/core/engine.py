@@ -82,6 +82,7 @@ class PrivateEngine:
         self._replayed = False  # the generators continue a checkpoint's streams
         self._announced = False
         self.resumed_from: str | None = None  # the checkpoint this run continues (set by the driver)
+        self.task_kind: str | None = None  # the driver's kind of task (regime.CLASSIFICATION ...): the regime warning's
         self.release_dimension: int | None = None  # coordinates the noise goes on (None: a plugin's own estimate)
         self.micro_batch: MicroBatch | None = None  # what physical_batch_size: auto chose (fit_micro_batch)
 
@@ -242,9 +243,8 @@ class PrivateEngine:
                  "adjacency]%s", plan.population, cfg.batch_size, self.sampling_rate, plan.steps,
                  self.noise_multiplier, cfg.max_grad_norm, self.final_epsilon(), plan.delta, mechanism.name,
                  mechanism.adjacency, resumed)
-        regime = self.noise_regime()
-        if regime is not None and regime.hopeless:
-            log.warning(regime.warning())
+        if (regime := self.noise_regime()) is not None and regime.hopeless:
+            log.warning(regime.warning(self.task_kind))
 
     # --- the step -----------------------------------------------------------------------------------------
     def step(self, batch: dict[str, Any], *, model: nn.Module, trainable: Mapping[str, Tensor],

@@ -11,9 +11,10 @@ by the noise-batch ratio sigma / B.
 committed results of the current studies; docs/planning.md): every run at a relative noise of 1 or less learned, and
 the classification runs up to 5.8 learned, less the noisier (61-64 % on SST-2 at 5.6-5.8, where the same users reach
 75-79 % at 0.4-1). No classification run lies above 6, so the evidence does not place :data:`HOPELESS`: it marks
-"noisier than any classification run the project has seen learn", not a measured edge. The check sees neither the
-task nor how concentrated its gradients are: the one run above 6, a pretrained language model's LoRA on E2E
-generation (20), learned.
+"noisier than any classification run the project has seen learn", not a measured edge. The check does not see how
+concentrated the gradients are: the one run above 6, a pretrained language model's LoRA on E2E generation (20),
+learned. So its words depend on the kind of task the driver names (:data:`CLASSIFICATION`, :data:`GENERATION`, or
+none): only a classification run is told it is noisier than any classification run seen to learn.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from typing import Any
 HOPELESS = 6.0
 #: relative noise at or below which the noise on a step is at most the largest clipped signal
 QUIET = 1.0
+#: the kinds of task the evidence behind :data:`HOPELESS` speaks of (a driver names its run's, or none)
+CLASSIFICATION, GENERATION = "classification", "generation"
+
+
+def hopeless_evidence(task_kind: str | None, unit: str = "") -> str:
+    """What the project's runs say of a relative noise above :data:`HOPELESS` (``unit``: after the figures), for a
+    run of ``task_kind``."""
+    if task_kind == CLASSIFICATION:
+        return f"above {HOPELESS:g}{unit}, noisier than any classification run the project has seen learn"
+    return (f"above {HOPELESS:g}{unit}, where no classification run the project has seen learned and its one "
+            f"generation run (a pretrained language model's LoRA on E2E, at 20{unit}) did")
 
 
 @dataclass(frozen=True)
@@ -77,12 +89,14 @@ class NoiseRegime:
         """Whether the relative noise is at most :data:`QUIET`."""
         return self.relative_noise <= QUIET
 
-    def warning(self) -> str:
-        """The one line ``dpl fit`` logs when :attr:`hopeless`."""
+    def warning(self, task_kind: str | None = None) -> str:
+        """The one line ``dpl fit`` logs when :attr:`hopeless`, citing the evidence for a run of ``task_kind``
+        (:data:`CLASSIFICATION`, :data:`GENERATION`; ``None``: not said)."""
+        advice = ("raise B or train fewer parameters" if task_kind == CLASSIFICATION else
+                  "if the validation loss does not fall, raise B or train fewer parameters")
         return (f"dpl: the noise on each step's mean update, sigma C sqrt(d)/B = {self.relative_noise:.3g} C (sigma "
                 f"{self.noise_multiplier:.3g}, B {self.batch_size:g}, d {self.dimension:,}), dwarfs the clipped signal "
-                f"(<= C): above {HOPELESS:g} C, noisier than any classification run the project has seen learn; "
-                f"raise B or train fewer parameters (dpl plan shows how; docs/planning.md)")
+                f"(<= C): {hopeless_evidence(task_kind, ' C')}; {advice} (dpl plan shows how; docs/planning.md)")
 
 
 def needed_dimension(noise_multiplier: float, batch_size: float, relative_noise: float = QUIET) -> int:

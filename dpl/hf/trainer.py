@@ -39,6 +39,7 @@ from transformers import Trainer, TrainerCallback
 
 from dpl.core.engine import PrivateEngine
 from dpl.core.privacy import PrivacyConfig
+from dpl.core.regime import CLASSIFICATION, GENERATION
 from dpl.core.sharding import as_gradient_of
 from dpl.core.update import StreamingDirection, apply_streaming
 from dpl.errors import BudgetExceeded, ConfigError
@@ -97,6 +98,8 @@ class PrivateTrainerMixin:
             return planned
 
         self.dpl_engine = PrivateEngine(privacy, plugins)
+        kinds = {"causal_lm": GENERATION, "sequence_classification": CLASSIFICATION}
+        self.dpl_engine.task_kind = kinds.get(self.dpl_task)  # the words of the noise regime's warning
         optimizer = self.create_optimizer()  # the trainer's own: the plugins check it at setup
         self._dpl_trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.dpl_engine.setup(self.model, num_rows=num_rows, steps=steps, trainable=self._dpl_trainable,
@@ -247,6 +250,20 @@ class PrivateTrainerMixin:
         super().save_model(output_dir, _internal_call=_internal_call)
         if self._dpl_started and self.args.should_save:
             self._dpl_record.write(output_dir if output_dir is not None else self.args.output_dir)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The trainer's model card (README.md), without the path on this machine of a base model loaded from a local
+        file (a ``.gguf``): the card names it as the trainer names a model from a local folder, not at all."""
+        config = getattr(self.model, "config", None)
+        name = getattr(config, "name_or_path", None)
+        local = isinstance(name, str) and bool(name) and os.path.exists(name)
+        if local:
+            config.name_or_path = ""
+        try:
+            super().create_model_card(*args, **kwargs)
+        finally:
+            if local:
+                config.name_or_path = name
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)

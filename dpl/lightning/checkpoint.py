@@ -9,7 +9,8 @@ recovering every clipped sum. dpl therefore keeps it out of the Lightning checkp
 * :class:`SidecarCheckpointIO` pops that key before anything is written, writes the public checkpoint to
   ``<path>`` and the secret state to ``<path>.secret`` (created with mode 0600), both atomically (temporary
   file + ``os.replace``: a killed run never leaves a truncated checkpoint behind);
-* on load it reads ``<path>.secret`` if present, checks that it belongs to this checkpoint (a random
+* on load it reads ``<path>.secret`` if present (of the file a link points to: ``last.ckpt`` is a link to the
+  newest checkpoint where no monitor picks them), checks that it belongs to this checkpoint (a random
   ``secret_id`` written into both) and hands it back under :data:`SECRET_KEY`.
 
 The two files cannot be replaced in one atomic step, so the sidecar keeps, beside the new checkpoint's entry, the
@@ -79,11 +80,21 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def broken_link(path: str | os.PathLike) -> str | None:
+    """The one line for a checkpoint ``path`` that links to a file no longer there (``last.ckpt`` of a run killed
+    between removing the checkpoint it linked to and linking to the newer one); ``None`` for any other path."""
+    path = Path(path)
+    if not path.is_symlink() or path.exists():
+        return None
+    return (f"checkpoint {path} links to {os.readlink(path)}, which does not exist: resume from the newest .ckpt "
+            f"file beside it")
+
+
 def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any]:
     """``torch.load`` a checkpoint, turning a missing, truncated or corrupt file into a one-line ConfigError."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"checkpoint {path} does not exist")
+        raise ConfigError(broken_link(path) or f"checkpoint {path} does not exist")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # truncated zip, garbage bytes, pickle errors
@@ -96,8 +107,9 @@ def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def attach_secret(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     """Read ``<path>.secret`` (if present) into ``checkpoint[SECRET_KEY]`` after checking that it is owner-only and
-    belongs to this checkpoint (one-line ``ConfigError`` otherwise)."""
-    sidecar = secret_path(path)
+    belongs to this checkpoint (one-line ``ConfigError`` otherwise). A ``path`` that is a symbolic link (``last.ckpt``
+    linked to the newest checkpoint) has the sidecar of the file it links to."""
+    sidecar = secret_path(Path(path).resolve())
     if not sidecar.is_file():
         return
     mode = sidecar.stat().st_mode

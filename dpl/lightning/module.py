@@ -11,7 +11,7 @@ and FSDP strategies) and its checkpoints.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -48,12 +48,17 @@ class DPModule(L.LightningModule):
         lr_scheduler: optional scheduler, stepped once per logical batch.
     """
 
+    #: the kind of task trained (:data:`~dpl.core.regime.CLASSIFICATION`, ``GENERATION``; ``None``: not said), whose
+    #: runs the noise regime's warning cites
+    task_kind: ClassVar[str | None] = None
+
     def __init__(self, privacy: PrivacyConfig | None = None, plugins: PluginOptions | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW,
                  lr_scheduler: LRSchedulerCallable | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.engine = PrivateEngine(privacy, plugins)  # fails early on unknown plugins
+        self.engine.task_kind = self.task_kind
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.model: nn.Module | None = None

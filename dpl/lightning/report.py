@@ -143,7 +143,7 @@ def model_card_paragraph(report: dict[str, Any]) -> str:
             f"({_fmt(report['epsilon'], '.2f')}, {_fmt(report['delta'], '.2g')})-differential privacy with respect "
             f"to {words['adjacency']}: it protects {words['protects']}, for its weights and everything computed "
             f"from them. {f'One {noun} is {example}. ' if example else ''}Training ran "
-            f"{report['steps_taken']} private steps "
+            f"{report['steps_taken']} private step{'' if report['steps_taken'] == 1 else 's'} "
             f"(mechanism {report['mechanism']}; plugins: {plugins}) with {_sampling_text(report)}, {words['clipped']} "
             f"clipped to norm {_fmt(report['max_grad_norm'], 'g')} and Gaussian noise of multiplier "
             f"{_fmt(report['noise_multiplier'], '.4g')}; epsilon was computed with the {report['accountant']} "

@@ -206,6 +206,7 @@ class PlanReport:
     why: str = ""
     memory: MemoryPlan | None = None  # None: the gradient estimate is a plugin's own (no per-example clipping)
     clipping: str | None = None  # privacy.clipping per_layer: its groups, thresholds and (adaptive) privacy split
+    task_kind: str | None = None  # the kind of task (dpl.core.regime's words for a hopeless regime)
 
 
 def finish_report(report: PlanReport, engine: Any, replan: Any) -> PlanReport:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from dpl.core.regime import HOPELESS, QUIET
+from dpl.core.regime import HOPELESS, QUIET, hopeless_evidence
 from dpl.planning.alternatives import PlanReport, finish_report, row_of
 from dpl.planning.memory import MemoryPlan, memory_lines, plan_memory, shape_of
 
@@ -139,7 +139,8 @@ def make_report(module: Any, datamodule: Any, trainer: Any, check: Any = None) -
         sampling=str(mechanism.sampling), steps_per_epoch=plan.steps_per_epoch, target_epsilon=float(target),
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
         adjacency=mechanism.adjacency, max_grad_norm=float(cfg.max_grad_norm), current=current,
-        trainable=sum(p.numel() for p in trainable.values()), estimator=_estimator(engine), lora=_lora(module))
+        trainable=sum(p.numel() for p in trainable.values()), estimator=_estimator(engine), lora=_lora(module),
+        task_kind=engine.task_kind)
     if report.estimator is None:
         report.memory = _memory(module, datamodule, trainer)
     report.clipping = _clipping(engine, cfg)
@@ -274,8 +275,7 @@ def _regime_line(r: PlanReport) -> str:
     if not regime.hopeless:
         return (f"{x:.3g} x the largest clipped signal: between {QUIET:g} and {HOPELESS:g}, where the project's "
                 "classification runs learned, less the noisier (docs/planning.md)")
-    return (f"{x:.3g} x the largest clipped signal: above {HOPELESS:g}, noisier than any classification run the "
-            "project has seen learn (dpl fit warns; docs/planning.md)")
+    return f"{x:.3g} x the largest clipped signal: {hopeless_evidence(r.task_kind)} (dpl fit warns; docs/planning.md)"
 
 
 def _table(r: PlanReport) -> str:

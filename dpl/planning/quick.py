@@ -33,7 +33,7 @@ import yaml
 from dpl.core.ledger import PrivacyLedger, make_plan, planned_steps, steps_per_epoch
 from dpl.core.mechanism import PoissonGaussian, apply_adjacency
 from dpl.core.privacy import PrivacyConfig, warn_if_seeded
-from dpl.core.regime import NoiseRegime
+from dpl.core.regime import CLASSIFICATION, NoiseRegime
 from dpl.errors import DPLError
 from dpl.planning.alternatives import alternatives, recommend, row_of
 from dpl.planning.memory import LayerShape, MemoryPlan, keeps_in_any_order, plan_memory, planned_budget
@@ -265,7 +265,8 @@ def _plan(config: dict[str, Any], configs: list[str]) -> Any:
         delta=plan.delta, mechanism=mechanism.name, accounting=str(mechanism.accounting),
         adjacency=mechanism.adjacency, max_grad_norm=float(privacy.max_grad_norm), current=current,
         trainable=dimension, estimator=None, lora=(lora[0], lora[1], head),
-        memory=_memory(layers, privacy, dargs.get("max_length", QUICKSTART_MAX_LENGTH), trainer.get("precision")))
+        memory=_memory(layers, privacy, dargs.get("max_length", QUICKSTART_MAX_LENGTH), trainer.get("precision")),
+        task_kind=CLASSIFICATION)
     return finish_report(report, engine, replan)
 
 

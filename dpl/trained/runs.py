@@ -85,10 +85,10 @@ def load_run(path: str | Path) -> LoadedRun:
     if (path / EXPORT_META).is_file():
         return load_export(path)
     ckpt = find_checkpoint(path)
-    config = _run_config(ckpt)
     from dpl.lightning.checkpoint import load_checkpoint_file  # torch: when a run is loaded, not at import
 
-    checkpoint = load_checkpoint_file(ckpt)  # the public file only: never the .secret sidecar
+    checkpoint = load_checkpoint_file(ckpt)  # the public file only (never the .secret sidecar); first: a truncated
+    config = _run_config(ckpt)  # file is said to be truncated wherever it lies
     module = _instantiate(config, "model")
     data = dict((config.get("data") or {}).get("init_args") or {})
     from dpl.tasks.loading import load_tokenizer

@@ -137,7 +137,7 @@ def write_release(run: Path, report: dict[str, Any]) -> None:
     of the run (the report ``dpl export`` writes). Each file is replaced atomically."""
     write_report(report, run)
     _write_atomic((report_markdown(report) + "\n" + tuning_markdown(report)).encode(), run / REPORT_MD, 0o644)
-    for ckpt in sorted((run / "checkpoints").glob("*.ckpt")):
+    for ckpt in sorted({path.resolve() for path in (run / "checkpoints").glob("*.ckpt")}):  # last.ckpt: a link
         checkpoint = load_checkpoint_file(ckpt)
         checkpoint[REPORT_KEY] = report
         buffer = io.BytesIO()

@@ -23,6 +23,7 @@ from dpl.errors import ConfigError, DataError
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_columns, resolve_location, split_files, user_keys_of
 from dpl.tasks.data.labels import label_key, show_labels, sort_labels
+from dpl.tasks.data.progress import RowProgress
 from dpl.tasks.data.sources import dataset_source
 from dpl.tasks.data.tables import FORMATS, SplitData, column_values, load_split
 from dpl.tasks.loading import load_tokenizer
@@ -342,6 +343,7 @@ class ClassificationDataModule(FileDataModule):
         return fn, ["dpl-classification-v1", self.text_column, self.text_pair_column]
 
     def _tokenize(self, split: SplitData) -> Any:
+        import datasets
         from datasets.fingerprint import Hasher
 
         dataset = split.dataset
@@ -352,8 +354,19 @@ class ClassificationDataModule(FileDataModule):
         fingerprint = Hasher.hash([*depends_on, dataset._fingerprint, _tokenizer_fingerprint(self.tokenizer),
                                    self.max_length, self.label_column, sorted(self.label_map.items()),
                                    split.label_names, self._input_keys])
-        return dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                           new_fingerprint=fingerprint, desc=f"Tokenizing {split.name}", keep_in_memory=True)
+        progress = None if datasets.is_progress_bar_enabled() else RowProgress(f"tokenizing {split.name}", len(dataset))
+
+        def encode(batch: dict[str, list]) -> dict[str, list]:
+            out = fn(batch)
+            if progress is not None:  # output to a file: datasets' bar is off
+                progress.advance(len(next(iter(batch.values()))))
+            return out
+
+        encoded = dataset.map(encode, batched=True, batch_size=1000, remove_columns=dataset.column_names,
+                              new_fingerprint=fingerprint, desc=f"Tokenizing {split.name}", keep_in_memory=True)
+        if progress is not None:
+            progress.finish()
+        return encoded
 
     # ------------------------------------------------------------------------------------------ batches
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from dpl.errors import DataError
 from dpl.tasks.data.padding import IGNORE_INDEX
+from dpl.tasks.data.progress import in_chunks
 from dpl.tasks.data.templates import Record, Split, _render_chat, files_of
 from dpl.tasks.data.truncation import keep_end, truncate
 
@@ -143,7 +144,9 @@ def training_examples(tokenizer: Any, conversations: list[Messages], max_length:
     """One training example per conversation: its chat-rendered turns through the last assistant turn, labelled on
     the assistant pieces; a longer one keeps its end (and a leading BOS)."""
     bos = getattr(tokenizer, "bos_token_id", None)
-    encoded = truncate([encode(tokenizer, segments(tokenizer, messages)) for messages in conversations], max_length,
+    encoded = in_chunks(lambda chunk: [encode(tokenizer, segments(tokenizer, messages)) for messages in chunk],
+                        conversations, f"tokenizing {split} conversations")
+    encoded = truncate(encoded, max_length,
                        lambda pair: len(pair[0]), lambda pair: keep_end(pair[0], max_length, bos, pair[1]), split,
                        f"conversations are longer than max_length={max_length} tokens and were truncated (their "
                        f"start cut, the end kept)")
@@ -156,7 +159,9 @@ def evaluation_sources(tokenizer: Any, conversations: list[Messages], max_length
     the last ``max_length - 1`` tokens kept (and a leading BOS); the reference is that turn's content."""
     bos = getattr(tokenizer, "bos_token_id", None)
     budget = max_length - 1
-    prompts = truncate([prompt_ids(tokenizer, history(messages)) for messages in conversations], budget, len,
+    prompts = in_chunks(lambda chunk: [prompt_ids(tokenizer, history(messages)) for messages in chunk],
+                        conversations, f"tokenizing {split} conversations")
+    prompts = truncate(prompts, budget, len,
                        lambda ids: keep_end(ids, budget, bos)[0], split,
                        f"conversations are longer than max_length - 1 = {budget} tokens before their last reply and "
                        f"were truncated (start cut)")

@@ -36,6 +36,7 @@ from dpl.tasks.data import conversations as chat
 from dpl.tasks.data.file_module import FileDataModule
 from dpl.tasks.data.files import check_file, split_files, user_keys_of
 from dpl.tasks.data.padding import IGNORE_INDEX, generation_batch, training_batch
+from dpl.tasks.data.progress import in_chunks
 from dpl.tasks.data.sources import dataset_source
 from dpl.tasks.data.templates import (ChatFormat, ChatTemplateMode, Record, Split, chat_format, check_chat_mode,
                                      encode_prompts, render_split, show_fields, template_fields, uses_chat_template)
@@ -290,7 +291,7 @@ class GenerationDataModule(FileDataModule):
             if chat is None:
                 self._chat = (None, [], [])
             else:
-                head, tail = self._encode([chat.head, chat.tail], special=False)
+                head, tail = self._encode([chat.head, chat.tail], special=False, what="the chat frame")
                 self._chat = (chat, head, tail)
         return self._chat
 
@@ -313,15 +314,16 @@ class GenerationDataModule(FileDataModule):
             self._pad_id = int(pad)
         return self._pad_id
 
-    def _encode(self, texts: list[str], special: bool) -> list[list[int]]:
+    def _encode(self, texts: list[str], special: bool, what: str) -> list[list[int]]:
         if not texts:
             return []
         tokenizer = self.tokenizer
-        out = tokenizer(texts)["input_ids"] if special else tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [list(ids) for ids in out]
+        return in_chunks(lambda chunk: [list(ids) for ids in tokenizer(list(chunk), add_special_tokens=special)[
+            "input_ids"]], texts, f"tokenizing {what}")
 
-    def _encode_prompts(self, prompts: list[str]) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts, self.chat_format is not None)
+    def _encode_prompts(self, prompts: list[str], what: str) -> list[list[int]]:
+        return in_chunks(lambda chunk: encode_prompts(self.tokenizer, list(chunk), self.chat_format is not None),
+                         prompts, f"tokenizing {what}")
 
     def _truncate_prompt(self, ids: list[int], budget: int) -> list[int]:
         """The prompt in ``budget`` (>= 1) tokens, its start cut (:func:`~dpl.tasks.data.truncation.keep_prompt_end`:
@@ -364,9 +366,10 @@ class GenerationDataModule(FileDataModule):
         eos = self.eos_token_id
         template = self.chat_format
         unique = list(dict.fromkeys(prompts))
-        prompt_ids = dict(zip(unique, self._encode_prompts(unique)))
+        prompt_ids = dict(zip(unique, self._encode_prompts(unique, f"{split.name} prompts")))
         completion_ids = self._encode(completions if template is None else
-                                      [template.completion(c) for c in completions], special=False)
+                                      [template.completion(c) for c in completions], special=False,
+                                      what=f"{split.name} completions")
         limit = self.max_length
         pairs = []
         for prompt, tail in zip(prompts, completion_ids):
@@ -392,7 +395,7 @@ class GenerationDataModule(FileDataModule):
         if self.max_eval_examples is not None:
             sources = sources[:self.max_eval_examples]
         prompts = [prompt for prompt, _ in sources]
-        ids = self._encode_prompts(prompts)
+        ids = self._encode_prompts(prompts, f"{split.name} prompts")
         budget = self.max_length - 1
         empty = next((prompt for (prompt, _), head in zip(sources, ids) if not head), None)
         if empty is not None:

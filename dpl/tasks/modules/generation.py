@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
+from dpl.core.regime import GENERATION
 from dpl.errors import ConfigError
 from dpl.tasks.metrics.text import METEOR_BACKENDS, METRICS, check_metric_names, compute_metrics
 from dpl.lightning.module import PluginOptions, attached_trainer
@@ -105,6 +106,7 @@ class DPGenerationModule(DPTaskModule):
     """
 
     task = "generation"
+    task_kind = GENERATION
     auto_class = "AutoModelForCausalLM"
 
 

