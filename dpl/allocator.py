@@ -37,3 +37,39 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER))
+
+
+# ------------------------------------------------------------------------- what the process holds (Linux)
+
+
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """The process's resident memory (``VmRSS``) or its peak since the last :func:`reset_resident_peak` (``VmHWM``),
+    from ``/proc/self/status``; None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def release_freed_memory() -> None:
+    """Give the freed memory glibc keeps back to the system (``malloc_trim(0)``): the resident memory falls to what is
+    allocated. A no-op without glibc."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_resident_peak() -> bool:
+    """Restart the peak resident memory (``VmHWM``) from the current (Linux: ``5`` to ``/proc/self/clear_refs``).
+    Returns whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return resident_bytes("VmHWM") is not None
+    except OSError:
+        return False
