@@ -11,6 +11,10 @@ non-private one, so it pays more: on MiniLM LoRA (2 CPU cores) this alone was mo
 memory is reused by the next step. The resident memory then stays at the run's peak instead of shrinking between
 steps; the peak itself does not grow. Freed blocks keep their contents until reused, as any heap memory does;
 nothing leaves the process. The ``dpl`` command calls it at start; ``DPL_MALLOC=system`` opts out.
+
+What the process holds is then its resident memory, not its live tensors: :func:`resident_bytes`,
+:func:`release_freed_memory` and :func:`reset_resident_peak` let ``physical_batch_size: auto`` measure it
+(:mod:`dpl.core.micro_batch`).
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ peak (``torch.cuda.max_memory_reserved``, after its cache is emptied; an out-of-
 Linux the peak resident memory (``VmHWM``, restarted with the freed memory glibc keeps given back first:
 :mod:`dpl.allocator`), which counts what live tensor bytes miss (the kernels' own buffers, and the heap's freed blocks
 that :func:`~dpl.allocator.keep_freed_memory` keeps for the next step); elsewhere :class:`LiveBytes`, which counts
-the storages torch allocates while the step runs. The step's memory is affine in the micro-batch b, so b = 1 and
-b = 2 give the line, the largest b under the budget is read off it and then probed itself (and lowered while it does
-not fit). Each probe is one log line (its size, peak and time).
+the storages torch allocates while the step runs. The step's memory is about affine in the micro-batch b: after one
+unmeasured step (the first step's one-time allocations), b = 1 and b = 2 are probed, and each next size is read off
+the line through the last two that fit (at most 8 times the last, so that a measurement the line misreads cannot send
+a probe far past the budget), probed, and lowered while it does not fit. Each probe is one log line (its size, peak
+and time).
 
 ``clipping_memory: auto`` (flat clipping) is chosen within the same budget: each probe runs the step with the
 clipping that will train, offered all the budget the step leaves (one backward pass wherever its state fits); at
@@ -187,15 +189,16 @@ def choose_micro_batch(probe: Callable[[int], tuple[int, bool] | None], *, upper
                           "gradient checkpointing or LoRA, or raise the budget")
     size = 1
     if upper >= 2 and peak(2) <= room:
-        slope = max(peak(2) - peak(1), 1.0)
-        size = max(2, min(upper, int((room - (peak(1) - slope)) // slope)))
-        for _ in range(8):  # the line's prediction, lowered while its probe does not fit
-            if peak(size) <= room or size <= 2:
+        lower, size = 1, 2
+        while size < upper and len(peaks) < 12:  # the next size read off the line through the last two that fit
+            slope = max((peak(size) - peak(lower)) / (size - lower), peak(size) / (2 * size), 1.0)
+            guess = min(upper, 8 * size, size + int((room - peak(size)) // slope))  # at most 8x the last that fit
+            while guess > size and peak(guess) > room and len(peaks) < 12:  # lowered while it does not fit
+                shrunk = int(guess * room / peak(guess)) if math.isfinite(peak(guess)) else (size + guess) // 2
+                guess = max(size, min(guess - 1, shrunk))
+            if guess <= size or peak(guess) > room:
                 break
-            shrunk = int(size * room / peak(size)) if math.isfinite(peak(size)) else size // 2
-            size = max(2, min(size - 1, shrunk))
-        if peak(size) > room:
-            size = 2
+            lower, size = size, guess
     state = states.get(size)
     return MicroBatch(size=size, peak_bytes=int(peak(size)), budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
                       tokens=tokens, measure=measured[0], clipping_bytes=None if state is None else state[0],
@@ -246,6 +249,7 @@ def probe_micro_batch(plugin_manager: Any, ctx: Any, probe_batch: Callable[[int]
         return None if clipper is None else (clipper.peak_held_bytes, clipper.one_pass)
 
     def choose() -> MicroBatch:
+        probe(1)  # once unmeasured: the first step's one-time allocations (kernels' caches) are held before any step
         return choose_micro_batch(probe, upper=upper, budget_bytes=budget, reserve_bytes=reserve, device=device,
                                   tokens=tokens)
 
