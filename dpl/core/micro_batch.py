@@ -192,7 +192,8 @@ def choose_micro_batch(probe: Callable[[int], tuple[int, bool] | None], *, upper
         lower, size = 1, 2
         while size < upper and len(peaks) < 12:  # the next size read off the line through the last two that fit
             slope = max((peak(size) - peak(lower)) / (size - lower), peak(size) / (2 * size), 1.0)
-            guess = min(upper, 8 * size, size + int((room - peak(size)) // slope))  # at most 8x the last that fit
+            over = min((b for b, value in peaks.items() if value > room), default=upper + 1)
+            guess = min(upper, over - 1, 8 * size, size + int((room - peak(size)) // slope))  # at most 8x the last
             while guess > size and peak(guess) > room and len(peaks) < 12:  # lowered while it does not fit
                 shrunk = int(guess * room / peak(guess)) if math.isfinite(peak(guess)) else (size + guess) // 2
                 guess = max(size, min(guess - 1, shrunk))
