@@ -11,6 +11,10 @@ non-private one, so it pays more: on MiniLM LoRA (2 CPU cores) this alone was mo
 memory is reused by the next step. The resident memory then stays at the run's peak instead of shrinking between
 steps; the peak itself does not grow. Freed blocks keep their contents until reused, as any heap memory does;
 nothing leaves the process. The ``dpl`` command calls it at start; ``DPL_MALLOC=system`` opts out.
+
+What the process holds is then its resident memory, not its live tensors: :func:`resident_bytes`,
+:func:`release_freed_memory` and :func:`reset_resident_peak` let ``physical_batch_size: auto`` measure it
+(:mod:`dpl.core.micro_batch`).
 """
 
 from __future__ import annotations
@@ -37,3 +41,39 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER))
+
+
+# ------------------------------------------------------------------------- what the process holds (Linux)
+
+
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """The process's resident memory (``VmRSS``) or its peak since the last :func:`reset_resident_peak` (``VmHWM``),
+    from ``/proc/self/status``; None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def release_freed_memory() -> None:
+    """Give the freed memory glibc keeps back to the system (``malloc_trim(0)``): the resident memory falls to what is
+    allocated. A no-op without glibc."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_resident_peak() -> bool:
+    """Restart the peak resident memory (``VmHWM``) from the current (Linux: ``5`` to ``/proc/self/clear_refs``).
+    Returns whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return resident_bytes("VmHWM") is not None
+    except OSError:
+        return False

@@ -41,6 +41,11 @@ class ClipPlugin:
                 self._clipper.set_groups(self.groups)
         return self._clipper
 
+    def auto_clipper(self, model: torch.nn.Module) -> PerExampleClipper | None:
+        """The clipper of flat ``clipping_memory: auto``, whose byte budget ``physical_batch_size: auto`` sets
+        (``dpl.core.micro_batch``); None in another mode or under ``clipping: per_layer``."""
+        return self._clipper_for(model) if self.memory == "auto" and self.groups is None else None
+
     def _set_up_groups(self, setup: RunSetup) -> None:
         """``privacy.clipping: per_layer``: the groups and their first thresholds; refused in one line where the
         release could not carry them."""

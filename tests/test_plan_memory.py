@@ -78,8 +78,13 @@ def test_one_linear_layer_on_the_gram_path():
     m = _one(layer, 3, 2, mode="fast")
     assert m.fast == 4 * 3 * 2 * 4 + 4 * 3 * 4  # g and the per-example bias gradient
     assert m.fast_transient == 2 * 4 * 3 * 2 * 2
-    # auto holds the smaller of the per-example gradients (4 b 36 = 432 bytes) and the book (a and g: 4 b T (8 + 4))
-    assert m.auto == 4 * 3 * 2 * (8 + 4) and m.kinds[0].booked_layers == 1
+    # auto holds the smaller of the per-example gradients (4 b 36 = 432 bytes) and the book (g: 4 b T 4; its input a
+    # is autograd's saved activation), which is fast's state less the per-example bias gradient
+    assert m.auto == 4 * 3 * 2 * 4 < m.fast and m.kinds[0].booked_layers == 1
+    # under activation checkpointing both books hold the input too (4 b T 8), which the recomputation would drop
+    checkpointed = plan_memory([layer], physical_batch_size=3, tokens=2, mode="fast", budget_mib=None,
+                               precision="32-true", checkpointing=True)
+    assert checkpointed.auto == 4 * 3 * 2 * (8 + 4) and checkpointed.fast == m.fast + 4 * 3 * 2 * 8
 
 
 def test_norm_and_embedding_layers():
@@ -87,8 +92,8 @@ def test_norm_and_embedding_layers():
     m = plan_memory([norm, embedding], physical_batch_size=2, tokens=3, mode="auto", budget_mib=None,
                     precision="32-true")
     assert m.fast == (4 * 2 * 3 * 16 + 4 * 2 * 16) + 4 * 2 * 3 * 16 and m.fast_transient == 2 * 4 * 2 * 3 * 3
-    # the norm's per-example gradients kept; the embedding's never, but its book (token ids and g) fits the budget
-    assert m.auto == 4 * 2 * 16 + (8 * 2 * 3 + 4 * 2 * 3 * 16)
+    # the norm's per-example gradients kept; the embedding's never, but its book (g) fits the budget
+    assert m.auto == 4 * 2 * 16 + 4 * 2 * 3 * 16
     assert [(k.kind, k.kept_layers, k.booked_layers) for k in m.kinds] == [("embedding", 0, 1), ("rms_norm", 1, 0)]
     none = plan_memory([norm, embedding], physical_batch_size=2, tokens=3, mode="auto", budget_mib=4 * 2 * 16 / MIB,
                        precision="32-true")
@@ -121,17 +126,19 @@ def test_auto_keeps_layers_only_while_they_fit():
     assert tiny.auto == 0 and all(k.kept_layers == 0 for k in tiny.kinds)
     huge = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=1e6, precision="32-true")
     # one pass: each layer the smaller of its per-example gradients and its book. 16 x 16 at T = 8 is on the
-    # per-example path (T (d_in + d_out) >= d_in d_out): book 4 b T 32 + 4 b 256 = 8,192 > 4,352 kept; 16 x 32 on the
-    # Gram path: book 4 b T 48 = 6,144 < 8,704; the norm kept; the embedding's book (token ids and g)
-    assert huge.auto == 4 * 4 * 272 + 4 * 4 * 8 * 48 + 4 * 4 * 32 + (8 * 4 * 8 + 4 * 4 * 8 * 16)
+    # per-example path (T (d_in + d_out) >= d_in d_out): book 4 b T 16 + 4 b 256 = 6,144 > 4,352 kept; 16 x 32 on the
+    # Gram path: book 4 b T 32 = 4,096 < 8,704; the norm kept; the embedding's book (g)
+    assert huge.auto == 4 * 4 * 272 + 4 * 4 * 8 * 32 + 4 * 4 * 32 + 4 * 4 * 8 * 16
     assert auto_choices(layers, 4, 10 ** 9, tokens=8) == ["kept", "booked", "kept", "booked"]
     booked = plan_memory(layers, physical_batch_size=4, tokens=8, mode="auto", budget_mib=4 * 4 * 272 / MIB,
                          precision="32-true")  # room for one layer's per-example gradients; no book fits the rest
     assert booked.auto == 4 * 4 * 272
-    # a book fits where per-example gradients do not: a wide layer at few tokens (book 4 b T (d_in + d_out))
+    # a book fits where per-example gradients do not: a wide layer at few tokens (book 4 b T d_out; with
+    # checkpointing 4 b T (d_in + d_out))
     wide = LayerShape("linear", 64, 64, 64 * 64)
-    assert auto_choices([wide], 2, 4 * 2 * 3 * 128, tokens=3) == ["booked"]
-    assert auto_choices([wide], 2, 4 * 2 * 3 * 128 - 1, tokens=3) == ["low"]
+    assert auto_choices([wide], 2, 4 * 2 * 3 * 64, tokens=3) == ["booked"]
+    assert auto_choices([wide], 2, 4 * 2 * 3 * 64 - 1, tokens=3) == ["low"]
+    assert auto_choices([wide], 2, 4 * 2 * 3 * 128 - 1, tokens=3, checkpointing=True) == ["low"]
     assert auto_choices([wide], 2, 0, tokens=3, bf16=True) == ["booked"]
 
 
@@ -164,7 +171,7 @@ def test_the_quickstart_plan_prints_the_block(capsys):
     out = capsys.readouterr().out
     assert "  memory   micro-batch b = 128 (privacy.physical_batch_size), T = 64 tokens (data.max_length)" in out
     assert "linear      25       9,986" in out and "25 (4.88 MiB)" in out
-    assert "above the non-private step (auto): 4.88 MiB (every layer kept: one backward pass)" in out
+    assert "above the non-private step (auto): 4.88 MiB (every layer kept: one backward pass, fast's time)" in out
     assert "low refused under bf16" in out
 
 
@@ -247,11 +254,16 @@ def test_auto_prediction_is_what_a_lora_step_holds_within_its_budget(kept):
     assert _held(model, budget) == predicted
 
 
-def test_the_plan_says_why_auto_holds_more_than_fast():
-    """On the Gram path fast holds g (and the bias's per-example gradients), auto's book a and g: the book is larger,
-    and the plan says it counts the inputs that checkpointing would have dropped."""
-    layer = LayerShape("linear", 64, 64, 64 * 64 + 64)
-    m = _one(layer, 3, 2, budget=1.0)
-    assert m.fast == 4 * 3 * 2 * 64 + 4 * 3 * 64 and m.auto == 4 * 3 * 2 * (64 + 64) > m.fast
-    assert "auto's books count their layer inputs too" in "\n".join(memory_lines(m))
-    assert "auto's books" not in "\n".join(memory_lines(_one(LayerShape("linear", 8, 4, 36), 3, 5)))
+def test_auto_holds_no_more_than_fast_in_float32_and_the_plan_says_when_it_does():
+    """A book holds what fast holds of its layer (g, per-example gradients on that path, inputs only under
+    checkpointing), so float32 auto never holds more than fast; under bf16 a kept layer's float32 per-example
+    gradients can exceed the bfloat16 g fast holds, and the plan says so."""
+    layer = LayerShape("linear", 64, 64, 64 * 64 + 64)  # T = 2: the Gram path
+    for checkpointing in (False, True):
+        m = plan_memory([layer], physical_batch_size=3, tokens=2, mode="auto", budget_mib=1.0, precision="32-true",
+                        checkpointing=checkpointing)
+        assert m.auto <= m.fast and "auto holds more than fast" not in "\n".join(memory_lines(m))
+        assert "one backward pass, fast's time" in "\n".join(memory_lines(m))
+    bf16 = _one(layer, 3, 2, budget=1.0, precision="bf16-mixed")
+    assert bf16.auto == 4 * 3 * (64 * 64 + 64) > bf16.fast == 2 * 3 * 2 * 64 + 4 * 3 * 64
+    assert "auto holds more than fast here" in "\n".join(memory_lines(bf16))

@@ -69,7 +69,8 @@ def kept_bytes(rows: int, numel: int) -> int:
 
 
 def book_bytes(activation_bytes: int, rows: int, steps: int, d_in: int, d_out: int, linear_weight: bool) -> int:
-    """What a layer's book holds: its inputs and output gradients (``activation_bytes``), and a linear layer's
+    """What a layer's book holds beyond the non-private step: its output gradients and the inputs checkpointing would
+    have dropped (``activation_bytes``; autograd saves the others anyway), and a linear layer's
     float32 per-example weight gradients where they are cheaper than the Gram path."""
     extra = 4 * rows * d_in * d_out if linear_weight and per_example_path(steps, d_in, d_out) else 0
     return activation_bytes + extra

@@ -293,7 +293,7 @@ class PrivateEngine:
                           max_grad_norm=cfg.max_grad_norm, noise_multiplier=self.noise_multiplier,
                           expected_batch_size=cfg.batch_size, step=self.steps_done, noise_source=None,
                           log=_ignore, public_seed=0, optimizer=None)
-        choice = probe_micro_batch(self.plugin_manager.hook.estimate_gradient, ctx, probe_batch,
+        choice = probe_micro_batch(self.plugin_manager, ctx, probe_batch,
                                    upper=cfg.batch_size * (self.unit.max_rows or 1), per_unit=self.unit.samples_users,
                                    memory_mib=cfg.physical_batch_memory, tokens=tokens, context=context)
         self.micro_batch = choice

@@ -128,9 +128,10 @@ class PerExampleClipper:
         self.model = model
         self.memory = memory
         self.budget_mib = budget_mib
-        self._budget: int | None = None  # auto's budget in bytes, fixed at the first step
+        self.budget: int | None = None  # auto's budget in bytes: fixed at the first step, or set by the probe
         self.stream: StreamingNorms | None = None
-        self.peak_held_bytes = 0  # ``auto``: the most bytes of per-example gradients held in the last step
+        self.peak_held_bytes = 0  # ``auto``: the most bytes of per-example gradients and books held in the last step
+        self.one_pass = False  # ``auto``: whether the last step held them all (no second backward pass)
         self.records: list[LayerRecord] = []
         owners: dict[int, str] = {}
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -147,8 +148,7 @@ class PerExampleClipper:
                 owners[id(p)] = full
             full_names = {n: names[id(p)] for n, p in params.items()}
             self.records.append(LayerRecord(module, _kind(module), full_names))
-        self._batch_size = 0
-        self._recording = False
+        self._batch_size, self._recording = 0, False
         self._armed = False  # from the forward pass to the end of clipped_sum (checkpoints recompute in between)
         self._handles = []
         for rec in self.records:
@@ -236,20 +236,20 @@ class PerExampleClipper:
         return next((p.device for rec in self.records for p in rec.params.values()), torch.device("cpu"))
 
     def _budget_bytes(self, device: torch.device) -> int | None:
-        """``auto``'s budget, fixed at the first step and logged once: the configured MiB, or a share of what the
-        device has free then (:func:`~dpl.core.clipping_policy.default_budget_bytes`)."""
+        """``auto``'s budget (:attr:`budget`, unless set: fixed at the first step and logged once): the configured
+        MiB, or a share of what the device has free then (:func:`~dpl.core.clipping_policy.default_budget_bytes`)."""
         if self.memory == "low":
             return None
-        if self._budget is None:
+        if self.budget is None:
             if self.budget_mib is not None:
-                self._budget = int(self.budget_mib * policy.MIB)
+                self.budget = int(self.budget_mib * policy.MIB)
             else:
                 free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
-                self._budget = policy.default_budget_bytes(free)
+                self.budget = policy.default_budget_bytes(free)
             log.info("dpl: clipping_memory auto: budget %s; each layer keeps its per-example gradients or book within "
                      "it, and with all of them kept one backward pass (fast's time)",
-                     policy.describe_budget(self._budget, self.budget_mib is not None, device.type))
-        return self._budget
+                     policy.describe_budget(self.budget, self.budget_mib is not None, device.type))
+        return self.budget
 
     def _clear(self) -> None:
         self._armed = False
@@ -375,7 +375,7 @@ class PerExampleClipper:
             raise
         stream.flush()
         stream.listening = False
-        self.peak_held_bytes = stream.peak_held_bytes
+        self.peak_held_bytes, self.one_pass = stream.peak_held_bytes, stream.one_pass
         norms = stream.sq_norms.sqrt()
         if grouping is not None and exclude is not None:
             exclude = grouping.all_rows(exclude.to(device=losses.device, dtype=torch.bool))

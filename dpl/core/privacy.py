@@ -33,8 +33,9 @@ class PrivacyConfig:
         physical_batch_size: most examples per forward/backward pass (bounds memory; no effect on privacy), or
             ``auto``: the largest that fits ``physical_batch_memory``, found before training by probing the private
             step on a public batch at the longest configured length (:mod:`dpl.core.micro_batch`; one process).
-        physical_batch_memory: MiB the private step may use under ``physical_batch_size: auto``, above what is
-            allocated before it (the model); default: 90% of the free CUDA memory, half the available RAM on a CPU.
+        physical_batch_memory: MiB the private step may use under ``physical_batch_size: auto``, above what the
+            process holds before it (Linux: resident memory; CUDA: the allocator's reserved memory), ``auto``'s
+            clipping state included; default: 90% of the free CUDA memory, half the available RAM on a CPU.
         accountant: ``prv`` (default; falls back to ``rdp`` if PRV fails) or ``rdp``.
         seed: seed of the noise and sampling generators. Only for reproducible experiments: a seed that is
             known makes the noise known. Default: OS entropy (the generators' whole state).
@@ -59,7 +60,8 @@ class PrivacyConfig:
             ``clipping_memory_budget`` keep them; with all of them kept, one backward pass; under bf16 the others
             keep ``fast``'s state). No effect on privacy.
         clipping_memory_budget: MiB of per-example gradients and books ``auto`` may hold; default: a quarter of the
-            free device memory on CUDA, of the available RAM (``MemAvailable``) on a CPU, read at the first step.
+            free device memory on CUDA, of the available RAM (``MemAvailable``) on a CPU, read at the first step;
+            under ``physical_batch_size: auto`` what the step leaves of ``physical_batch_memory`` (at most this).
         clipping: ``flat`` (default: each example's whole gradient clipped to C) or ``per_layer`` (group-wise: each
             group of parameters clipped to its own C_g with sum_g C_g^2 = C^2, inside the one backward pass: the
             non-private step's memory at about its time; same sigma and epsilon; ``clipping_memory`` is then unused).

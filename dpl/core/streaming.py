@@ -5,9 +5,9 @@ In the forward pass, the output of every module that owns trainable parameters p
 function (a *tap*) whose backward receives the output gradient g. The first backward runs to a scalar *sink* that
 every tap feeds, so autograd computes the activation gradients the taps need and no weight gradient. When a layer's
 input a and its g are both there, its per-example squared norms are added and (a, g) dropped. Under ``auto``, when
-every layer's per-example gradients or book (a, g and, where cheaper than the Gram path, its per-example gradients),
-whichever is smaller, fit the byte budget together (known once the forward pass has run), each layer keeps the
-smaller and the clipped sum needs no second pass (``fast``'s time); otherwise a layer whose per-example gradients fit
+every layer's per-example gradients or book (what it holds beyond the non-private step: g, a where checkpointing drops
+it, and where cheaper than the Gram path its per-example gradients), whichever is smaller, fit the byte budget
+together (known once the forward pass has run), each layer keeps the smaller and the clipped sum needs no second pass (``fast``'s time); otherwise a layer whose per-example gradients fit
 what is left of the budget keeps them and the others get their clipped sum from a second backward of
 sum_i c_i * loss_i (Li et al., "Large language models can be strong differentially private learners", ICLR 2022:
 ghost clipping).
@@ -71,8 +71,14 @@ class _Layer:
     calls: list[_Call] = field(default_factory=list)
     decided: str | None = None  # "kept" (per-example gradients held), "booked" (its book held: a float32 weighted
     # sum, as fast does) or "low" (summed by the second backward)
-    book_bytes: int = 0  # its inputs and output gradients (the output's size), noted in the forward pass
+    book_bytes: int = 0  # its output gradients and checkpointed inputs (the sizes), noted in the forward pass
     steps: int = 0  # positions over its calls
+
+
+def _book_part(x: Tensor, deferred: bool) -> int:
+    """The bytes of a layer input a book holds beyond the non-private step: a checkpointed block's (which
+    checkpointing would drop); otherwise autograd saves it for the backward pass anyway."""
+    return x.numel() * x.element_size() if deferred else 0
 
 
 class StreamingNorms:
@@ -103,9 +109,9 @@ class StreamingNorms:
     def tap(self, rec: LayerRecord, x: Tensor, output: Tensor) -> Tensor:
         """Forward hook: note the call (its input unless checkpointing drops it) and tap its output."""
         _, layer = self.layers.setdefault(id(rec), (rec, _Layer()))
-        layer.book_bytes += x.numel() * x.element_size() + output.numel() * output.element_size()
-        layer.steps += output.shape[1] if output.dim() > 2 else 1
         deferred = in_checkpoint()
+        layer.book_bytes += _book_part(x, deferred) + output.numel() * output.element_size()
+        layer.steps += output.shape[1] if output.dim() > 2 else 1
         call = _Call(None if deferred else x.detach(), deferred)
         layer.calls.append(call)
         return _Tap.apply(output, self.sink, lambda g: self._grad(rec, layer, call, g))
@@ -131,13 +137,15 @@ class StreamingNorms:
         if any(c.a is None or c.g is None for c in layer.calls):
             return
         inputs, grads = [c.a for c in layer.calls], [c.g for c in layer.calls]
+        book = sum(_book_part(c.a, c.deferred) + c.g.numel() * c.g.element_size() for c in layer.calls)
         for c in layer.calls:  # the retained graph's taps still reference the calls
             c.a = c.g = None
         layer.calls.clear()
         with torch.no_grad(), torch.autocast(device_type=self.sink.device.type, enabled=False):
-            self.sq_norms += self._account(rec, layer, inputs, grads)
+            self.sq_norms += self._account(rec, layer, inputs, grads, book)
 
-    def _account(self, rec: LayerRecord, layer: _Layer, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
+    def _account(self, rec: LayerRecord, layer: _Layer, inputs: list[Tensor], grads: list[Tensor],
+                 book: int) -> Tensor:
         view = LayerRecord(rec.module, rec.kind, rec.full_names, inputs)
         if layer.decided is None:
             if self.one_pass:
@@ -153,18 +161,13 @@ class StreamingNorms:
             prepared = prepare(view, grads, {}, self.grouping)
             self.booked.append((rec, prepared))
             if not self.book:  # chosen within the budget (a bf16 step books every layer it does not keep)
-                self._hold(self._book_bytes(rec, inputs, grads))
+                self._hold(self._book_of(rec, book, sum(g.shape[1] if g.dim() > 2 else 1 for g in grads)))
             return prepared.sq_norms
         return sq_norms(view, grads, self._gram_cache(inputs), self.grouping)
 
     def _hold(self, size: int) -> None:
         self.held_bytes += size
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-
-    def _book_bytes(self, rec: LayerRecord, inputs: list[Tensor], grads: list[Tensor]) -> int:
-        """What a layer's book holds (:func:`~dpl.core.clipping_policy.book_bytes`)."""
-        size = sum(t.numel() * t.element_size() for t in (*inputs, *grads))
-        return self._book_of(rec, size, sum(g.shape[1] if g.dim() > 2 else 1 for g in grads))
 
     def _book_of(self, rec: LayerRecord, activation_bytes: int, steps: int) -> int:
         linear = rec.kind == "linear" and "weight" in rec.full_names

@@ -191,7 +191,8 @@ def _memory(module: Any, datamodule: Any, trainer: Any) -> MemoryPlan:
     tokens = getattr(datamodule, "max_length", None)
     return plan_memory(layers, physical_batch_size=cfg.physical_batch_size, tokens=tokens, mode=cfg.clipping_memory,
                        budget_mib=cfg.clipping_memory_budget, precision=str(trainer.precision),
-                       batch_memory_mib=cfg.physical_batch_memory, batch_size=cfg.batch_size)
+                       batch_memory_mib=cfg.physical_batch_memory, batch_size=cfg.batch_size,
+                       checkpointing=bool(getattr(getattr(module, "finetuning", None), "gradient_checkpointing", False)))
 
 
 def _estimator(engine: Any) -> str | None:

@@ -79,8 +79,17 @@ def kept_bytes(layer: LayerShape, batch: int) -> int:
     return policy.kept_bytes(batch, layer.numel)
 
 
-def fast_bytes(layer: LayerShape, batch: int, tokens: int, precision: str) -> int:
-    """What ``fast`` holds of one layer until all norms are known: g and the per-example state."""
+def input_bytes(layer: LayerShape, batch: int, tokens: int, precision: str = "32-true") -> int:
+    """A layer's input (an embedding's int64 token ids): what a book holds beyond the non-private step only where
+    activation checkpointing would have dropped it."""
+    return (8 if layer.kind == "embedding" else grad_bytes(layer.kind, precision) * layer.d_in) * batch * tokens
+
+
+def fast_bytes(layer: LayerShape, batch: int, tokens: int, precision: str, checkpointing: bool = False) -> int:
+    """What ``fast`` holds of one layer until all norms are known: g and the per-example state (and, under activation
+    checkpointing, the input its book keeps past the block's recomputation)."""
+    if checkpointing:
+        return input_bytes(layer, batch, tokens, precision) + fast_bytes(layer, batch, tokens, precision)
     if layer.kind == "embedding":  # g in float32 (the token-identity norm and sum read it)
         return max(4, grad_bytes("embedding", precision)) * batch * tokens * layer.d_out
     held = grad_bytes(layer.kind, precision) * batch * tokens * layer.d_out
@@ -107,29 +116,32 @@ def low_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
     return 4 * min(batch, policy.norm_chunk(per_row)) * per_row
 
 
-def book_bytes(layer: LayerShape, batch: int, tokens: int) -> int:
-    """What ``auto``'s book of a float32 layer holds (``dpl.core.streaming.StreamingNorms._book_bytes``): its input (an
-    embedding's int64 token ids), its g, and its per-example gradients on the per-example path."""
-    size = (8 if layer.kind == "embedding" else 4 * layer.d_in) * batch * tokens + 4 * batch * tokens * layer.d_out
+def book_bytes(layer: LayerShape, batch: int, tokens: int, checkpointing: bool = False) -> int:
+    """What ``auto``'s book of a float32 layer holds beyond the non-private step (``dpl.core.streaming``): its g, its
+    per-example gradients on the per-example path and, under activation checkpointing, its input."""
+    size = 4 * batch * tokens * layer.d_out + (input_bytes(layer, batch, tokens) if checkpointing else 0)
     return policy.book_bytes(size, batch, tokens, layer.d_in, layer.d_out, layer.kind == "linear" and layer.matrix)
 
 
-def _costs(layers: list[LayerShape], batch: int, tokens: int) -> list[tuple[int | None, int | None]]:
+def _costs(layers: list[LayerShape], batch: int, tokens: int,
+           checkpointing: bool = False) -> list[tuple[int | None, int | None]]:
     """Per layer: (bytes of its per-example gradients, of its book); None where it cannot hold that."""
-    return [policy.layer_costs(layer.kind, kept_bytes(layer, batch), book_bytes(layer, batch, tokens))
+    return [policy.layer_costs(layer.kind, kept_bytes(layer, batch), book_bytes(layer, batch, tokens, checkpointing))
             for layer in layers]
 
 
-def one_pass(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None, bf16: bool) -> bool:
+def one_pass(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None, bf16: bool,
+             checkpointing: bool = False) -> bool:
     """Whether float32 ``auto`` holds every layer's per-example gradients or book, the smaller, and skips the second
     backward pass: they fit the budget together (``dpl.core.streaming.StreamingNorms.plan_passes``)."""
-    return not (bf16 or tokens is None) and policy.one_pass(_costs(layers, batch, tokens), budget_bytes)
+    return not (bf16 or tokens is None) and policy.one_pass(_costs(layers, batch, tokens, checkpointing),
+                                                            budget_bytes)
 
 
 def keeps_in_any_order(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None = None,
                        bf16: bool = False) -> bool:
     """Whether :func:`auto_choices` holds the same whatever the layers' order: in one pass, or when every per-example
-    gradient fits together, none fits alone, or all are of one size."""
+    gradient fits together, none fits alone, or all are of one size (without activation checkpointing)."""
     if one_pass(layers, batch, budget_bytes, tokens, bf16):
         return True
     sizes = [kept_bytes(layer, batch) for layer in layers if layer.kind != "embedding"]
@@ -137,13 +149,13 @@ def keeps_in_any_order(layers: list[LayerShape], batch: int, budget_bytes: int, 
 
 
 def auto_choices(layers: list[LayerShape], batch: int, budget_bytes: int, tokens: int | None = None,
-                 bf16: bool = False) -> list[str]:
+                 bf16: bool = False, checkpointing: bool = False) -> list[str]:
     """``auto``'s choice for each layer (in the order of the backward pass), as ``dpl.core.streaming.StreamingNorms``
     makes it: in one pass (:func:`one_pass`) ``kept`` or ``booked``, whichever holds less (an embedding: booked);
     otherwise ``kept`` while its per-example gradients fit what is left of the budget (never an embedding's), the
     others ``low`` (under bf16 ``booked``, as ``fast``, outside the budget)."""
-    if one_pass(layers, batch, budget_bytes, tokens, bf16):
-        return [policy.one_pass_choice(kept, book) for kept, book in _costs(layers, batch, tokens)]
+    if one_pass(layers, batch, budget_bytes, tokens, bf16, checkpointing):
+        return [policy.one_pass_choice(kept, book) for kept, book in _costs(layers, batch, tokens, checkpointing)]
     held, choices = 0, []
     for layer in layers:
         need = kept_bytes(layer, batch)
@@ -194,6 +206,7 @@ class MemoryPlan:
     fast_transient: int | None
     low_transient: int | None
     auto: int | None
+    checkpointing: bool = False  # finetuning.gradient_checkpointing: books (fast's and auto's) hold the inputs too
 
     @property
     def bf16(self) -> bool:
@@ -213,16 +226,17 @@ def planned_budget(budget_mib: float | None) -> int:
 
 def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tokens: int | None, mode: str,
                 budget_mib: float | None, precision: str, batch_memory_mib: float | None = None,
-                batch_size: int = 0) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``layers`` (in the order of the backward pass: last layer first)."""
+                batch_size: int = 0, checkpointing: bool = False) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``layers`` (in the order of the backward pass: last layer first; ``checkpointing``:
+    activation checkpointing drops the layers' inputs, which books then hold)."""
     auto_batch = physical_batch_size == "auto"
     batch = 1 if auto_batch else int(physical_batch_size)
     budget = planned_budget(budget_mib)
     bf16 = precision.startswith("bf16")
-    choices = auto_choices(layers, batch, budget, tokens, bf16)
+    choices = auto_choices(layers, batch, budget, tokens, bf16, checkpointing)
 
     def fast(layer: LayerShape) -> int | None:
-        return None if tokens is None else fast_bytes(layer, batch, tokens, precision)
+        return None if tokens is None else fast_bytes(layer, batch, tokens, precision, checkpointing)
 
     kinds = []
     for kind in KINDS:
@@ -231,7 +245,7 @@ def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tok
             continue
         fasts = [fast(layer) for layer, _ in mine]
         kept = sum(kept_bytes(layer, batch) for layer, choice in mine if choice == "kept")
-        booked = [(f if bf16 else book_bytes(layer, batch, tokens)) for f, (layer, choice) in zip(fasts, mine)
+        booked = [(f if bf16 else book_bytes(layer, batch, tokens, checkpointing)) for f, (layer, choice) in zip(fasts, mine)
                   if choice == "booked"]
         kinds.append(KindMemory(
             kind=kind, layers=len(mine), params=sum(layer.numel for layer, _ in mine),
@@ -245,7 +259,7 @@ def plan_memory(layers: list[LayerShape], *, physical_batch_size: int | str, tok
         fast=sum(k.fast for k in kinds) if known else None,
         fast_transient=max((gram_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
         low_transient=max((low_bytes(layer, batch, tokens) for layer in layers), default=0) if known else None,
-        auto=None if any(k.auto is None for k in kinds) else sum(k.auto for k in kinds))
+        auto=None if any(k.auto is None for k in kinds) else sum(k.auto for k in kinds), checkpointing=checkpointing)
 
 
 # ------------------------------------------------------------------------------------------------- printing
@@ -269,7 +283,8 @@ def memory_lines(m: MemoryPlan) -> list[str]:
         within = f"{m.batch_memory_mib:g} MiB" if m.batch_memory_mib is not None else \
             "default: 90% of the free CUDA memory, half the available RAM on a CPU"
         lines = ["micro-batch auto: chosen at the start of dpl fit by probing the private step on a public batch at "
-                 f"data.max_length tokens within privacy.physical_batch_memory ({within})",
+                 f"data.max_length tokens within privacy.physical_batch_memory ({within}), auto's clipping state "
+                 "within the same budget",
                  f"predicted per example (b = 1), {length}"]
     else:
         larger = m.micro_batch > m.batch_size > 0
@@ -290,11 +305,12 @@ def memory_lines(m: MemoryPlan) -> list[str]:
                                for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.append(f"predicted per-example clipping state above the non-private step ({m.mode}): {_mode(m, m.mode)}")
     lines.append("  " + "; ".join(f"{mode} {_mode(m, mode)}" for mode in policy.CLIPPING_MEMORY if mode != m.mode))
-    lines.append("  (counted: g and per-example state; layer inputs are autograd's saved activations)")
-    if m.auto is not None and m.fast is not None and m.auto > m.fast and any(k.booked_layers for k in m.kinds):
-        lines.append("  (auto's books count their layer inputs too, which they hold past a checkpointed block's "
-                     "recomputation; without checkpointing fast and auto hold the same inputs, and auto's one pass "
-                     "takes fast's time)")
+    lines.append("  (counted: g, per-example state and the layer inputs books hold past a checkpointed block's "
+                 "recomputation)" if m.checkpointing else
+                 "  (counted: g and per-example state; layer inputs are autograd's saved activations)")
+    if m.auto is not None and m.fast is not None and m.auto > m.fast:
+        lines.append("  (auto holds more than fast here: the per-example gradients it keeps within its budget are "
+                     "larger than the g fast holds for those layers; a smaller clipping_memory_budget keeps fewer)")
     return lines
 
 
@@ -309,11 +325,11 @@ def _mode(m: MemoryPlan, mode: str) -> str:
     booked = sum(k.booked_layers for k in m.kinds)
     rest = sum(k.layers for k in m.kinds) - kept - booked
     if not rest and not booked:
-        return f"{mib(m.auto)} (every layer kept: one backward pass)"
+        return f"{mib(m.auto)} (every layer kept: one backward pass, fast's time)"
     kept_text = f"{kept:,} layer{'' if kept == 1 else 's'} kept"
     if m.bf16:
         return f"{mib(m.auto)} ({kept_text}, {booked:,} with fast's state)"
     books = f", {booked:,} booked" if booked else ""
     if not rest:
-        return f"{mib(m.auto)} ({kept_text}{books}: one backward pass)"
+        return f"{mib(m.auto)} ({kept_text}{books}: one backward pass, fast's time)"
     return f"{mib(m.auto)} ({kept_text}{books}; {rest:,} as low: a second backward pass)"
