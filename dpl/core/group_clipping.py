@@ -57,7 +57,8 @@ class GroupClipping(StreamingNorms):
             self._left[group] = self._left.get(group, 0) + 1
         self.listening = True
 
-    def _account(self, rec: LayerRecord, layer: _Layer, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
+    def _account(self, rec: LayerRecord, layer: _Layer, inputs: list[Tensor], grads: list[Tensor],
+                 book: int = 0) -> Tensor:
         view = LayerRecord(rec.module, rec.kind, rec.full_names, inputs)
         prepared = lean_prepare(view, grads, self._gram_cache(inputs), self.grouping)
         group = self.group_of[id(rec)]
