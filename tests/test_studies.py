@@ -608,7 +608,7 @@ def test_clipping_sst2_quick(clipping_quick):
 
     res = clipping_quick["sst2"]
     s, cells, runs = res["settings"], res["cells"], res["runs"]
-    assert (s["seeds"], s["tune_seed"]) == (clipping.QUICK["sst2"]["seeds"], 100)
+    assert (s["seeds"], s["tune_seed"], res["threads"]) == (clipping.QUICK["sst2"]["seeds"], 100, 1)
     assert s["arms"] == {a["name"]: a["clipping"] for a in clipping.ARMS}
     assert res["data"]["trainable_parameters"] == 22_566_146  # every parameter of MiniLM-L6 and the 2-class head
     epsilons = clipping.QUICK["sst2"]["epsilons"]
