@@ -305,7 +305,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
         final = {k: v for k, v in curve[-1].items() if k != "step"}
     else:
         final = evaluated()
-    thresholds = [s["thresholds"] for s in engine.state_dict()["states"].values() if "thresholds" in s]
+    thresholds = [s["thresholds"] for s in engine.state_dict()["states"].values() if "thresholds" in s] \
+        if privacy.adaptive_clipping else []  # the released thresholds (public: the clip plugin's state)
     return {"sigma": sigma, "epsilon": spent, "epsilon_spent": engine.epsilon(), "delta": delta, "steps": steps,
             "steps_done": engine.steps_done, "mechanism": engine.mechanism.name,
             "bands": getattr(engine.mechanism, "bands", None), "gradient_sigma": sigma * engine.mechanism.noise_scale,
