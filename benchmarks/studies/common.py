@@ -209,7 +209,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
                      physical_batch_size: int = 4096, evaluate: Callable[[], dict[str, Any]] | None = None,
                      eval_steps: Sequence[int] = (), stop_after: int | None = None, device: str = "cpu",
                      autocast: bool = False, user_keys: Sequence[Any] | None = None, max_rows_per_user: int = 1,
-                     user_sampling: str = "users", progress: bool = False) -> dict[str, Any]:
+                     user_sampling: str = "users", clipping: dict[str, Any] | None = None,
+                     progress: bool = False) -> dict[str, Any]:
     """Train ``trainable`` (parameters of ``model``) privately for ``steps`` steps with :class:`dpl.PrivateTraining`
     (dpl's private engine, the one ``dpl fit`` and ``dpl audit`` drive: its plugins, mechanism, calibration, batch
     sampler and private step): the one training loop of the studies.
@@ -225,11 +226,14 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     ``eval_steps`` (the ``curve``) and at the end (``final``). ``stop_after``: stop after that many of the planned
     ``steps`` (sigma stays calibrated for ``steps``). ``user_keys`` (the user of every training row): user-level DP
     (``privacy.unit: user``) with k = ``max_rows_per_user`` and ``user_sampling`` (``users`` or ``rows``); epsilon,
-    delta (default 1 / (10 users)) and ``batch_size`` (under ``users``) are then per user. Returns sigma, epsilon
-    (planned) and ``epsilon_spent`` (at the
-    stop), the mechanism (and ftrl's bands), the plugins' logged values (means over the steps taken) and the wall
-    time. A run whose parameters become non-finite stops early with ``diverged: True``. ``progress``: a line on
-    stderr after every step (and the scores of every evaluation), for runs of minutes a step.
+    delta (default 1 / (10 users)) and ``batch_size`` (under ``users``) are then per user. ``clipping``: more
+    ``privacy`` settings of the clipping (``{"clipping": "per_layer", "clipping_thresholds": "adaptive"}``; None:
+    dpl's default, flat). Returns sigma, epsilon (planned) and ``epsilon_spent`` (at the stop), the mechanism (and
+    ftrl's bands), the gradient's noise multiplier (sigma times the mechanism's noise scale), the public per-group
+    clipping thresholds at the end (adaptive ``per_layer``: the released ones; else None), the plugins' logged values
+    (means over the steps taken) and the wall time. A run whose parameters become non-finite stops early with
+    ``diverged: True``. ``progress``: a line on stderr after every step (and the scores of every evaluation), for runs
+    of minutes a step.
     """
     from contextlib import nullcontext
 
@@ -252,7 +256,7 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
                             physical_batch_size=physical_batch_size, seed=seed,
                             unit="example" if user_keys is None else "user",
                             max_rows_per_user=None if user_keys is None else max_rows_per_user,
-                            user_sampling=user_sampling)
+                            user_sampling=user_sampling, **(clipping or {}))
     logged: dict[str, list[float]] = {}
 
     def log(name: str, value: float) -> None:
@@ -301,9 +305,12 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
         final = {k: v for k, v in curve[-1].items() if k != "step"}
     else:
         final = evaluated()
+    thresholds = [s["thresholds"] for s in engine.state_dict()["states"].values() if "thresholds" in s] \
+        if privacy.adaptive_clipping else []  # the released thresholds (public: the clip plugin's state)
     return {"sigma": sigma, "epsilon": spent, "epsilon_spent": engine.epsilon(), "delta": delta, "steps": steps,
             "steps_done": engine.steps_done, "mechanism": engine.mechanism.name,
-            "bands": getattr(engine.mechanism, "bands", None), "diverged": diverged, "final": final, "curve": curve,
+            "bands": getattr(engine.mechanism, "bands", None), "gradient_sigma": sigma * engine.mechanism.noise_scale,
+            "thresholds": thresholds[0] if thresholds else None, "diverged": diverged, "final": final, "curve": curve,
             "logged": {k: float(np.mean(v)) for k, v in logged.items()},
             "seconds": time.perf_counter() - start}
 

@@ -142,21 +142,23 @@ class Setup:
 
     def run(self, arm: dict[str, Any], evaluate: Callable[[], dict[str, Any]] | None = None,
             **settings: Any) -> dict[str, Any]:
-        """One private training run of ``arm`` (``settings`` override the common ones)."""
+        """One private training run of ``arm`` (its ``plugins`` and ``clipping``; ``settings`` override the common
+        ones)."""
         return self.model.run(self.batch_of, self.num_examples, evaluate or self.evaluate, plugins=arm["plugins"],
-                              **{**self.settings, **settings})
+                              clipping=arm.get("clipping"), **{**self.settings, **settings})
 
 
 def time_steps(setup: Setup, arm: dict[str, Any], steps: int, **settings: Any) -> dict[str, Any]:
     """Seconds of each of ``steps`` private steps of ``arm`` at the study's scale (after a first, untimed step),
-    and of one evaluation on the reported split."""
-    r = setup.run(arm, lambda: {"t": time.perf_counter()}, seed=0, **settings,
+    and of one evaluation on the reported split: wall time and this process's CPU time."""
+    r = setup.run(arm, lambda: {"t": time.perf_counter(), "cpu": time.process_time()}, seed=0, **settings,
                   eval_steps=list(range(1, steps + 2)), stop_after=steps + 1)
-    stamps = [p["t"] for p in r["curve"]]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     setup.evaluate()
-    return {"arm": arm["name"], "step_seconds": [b - a for a, b in zip(stamps, stamps[1:])],
-            "evaluation_seconds": time.perf_counter() - start, "logged": r["logged"]}
+    return {"arm": arm["name"], **{f"step_{name}seconds": [b[key] - a[key] for a, b in zip(r["curve"], r["curve"][1:])]
+                                   for name, key in (("", "t"), ("cpu_", "cpu"))},
+            "evaluation_seconds": time.perf_counter() - start, "evaluation_cpu_seconds": time.process_time() - cpu,
+            "logged": r["logged"]}
 
 
 def lora(options: dict[str, Any]) -> Any:
@@ -234,14 +236,21 @@ def ftrl_size(s: dict[str, Any], arms: int) -> str:
 
 
 def ftrl_setup(args: Any, s: dict[str, Any]) -> Setup:
+    return sst2_setup(args, s, lora(s["lora"]))
+
+
+def sst2_setup(args: Any, s: dict[str, Any], finetuning: Any) -> Setup:
+    """MiniLM (mean pooling, a new linear head) fine-tuned as ``finetuning`` says on SST-2 (:func:`sst2_splits`):
+    SGD momentum 0.9, ``s["steps"]`` steps (default: ``s["epochs"]`` epochs) of ``s["batch_size"]``; scored on the
+    validation rows, tuned on the held-out training rows (``tune_on``)."""
     from dpl.tasks.modules import DPClassificationModule
 
     train, held, test = sst2_splits(s)
-    torch.manual_seed(0)  # the initial LoRA A and head weights, the same for every run
-    model = Model(DPClassificationModule(model=ENCODER, num_labels=2, pooling="mean", finetuning=lora(s["lora"])),
+    torch.manual_seed(0)  # the initial trainable (LoRA A) and head weights, the same for every run
+    model = Model(DPClassificationModule(model=ENCODER, num_labels=2, pooling="mean", finetuning=finetuning),
                   args.device)
     settings = {"optimizer": "sgd", "momentum": 0.9, "batch_size": s["batch_size"],
-                "steps": s["epochs"] * (len(train) // s["batch_size"]),
+                "steps": s.get("steps") or s["epochs"] * (len(train) // s["batch_size"]),
                 "physical_batch_size": s["physical_batch_size"], "autocast": s["autocast"], "progress": not s["quick"]}
     return Setup(model, train.batch, len(train), lambda: classify(model, test), settings,
                  {"train": len(train), "tune": len(held), "test": len(test), "trainable_parameters": model.size},
@@ -262,6 +271,11 @@ def run_key(run: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
+    run_tuned(args, s, results, out, setup, FTRL_ARMS)
+
+
+def run_tuned(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup,
+              arms: list[dict[str, Any]]) -> None:
     """Every (epsilon, arm) cell: the lr tuned on the tuning rows, then the report seeds. Each run is saved as it
     ends (``results["runs"]``), so ``--resume`` continues within a cell, from the first run not yet saved."""
     done = {(c["arm"], c["epsilon"]) for c in results["cells"]}
@@ -279,14 +293,15 @@ def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, se
         r = setup.run(arm, setup.tune_on if purpose == "tune" else None, lr=lr, seed=seed, epsilon=eps)
         record = {"arm": arm["name"], "epsilon": eps, "lr": lr, "seed": seed, "purpose": purpose,
                   "diverged": r["diverged"], "acc": r["final"].get("acc"), "loss": r["final"].get("loss"),
-                  **{k: r[k] for k in ("steps", "sigma", "delta", "mechanism", "bands", "seconds", "logged")},
+                  **{k: r[k] for k in ("steps", "sigma", "gradient_sigma", "thresholds", "delta", "mechanism", "bands",
+                                       "seconds", "logged")},
                   "epsilon_spent": r["epsilon"]}
         results["runs"].append(record)
         fresh += 1
         save(out, results_on_disk(args, out, results), args.out)  # after every run
         return record
 
-    for eps, arm in pending(args, FTRL_ARMS, s["epsilons"], done):
+    for eps, arm in pending(args, arms, s["epsilons"], done):
 
         def score(lr: float) -> float:
             r = run(arm, eps, lr, args.tune_seed, "tune")
@@ -297,13 +312,15 @@ def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, se
             {"best": grid[0], "scores": {}, "widened": False, "at_edge": False}
         runs = [run(arm, eps, tuned["best"], seed, "report") for seed in s["seeds"]]
         ok = [r for r in runs if not r["diverged"]]
-        cell = {"arm": arm["name"], "plugins": arm["plugins"], "epsilon": eps, "steps": runs[0]["steps"],
-                "sigma": runs[0]["sigma"], "epsilon_spent": runs[0]["epsilon_spent"], "delta": runs[0]["delta"],
+        cell = {"arm": arm["name"], "plugins": arm["plugins"], "clipping": arm.get("clipping"), "epsilon": eps,
+                "steps": runs[0]["steps"], "sigma": runs[0]["sigma"], "gradient_sigma": runs[0]["gradient_sigma"],
+                "epsilon_spent": runs[0]["epsilon_spent"], "delta": runs[0]["delta"],
                 "mechanism": runs[0]["mechanism"], "bands": runs[0]["bands"], "tuning": tuned, "lr": tuned["best"],
                 "acc": spread([r["acc"] for r in ok]) if ok else None,
                 "loss": spread([r["loss"] for r in ok]) if ok else None,
                 "per_seed_acc": [None if r["diverged"] else r["acc"] for r in runs],
                 "per_seed_loss": [None if r["diverged"] else r["loss"] for r in runs],
+                "per_seed_seconds": [r["seconds"] for r in runs],
                 "diverged": len(runs) - len(ok), "seconds_per_run": statistics.fmean(r["seconds"] for r in runs),
                 "logged": runs[0]["logged"]}
         results["cells"].append(cell)
@@ -324,13 +341,13 @@ def ftrl_table(results: dict[str, Any]) -> str:
         lines.append(f"| {c['epsilon']:g} | {c['arm']} | {c['mechanism']}{bands} | {c['sigma']:.3f} | {c['lr']:.3g}"
                      f"{edge} | {fmt(c['acc']) if c['acc'] else 'diverged'} | "
                      f"{fmt(c['loss'], 1.0, 3) if c['loss'] else '-'} |")
-    return "\n".join(lines + partial_rows(results))
+    return "\n".join(lines + partial_rows(results, FTRL_ARMS))
 
 
-def partial_rows(results: dict[str, Any]) -> list[str]:
+def partial_rows(results: dict[str, Any], arms: list[dict[str, Any]]) -> list[str]:
     """Rows of the cells still running (their runs saved so far): the tuning scores, and the report seeds done."""
     finished = {(c["arm"], c["epsilon"]) for c in results["cells"]}
-    order = [a["name"] for a in FTRL_ARMS]
+    order = [a["name"] for a in arms]
     started = sorted({(r["epsilon"], r["arm"]) for r in results.get("runs", [])
                       if (r["arm"], r["epsilon"]) not in finished}, key=lambda k: (k[0], order.index(k[1])))
     lines = []
@@ -427,11 +444,18 @@ def denoise_setup(args: Any, s: dict[str, Any]) -> Setup:
 
 
 def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup) -> None:
+    run_seeds(args, s, results, out, setup, DENOISE_ARMS)
+
+
+def run_seeds(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup,
+              arms: list[dict[str, Any]]) -> None:
+    """Every (seed, arm) run at the study's one lr, scored at the scored steps; each saved as it ends."""
     done = {(c["arm"], c["seed"]) for c in results["cells"]}
     start = time.perf_counter()
-    for seed, arm in pending(args, DENOISE_ARMS, s["seeds"], done):
+    for seed, arm in pending(args, arms, s["seeds"], done):
         r = setup.run(arm, seed=seed)
-        cell = {"arm": arm["name"], "plugins": arm["plugins"], "seed": seed, "sigma": r["sigma"],
+        cell = {"arm": arm["name"], "plugins": arm["plugins"], "clipping": arm.get("clipping"), "seed": seed,
+                "sigma": r["sigma"], "gradient_sigma": r["gradient_sigma"], "thresholds": r["thresholds"],
                 "epsilon_planned": r["epsilon"], "epsilon_spent": r["epsilon_spent"], "delta": r["delta"],
                 "diverged": r["diverged"], "fraction_denoised": r["logged"].get("denoise/fraction_denoised"),
                 "logged": r["logged"], "seconds": r["seconds"],
@@ -442,8 +466,9 @@ def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str,
         save(out, results_on_disk(args, out, results), args.out)  # so far
         last = cell["curve"].get(str(s["scored_steps"][-1]), {})
         print(f"[{time.perf_counter() - start:6.0f} s] seed {seed} {arm['name']}: " + ", ".join(
-            f"{m} {v:.4f}" for m, v in last.items()) + f" @ {s['scored_steps'][-1]}; denoised "
-            f"{cell['fraction_denoised']} ({r['seconds']:.0f} s)", flush=True)
+            f"{m} {v:.4f}" for m, v in last.items()) + f" @ {s['scored_steps'][-1]}" + (
+            "" if cell["fraction_denoised"] is None else f"; denoised {cell['fraction_denoised']}")
+            + f" ({r['seconds']:.0f} s)", flush=True)
 
 
 def paired(results: dict[str, Any]) -> list[dict[str, Any]]:
