@@ -5,6 +5,7 @@ here); their outputs go to tmp_path. The numbers are not checked: the studies an
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,15 @@ def test_llm_scale_docs_tables_are_what_table_prints(capsys):
     printed = capsys.readouterr().out.strip()
     assert printed.startswith("**") and "| T | non-private |" in printed
     assert printed in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_clipping_step_time_docs_table_is_what_table_prints():
+    """docs/benchmarks.md's clipping step-time table is ``step_time.py --table`` of the committed results."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import step_time
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "step_time_clipping.json").read_text())
+    printed = step_time.table(results)
+    rows = printed[printed.index("| model |"):]
+    assert "| MiniLM full | dpl per-layer |" in rows
+    assert rows in (ROOT / "docs" / "benchmarks.md").read_text()
