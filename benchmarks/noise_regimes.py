@@ -75,8 +75,12 @@ def step_sigma(sigma: float, plugins: dict[str, Any] | None, n: int, b: int, ste
 
 
 def _files(study: str) -> Iterator[dict[str, Any]]:
-    """The committed results of ``study`` (``<study>*.json``; ``--quick`` results left out)."""
+    """The committed results of ``study`` (``<study>*.json``; ``--quick`` results left out, and those of another
+    study whose name extends this one's: ``dpzero_finetune*.json`` are not ``dpzero.py``'s)."""
+    others = [p.stem for p in (ROOT / "benchmarks" / "studies").glob(f"{study}_*.py")]
     for path in sorted(RESULTS.glob(f"{study}*.json")):
+        if any(path.stem.startswith(other) for other in others):
+            continue
         results = json.loads(path.read_text())
         if not results.get("settings", {}).get("quick"):
             yield results
