@@ -287,16 +287,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lr-grid", type=float, nargs="+", help="sst2: lr grid (default 0.03 0.1 0.3)")
     parser.add_argument("--rows", type=int, help="training rows")
     parser.add_argument("--batch-size", type=int, help="expected batch size B")
-    parser.add_argument("--physical-batch-size", type=int, help="micro-batch of the per-example gradients")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the runs of the results file (and those that part runs in other processes save "
-                             "to it meanwhile)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
-    parser.add_argument("--time-steps", type=int, metavar="K",
-                        help="only time K private steps of each arm and one evaluation, and estimate the row's "
-                             "CPU-hours (results: clipping_<row>_timing.json)")
-    parser.add_argument("--table", type=Path, metavar="RESULTS",
-                        help="only print the tables of a results file (as in docs/studies.md); no training")
+    finetune.add_run_options(parser, kept="the runs",
+                             timed="only time K private steps of each arm and one evaluation, and estimate the "
+                                   "row's CPU-hours (results: clipping_<row>_timing.json)",
+                             micro_batch="micro-batch of the per-example gradients")
     args = parser.parse_args(argv)
     if args.table:
         results = json.loads(args.table.read_text())

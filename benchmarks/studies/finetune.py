@@ -593,6 +593,19 @@ STUDIES = {"ftrl": (FTRL_ARMS, ftrl_setup, run_ftrl, ftrl_size, ftrl_table, ftrl
            "denoise": (DENOISE_ARMS, denoise_setup, run_denoise, denoise_size, denoise_tables, denoise_plot)}
 
 
+def add_run_options(parser: argparse.ArgumentParser, kept: str, timed: str, micro_batch: str) -> None:
+    """The options every fine-tuning study shares: the micro-batch, ``--resume`` (``kept``: what it keeps), threads,
+    ``--time-steps`` (``timed``: what it times) and ``--table``."""
+    parser.add_argument("--physical-batch-size", type=int, help=micro_batch)
+    parser.add_argument("--resume", action="store_true",
+                        help=f"keep {kept} of the results file (and those that part runs in other processes save to "
+                             "it meanwhile)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--time-steps", type=int, metavar="K", help=timed)
+    parser.add_argument("--table", type=Path, metavar="RESULTS",
+                        help="only print the tables of a results file (as in docs/studies.md); no training")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = study_parser(__doc__)
     parser.set_defaults(seeds=None)
@@ -610,16 +623,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--scored-steps", type=int, nargs="+",
                         help="denoise: steps scored by generation; the last ends each run (default 25 50 100)")
     parser.add_argument("--meteor-backend", default="python", choices=("python", "java", "auto"))
-    parser.add_argument("--physical-batch-size", type=int, help="micro-batch of the per-example gradients (default B)")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the finished cells of the results file (and those that part runs in other "
-                             "processes save to it meanwhile)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
-    parser.add_argument("--time-steps", type=int, metavar="K",
-                        help="only time K private steps of the first (selected) arm at the study's scale, and one "
-                             "evaluation (results: finetune_<study>_timing.json)")
-    parser.add_argument("--table", type=Path, metavar="RESULTS",
-                        help="only print the tables of a results file (as in docs/studies.md); no training")
+    add_run_options(parser, kept="the finished cells",
+                    timed="only time K private steps of the first (selected) arm at the study's scale, and one "
+                          "evaluation (results: finetune_<study>_timing.json)",
+                    micro_batch="micro-batch of the per-example gradients (default B)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     arms, setup_of, run, size_of, table, plot = STUDIES[args.study]
