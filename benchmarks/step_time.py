@@ -1,9 +1,11 @@
 """Step time of dpl's private step vs non-private training and opacus, side by side in one run.
 
-    python benchmarks/step_time.py [--repeats 10] [--batch 32] [--tokens 64] [--only-clipping]
+    python benchmarks/step_time.py [--repeats 10] [--batch 32] [--tokens 64] [--only-clipping] [--micro-batches K]
 
 Each configuration runs one full optimizer step (forward, backward, clipping/noise where private) on the
-same batch of random token ids. Timings are interleaved round-robin so that machine noise hits every
+same batch of random token ids. ``--micro-batches K``: the step's (logical) batch is K micro-batches of ``--batch``
+examples, as a run with ``batch_size = K * physical_batch_size`` takes it: the non-private step accumulates K
+micro-batches' gradients, the private one clips K micro-batches and draws its noise once. Timings are interleaved round-robin so that machine noise hits every
 variant alike; the table reports medians and the ratio to the non-private step of the same model. Like the ``dpl``
 command, the process keeps freed memory for reuse (``dpl.allocator``); ``DPL_MALLOC=system`` times glibc's default.
 """
@@ -48,27 +50,34 @@ def make_batch(batch: int, tokens: int):
             "labels": torch.randint(0, 2, (batch,), generator=gen)}
 
 
-def nonprivate_step(model, batch) -> Callable[[], None]:
+def nonprivate_step(model, batch, micro_batch: int | None = None) -> Callable[[], None]:
+    """One SGD step on the mean loss of ``batch``, its gradient accumulated over micro-batches of ``micro_batch``."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    size = batch["labels"].shape[0]
+    micro = micro_batch or size
 
     def step():
         opt.zero_grad(set_to_none=True)
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        F.cross_entropy(out.logits, batch["labels"]).backward()
+        for start in range(0, size, micro):
+            part = {k: v[start:start + micro] for k, v in batch.items()}
+            out = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"])
+            (F.cross_entropy(out.logits, part["labels"], reduction="sum") / size).backward()
         opt.step()
     return step
 
 
 def fixed_batch_training(model, per_example_loss, batch_size: int, plugins: dict | None = None, lr: float = 1e-4,
-                         rows_per_user: int | None = None, steps: int = 1000, **settings) -> PrivateTraining:
+                         rows_per_user: int | None = None, steps: int = 1000, physical_batch_size: int | None = None,
+                         **settings) -> PrivateTraining:
     """dpl's training loop for timing steps on a fixed batch of ``batch_size`` examples (with ``rows_per_user``:
-    users of k rows each, user-level sampling): sigma 1, C 1, physical batch = batch, plain SGD. The plan (50
+    users of k rows each, user-level sampling): sigma 1, C 1, physical batch = batch (or ``physical_batch_size``
+    rows), plain SGD. The plan (50
     batches, ``steps`` steps) sizes the accounting and the plugins' fits; no budget limits the steps. ``settings``:
     more privacy settings (``clipping="per_layer"``, ``clipping_memory="fast"``)."""
     k = rows_per_user or 1
     rows = batch_size * k
     privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=batch_size,
-                            physical_batch_size=rows, unit="user" if rows_per_user else "example",
+                            physical_batch_size=physical_batch_size or rows, unit="user" if rows_per_user else "example",
                             max_rows_per_user=rows_per_user, **settings)
     users = [row // k for row in range(50 * rows)] if rows_per_user else None
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -83,10 +92,12 @@ def classification_loss(model) -> Callable[[dict], torch.Tensor]:
     return loss
 
 
-def dpl_step(model, batch, plugins: dict | None = None, **settings) -> Callable[[], None]:
+def dpl_step(model, batch, plugins: dict | None = None, micro_batch: int | None = None,
+             **settings) -> Callable[[], None]:
     """One private step (the four hooks and the SGD update) on ``batch``, through dpl's training loop, on the
-    model's device; ``settings``: more privacy settings."""
-    training = fixed_batch_training(model, classification_loss(model), batch["labels"].shape[0], plugins, **settings)
+    model's device, in micro-batches of ``micro_batch`` examples; ``settings``: more privacy settings."""
+    training = fixed_batch_training(model, classification_loss(model), batch["labels"].shape[0], plugins,
+                                    physical_batch_size=micro_batch, **settings)
     return lambda: training.step(batch)
 
 
@@ -144,7 +155,10 @@ def table(results: dict) -> str:
     """The markdown table of a results file written with ``--out``: median and fastest step, each as a multiple of
     the same model's non-private step."""
     s = results["settings"]
-    lines = [f"batch {s['batch']} x {s['tokens']} tokens, {s['repeats']} interleaved repeats, {s['clock']} clock, "
+    micro = s.get("micro_batches", 1)
+    size = (f"batch {s['batch'] * micro} ({micro} micro-batches of {s['batch']})" if micro > 1 else
+            f"batch {s['batch']}")
+    lines = [f"{size} x {s['tokens']} tokens, {s['repeats']} interleaved repeats, {s['clock']} clock, "
              f"{s['threads']} threads, {s['malloc']}, torch {s['torch']}, {s['date']}", "",
              "| model | step | median s | × non-private | fastest × non-private |", "|---|---|---|---|---|"]
     for row in results["rows"]:
@@ -166,6 +180,12 @@ def main() -> None:
     parser.add_argument("--only-clipping", action="store_true",
                         help="time only non-private, dpl (clipping_memory auto), dpl fast, low and per-layer (fixed "
                              "and adaptive thresholds; the clipping comparison: no opacus, no denoise, no frozen-embeddings model)")
+    parser.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                        help="a logical batch of K micro-batches of --batch examples (noise drawn once per step)")
+    parser.add_argument("--methods", nargs="+", choices=["full", "lora"], default=["full", "lora"])
+    parser.add_argument("--variants", nargs="+", metavar="STEP",
+                        help="time only these steps (names as in the table, e.g. 'dpl per-layer'); the "
+                             "non-private step is always timed")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows to this JSON file")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="print the markdown table of a results file "
                         "(written with --out) and exit")
@@ -176,48 +196,64 @@ def main() -> None:
     if args.table is not None:
         print(table(json.loads(args.table.read_text())))
         return
+    if args.micro_batches < 1:
+        parser.error("--micro-batches must be at least 1")
+    if args.micro_batches > 1 and not (args.only_clipping or args.only_denoise):
+        parser.error("--micro-batches > 1 times dpl's steps only: add --only-clipping or --only-denoise")
     malloc = "freed memory kept (dpl.allocator)" if keep_freed_memory() else "system malloc"
     torch.set_num_threads(torch.get_num_threads())
-    batch = make_batch(args.batch, args.tokens)
+    batch = make_batch(args.batch * args.micro_batches, args.tokens)
+    micro = args.batch if args.micro_batches > 1 else None
     rows = []
-    configs = [("full", False), ("full", True), ("lora", False)]
+    configs = [(m, f) for m in args.methods for f in ((False, True) if m == "full" else (False,))]
     if args.only_denoise or args.only_clipping:
         configs = [c for c in configs if not c[1]]
     for method, freeze in configs:
         label = f"MiniLM {method}" + (" (embeddings frozen)" if freeze else "")
-        variants = {"non-private": nonprivate_step(load(method, freeze), batch),
-                    "dpl": dpl_step(load(method, freeze), batch)}
+        steps = {"dpl": lambda: dpl_step(load(method, freeze), batch, micro_batch=micro)}
         if not freeze:
-            variants["dpl fast"] = dpl_step(load(method, freeze), batch, clipping_memory="fast")
-            variants["dpl low"] = dpl_step(load(method, freeze), batch, clipping_memory="low")
-            variants["dpl per-layer"] = dpl_step(load(method, freeze), batch, clipping="per_layer")
-            variants["dpl per-layer adaptive"] = dpl_step(load(method, freeze), batch, clipping="per_layer",
-                                                          clipping_thresholds="adaptive")
+            steps.update({
+                "dpl fast": lambda: dpl_step(load(method, freeze), batch, micro_batch=micro, clipping_memory="fast"),
+                "dpl low": lambda: dpl_step(load(method, freeze), batch, micro_batch=micro, clipping_memory="low"),
+                "dpl per-layer": lambda: dpl_step(load(method, freeze), batch, micro_batch=micro,
+                                                  clipping="per_layer"),
+                "dpl per-layer adaptive": lambda: dpl_step(load(method, freeze), batch, micro_batch=micro,
+                                                           clipping="per_layer", clipping_thresholds="adaptive")})
         if not freeze and not args.only_clipping:
             for svd in args.denoise:
-                variants[f"dpl + denoise ({svd} SVD)"] = dpl_step(load(method, freeze), batch,
-                                                                  {"denoise": {"svd": svd}})
+                steps[f"dpl + denoise ({svd} SVD)"] = (lambda svd=svd: dpl_step(
+                    load(method, freeze), batch, {"denoise": {"svd": svd}}, micro_batch=micro))
         for mode in () if args.only_denoise or args.only_clipping else ("hooks", "ghost"):
-            step = opacus_step(load(method, freeze), batch, mode)
-            if step is not None:
-                variants[f"opacus {mode}"] = step
+            steps[f"opacus {mode}"] = lambda mode=mode: opacus_step(load(method, freeze), batch, mode)
+        unknown = set(args.variants or ()) - set(steps) - {"non-private"}
+        if unknown:
+            parser.error(f"--variants: no step named {sorted(unknown)} here; the steps: {sorted(steps)}")
+        variants = {"non-private": nonprivate_step(load(method, freeze), batch, micro)}
+        for name, make in steps.items():
+            if args.variants is None or name in args.variants:
+                step = make()
+                if step is not None:
+                    variants[name] = step
         times = timeit(variants, args.repeats, time.process_time if args.clock == "process" else time.perf_counter)
         base, base_min = statistics.median(times["non-private"]), min(times["non-private"])
         for name, values in times.items():
             seconds = statistics.median(values)
             rows.append((label, name, seconds, seconds / base, min(values), min(values) / base_min))
-    print(f"\nbatch {args.batch} x {args.tokens} tokens, {args.repeats} interleaved repeats, {args.clock} clock, "
+    size = (f"batch {args.batch * args.micro_batches} ({args.micro_batches} micro-batches of {args.batch})"
+            if args.micro_batches > 1 else f"batch {args.batch}")
+    print(f"\n{size} x {args.tokens} tokens, {args.repeats} interleaved repeats, {args.clock} clock, "
           f"{torch.get_num_threads()} threads, {malloc}, torch {torch.__version__}\n")
     print("| model | step | median s | × non-private | × dpl | min s | min × non-private |\n"
           "|---|---|---|---|---|---|---|")
     dpl_time = {row[0]: row[2] for row in rows if row[1] == "dpl"}
     for label, name, seconds, ratio, fastest, fastest_ratio in rows:
-        print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} | {seconds / dpl_time[label]:.3f} | {fastest:.3f} | "
+        versus = f"{seconds / dpl_time[label]:.3f}" if label in dpl_time else "—"
+        print(f"| {label} | {name} | {seconds:.3f} | {ratio:.2f} | {versus} | {fastest:.3f} | "
               f"{fastest_ratio:.2f} |")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
-            "settings": {"batch": args.batch, "tokens": args.tokens, "repeats": args.repeats, "clock": args.clock,
+            "settings": {"batch": args.batch, "micro_batches": args.micro_batches, "tokens": args.tokens, "repeats": args.repeats, "clock": args.clock,
                          "threads": torch.get_num_threads(), "malloc": malloc, "torch": torch.__version__,
                          "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")},
             "rows": [{"model": label, "step": name, "median_s": seconds, "x_nonprivate": ratio, "min_s": fastest,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -88,16 +89,47 @@ def test_llm_scale_docs_tables_are_what_table_prints(capsys):
     assert printed in (ROOT / "docs" / "benchmarks.md").read_text()
 
 
-def test_clipping_step_time_docs_table_is_what_table_prints():
-    """docs/benchmarks.md's clipping step-time table is ``step_time.py --table`` of the committed results."""
+@pytest.mark.parametrize("name", ["step_time_clipping", "step_time_clipping_b256"])
+def test_clipping_step_time_docs_table_is_what_table_prints(name):
+    """docs/benchmarks.md's clipping step-time tables (batch 32; batch 256 in micro-batches of 32) are
+    ``step_time.py --table`` of the committed results."""
     sys.path.insert(0, str(BENCHMARKS))
     import step_time
 
-    results = json.loads((ROOT / "benchmarks" / "results" / "step_time_clipping.json").read_text())
+    results = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
     printed = step_time.table(results)
     rows = printed[printed.index("| model |"):]
     assert "| MiniLM full | dpl per-layer |" in rows
     assert rows in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_step_time_micro_batches_accumulate_the_same_mean_gradient():
+    """``step_time.py --micro-batches``: the non-private step accumulated over micro-batches is the one-batch step
+    (float32 sums in another order: a few ulps of the gradients' size), and the private step runs in micro-batches."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import step_time
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def tiny():
+        torch.manual_seed(0)
+        return BertForSequenceClassification(BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1,
+                                                        num_attention_heads=2, intermediate_size=32,
+                                                        hidden_dropout_prob=0.0,
+                                                        attention_probs_dropout_prob=0.0)).train()
+
+    batch = step_time.make_batch(8, 6)
+    whole, parts = tiny(), tiny()
+    step_time.nonprivate_step(whole, batch)()
+    step_time.nonprivate_step(parts, batch, micro_batch=2)()
+    for a, b in zip(whole.parameters(), parts.parameters()):
+        # lr 1e-4 times a mean gradient summed in 4 parts: the difference is rounding of the update and the weight
+        assert torch.allclose(a, b, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(b.abs().max() + 1))
+    model, sizes = tiny(), []
+    loss = step_time.classification_loss(model)
+    training = step_time.fixed_batch_training(model, lambda b: sizes.append(len(b["labels"])) or loss(b), 8,
+                                              physical_batch_size=2)
+    training.step(batch)
+    assert sizes == [2, 2, 2, 2]  # the logical batch of 8 in micro-batches of 2
 
 
 def test_trainer_and_library_call_the_same_matrix_products(tmp_path):

@@ -419,3 +419,30 @@ def test_auto_with_room_for_every_book_runs_one_backward_pass(monkeypatch):
         monkeypatch.setattr(per_example.torch.autograd, "grad", real_grad)
         _assert_matches(sums, norms, *reference_clipped_sum(_loss_fn(model), model, batch, 0.05))
         monkeypatch.setattr(per_example.torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+
+
+def test_auto_in_one_pass_forms_each_shared_input_gram_once_as_fast_does(monkeypatch):
+    """The layers that read one input (Q, K and V) share its Gram matrix in auto's one pass as in fast: auto forms
+    no more input Gram products than fast (each a batched product of the input with itself)."""
+    from dpl.core import layer_gradients
+
+    formed = []
+    real = layer_gradients._input_gram
+
+    def counting(a, source, grams):
+        key_before = len(grams)
+        out = real(a, source, grams)
+        formed.append(len(grams) > key_before)
+        return out
+
+    monkeypatch.setattr(layer_gradients, "_input_gram", counting)
+    counts = {}
+    for mode in ("fast", "auto"):
+        formed.clear()
+        model = _build("bert-full", False)
+        batch = random_batch(batch_size=3, length=4)  # T (d_in + d_out) < d_in d_out: the Gram path
+        sums, norms, clipper = _clipped(model, batch, mode, 1.0 if mode == "auto" else None, 0.05)
+        assert mode == "fast" or clipper.one_pass
+        counts[mode] = (sum(formed), len(formed))
+    assert counts["fast"][1] == counts["auto"][1] > counts["fast"][0]  # some layers share their input's Gram
+    assert counts["auto"][0] == counts["fast"][0]

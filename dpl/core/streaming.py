@@ -158,7 +158,7 @@ class StreamingNorms:
             self._hold(sum(t.numel() * t.element_size() for t in per_example.values()))
             return sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in per_example.values())
         if layer.decided == "booked":
-            prepared = prepare(view, grads, {}, self.grouping)
+            prepared = prepare(view, grads, self._gram_cache(inputs), self.grouping)  # Q, K, V: one input Gram
             self.booked.append((rec, prepared))
             if not self.book:  # chosen within the budget (a bf16 step books every layer it does not keep)
                 self._hold(self._book_of(rec, book, sum(g.shape[1] if g.dim() > 2 else 1 for g in grads)))
