@@ -180,6 +180,8 @@ def test_sst2_fit_synthesize_evaluate(world):
     training = json.loads((world["sst2"].parent.parent / "privacy.json").read_text())
     assert report["guarantee"]["epsilon"] == training["epsilon"] and report["source"]["run_id"] == training["run"]["id"]
     assert report["label_counts"]["method"] == "uniform" and "uniform" in (out / "privacy.md").read_text()
+    steps = report["training"]["steps_taken"]
+    assert f" {steps} step{'' if steps == 1 else 's'} (" in (out / "privacy.md").read_text()  # 1 step, 2 steps
     again = world["tmp"] / "synthetic" / "sst2-again"
     assert _run(["synthesize", str(world["sst2"]), "--rows", "12", "--out", str(again), "--seed", "3",
                  "--max_new_tokens", "6", "--batch_size", "5"])[0] == 0

@@ -98,7 +98,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"privacy, however many records are drawn.", "",
              f"Training: epsilon = {_fmt(training['epsilon'])}, delta = {float(training['delta']):.3g}, "
              f"sigma = {training['noise_multiplier']}, C = {training['max_grad_norm']}, "
-             f"{training['steps_taken']} steps ({training['mechanism']}, {training['accountant']} accountant).", ""]
+             f"{training['steps_taken']} step{'' if training['steps_taken'] == 1 else 's'} "
+             f"({training['mechanism']}, {training['accountant']} accountant).", ""]
     if label is not None:
         lines += ["## Label counts", "", f"Column `{label['column']}`: {_METHOD_TEXT[label['method']]}.", "",
                   "| label | proportion | rows |", "|---|---|---|"]
