@@ -5,9 +5,9 @@
 Each configuration runs one full optimizer step (forward, backward, clipping/noise where private) on the
 same batch of random token ids. ``--micro-batches K``: the step's (logical) batch is K micro-batches of ``--batch``
 examples, as a run with ``batch_size = K * physical_batch_size`` takes it: the non-private step accumulates K
-micro-batches' gradients, the private one clips K micro-batches and draws its noise once. Timings are interleaved round-robin so that machine noise hits every
-variant alike; the table reports medians and the ratio to the non-private step of the same model. Like the ``dpl``
-command, the process keeps freed memory for reuse (``dpl.allocator``); ``DPL_MALLOC=system`` times glibc's default.
+micro-batches' gradients, the private one clips K micro-batches and draws its noise once. Timings are interleaved
+round-robin so that machine noise hits every variant alike; the table reports medians and the ratio to the
+non-private step of the same model. Like the ``dpl`` command, the process keeps freed memory for reuse (``dpl.allocator``); ``DPL_MALLOC=system`` times glibc's default.
 """
 
 from __future__ import annotations
@@ -71,14 +71,13 @@ def fixed_batch_training(model, per_example_loss, batch_size: int, plugins: dict
                          **settings) -> PrivateTraining:
     """dpl's training loop for timing steps on a fixed batch of ``batch_size`` examples (with ``rows_per_user``:
     users of k rows each, user-level sampling): sigma 1, C 1, physical batch = batch (or ``physical_batch_size``
-    rows), plain SGD. The plan (50
-    batches, ``steps`` steps) sizes the accounting and the plugins' fits; no budget limits the steps. ``settings``:
-    more privacy settings (``clipping="per_layer"``, ``clipping_memory="fast"``)."""
+    rows), plain SGD. The plan (50 batches, ``steps`` steps) sizes the accounting and the plugins' fits; no budget
+    limits the steps. ``settings``: more privacy settings (``clipping="per_layer"``, ``clipping_memory="fast"``)."""
     k = rows_per_user or 1
     rows = batch_size * k
     privacy = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=batch_size,
-                            physical_batch_size=physical_batch_size or rows, unit="user" if rows_per_user else "example",
-                            max_rows_per_user=rows_per_user, **settings)
+                            physical_batch_size=physical_batch_size or rows,
+                            unit="user" if rows_per_user else "example", max_rows_per_user=rows_per_user, **settings)
     users = [row // k for row in range(50 * rows)] if rows_per_user else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     return PrivateTraining(model, per_example_loss, privacy, num_examples=50 * rows, steps=steps, users=users,
@@ -151,14 +150,18 @@ def timeit(variants: dict[str, Callable[[], None]], repeats: int,
     return times
 
 
+def batch_label(batch: int, micro_batches: int) -> str:
+    """``batch 32``, or ``batch 256 (8 micro-batches of 32)``."""
+    return (f"batch {batch * micro_batches} ({micro_batches} micro-batches of {batch})" if micro_batches > 1 else
+            f"batch {batch}")
+
+
 def table(results: dict) -> str:
     """The markdown table of a results file written with ``--out``: median and fastest step, each as a multiple of
     the same model's non-private step."""
     s = results["settings"]
-    micro = s.get("micro_batches", 1)
-    size = (f"batch {s['batch'] * micro} ({micro} micro-batches of {s['batch']})" if micro > 1 else
-            f"batch {s['batch']}")
-    lines = [f"{size} x {s['tokens']} tokens, {s['repeats']} interleaved repeats, {s['clock']} clock, "
+    lines = [f"{batch_label(s['batch'], s.get('micro_batches', 1))} x {s['tokens']} tokens, {s['repeats']} "
+             f"interleaved repeats, {s['clock']} clock, "
              f"{s['threads']} threads, {s['malloc']}, torch {s['torch']}, {s['date']}", "",
              "| model | step | median s | × non-private | fastest × non-private |", "|---|---|---|---|---|"]
     for row in results["rows"]:
@@ -239,9 +242,8 @@ def main() -> None:
         for name, values in times.items():
             seconds = statistics.median(values)
             rows.append((label, name, seconds, seconds / base, min(values), min(values) / base_min))
-    size = (f"batch {args.batch * args.micro_batches} ({args.micro_batches} micro-batches of {args.batch})"
-            if args.micro_batches > 1 else f"batch {args.batch}")
-    print(f"\n{size} x {args.tokens} tokens, {args.repeats} interleaved repeats, {args.clock} clock, "
+    print(f"\n{batch_label(args.batch, args.micro_batches)} x {args.tokens} tokens, {args.repeats} interleaved "
+          f"repeats, {args.clock} clock, "
           f"{torch.get_num_threads()} threads, {malloc}, torch {torch.__version__}\n")
     print("| model | step | median s | × non-private | × dpl | min s | min × non-private |\n"
           "|---|---|---|---|---|---|---|")
