@@ -1,21 +1,37 @@
-"""DP synthetic data study: what a synthetic copy of SST-2 and Banking77 is worth at epsilon 1, 4, 8 and inf.
+"""DP synthetic data study: what a synthetic copy of SST-2 or Banking77 is worth at epsilon 1, 4, 8 and inf.
 
 Every cell is the three documented commands (docs/synthetic.md), in this process:
 
-1. ``dpl fit --config configs/synthetic/<data>.yaml`` (SmolLM2-135M-Instruct + LoRA r 8, the label as control
-   prefix) on the real training file with 10 canary records inserted (``dpl.synthetic.leakage.canary_texts``, labelled
-   with the first label), at the target epsilon (inf: ``privacy.noise_multiplier 0``, no guarantee), ``seed_everything``
-   per seed;
+1. ``dpl fit --config configs/synthetic/<data>.yaml`` (SmolLM2-135M-Instruct + LoRA r 8 on q/k/v/o, the label as
+   control prefix, AdamW lr 0.002 as the config sets it, not tuned) on the real training file with 10 canary records
+   inserted (``dpl.synthetic.leakage.canary_texts``, labelled with the first label), at the target epsilon (inf:
+   ``privacy.noise_multiplier 0``, no guarantee), ``seed_everything`` per seed;
 2. ``dpl synthesize`` of ``rows`` records, uniform labels (``--non_private_ok`` for inf);
 3. ``dpl evaluate-synthetic`` against the real validation split with ``--train`` (the training file with its
    canaries) and ``--canaries``: TSTR accuracy beside the same classifier on as many real training rows, MAUVE of the
    synthetic and of as many real training texts against the validation texts, exact and near duplicates, canaries.
 
-Results (per cell and seed, and the mean and spread over seeds) go to ``benchmarks/results/studies/synthetic.json``
-after every cell; ``--resume`` keeps the cells of a file with the same settings.
+One study per data set (``--data``), each sized to at most 8 hours on one thread of this 2-core CPU: 4 epsilons x 3
+seeds = 12 cells. Measured on this CPU with one thread (the other core busy): the fit runs at 2-3 examples/s
+(Poisson B = 64, micro-batches of 16, max 64 tokens), ``dpl synthesize`` at about 1.2 records/s (48 new tokens),
+the evaluation in about 30 s per 200 records. So each fit takes 50 steps of B = 64 (3,200 examples: about 20
+minutes), and a cell about 30 (SST-2: 500 records) to 40 minutes (Banking77: 770 records, 10 per label).
 
-    python benchmarks/studies/synthetic.py --seeds 0 1 2 --resume
+What that size can show, and what it cannot: 50 steps see 3,200 of SST-2's 67,349 training rows (q = 0.001) and
+3,200 of Banking77's 10,003 (q = 0.006): a third of an epoch at most, so sigma stays small at every epsilon and the
+comparison across epsilon is of the same short fine-tuning under more or less noise, beside the non-private one (inf)
+and a classifier trained on as many real rows. It cannot show what Yue et al.'s long runs (many epochs, batches of
+thousands) reach, nor resolve TSTR differences below the seeds' spread (a few points on 872 SST-2 and 3,080
+Banking77 validation rows).
+
+Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/synthetic_<data>.json`` (other seeds:
+``_seeds<first>``) after every cell; ``--resume`` keeps the cells of a file with the same settings; ``--table``
+prints the docs' table of a results file without training.
+
+    python benchmarks/studies/synthetic.py --data sst2 --resume         # SST-2: 12 cells, about 6 CPU-hours
+    python benchmarks/studies/synthetic.py --data banking77 --resume    # Banking77: 12 cells, about 8 CPU-hours
     python benchmarks/studies/synthetic.py --quick     # SST-2 at 8 and Banking77 at inf: 2 steps on 200 rows (the test)
+    python benchmarks/studies/synthetic.py --table benchmarks/results/studies/synthetic_sst2.json
 """
 
 from __future__ import annotations
@@ -34,24 +50,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import DATA, RESULTS, read_tsv, save, study_parser
+from common import DATA, RESULTS, read_tsv, result_name, save, study_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASETS = {"sst2": {"config": "configs/synthetic/sst2.yaml", "text": "sentence", "validation": "validation.tsv"},
             "banking77": {"config": "configs/synthetic/banking77.yaml", "text": "text", "validation": "dev.tsv"}}
 EPSILONS = [1.0, 4.0, 8.0, math.inf]
-SETTINGS = {"cells": [(d, e) for d in DATASETS for e in EPSILONS], "train_rows": None, "validation_rows": None,
-            "steps": 200, "batch_size": 256, "rows": {"sst2": 2000, "banking77": 3080}, "max_new_tokens": 48,
-            "canaries": 10}
+SIZE = {"train_rows": None, "validation_rows": None, "steps": 50, "batch_size": 64, "max_new_tokens": 48,
+        "canaries": 10}
+SETTINGS = {"sst2": {**SIZE, "cells": [("sst2", e) for e in EPSILONS], "rows": {"sst2": 500}},
+            "banking77": {**SIZE, "cells": [("banking77", e) for e in EPSILONS], "rows": {"banking77": 770}}}
 QUICK = {"cells": [("sst2", 8.0), ("banking77", math.inf)], "train_rows": 200, "validation_rows": 60,
          "steps": 2, "batch_size": 16, "rows": {"sst2": 20, "banking77": 20}, "max_new_tokens": 12, "canaries": 2}
+
+
+class _Tee(io.StringIO):
+    """Kept (for the error message) and shown (progress of the long fits) at once."""
+
+    def write(self, text: str) -> int:
+        sys.__stderr__.write(text)
+        return super().write(text)
 
 
 def dpl(*args: str) -> str:
     """``dpl ARGS`` in this process; its stdout (a failure raises with the end of its stderr)."""
     from dpl.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
+    out, err = io.StringIO(), _Tee()
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -143,14 +168,37 @@ def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def table(results: dict[str, Any]) -> str:
+    """The docs' table: per epsilon, mean +- spread over the seeds."""
+    def pm(row: dict[str, Any], key: str, scale: float = 100.0, digits: int = 1) -> str:
+        if row[key] is None:
+            return "—"
+        return f"{scale * row[key]:.{digits}f} ± {scale * row[key + '_spread']:.{digits}f}"
+
+    lines = ["| data | ε | seeds | TSTR accuracy | real rows' accuracy | MAUVE (synthetic) | MAUVE (real rows) "
+             "| exact / near duplicates, % | canaries reproduced |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in results["summary"]:
+        eps = "∞ (no noise)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:g}"
+        lines.append(f"| {row['data']} | {eps} | {row['seeds']} | {pm(row, 'tstr_accuracy')} | "
+                     f"{pm(row, 'real_accuracy')} | {pm(row, 'mauve', 1.0, 3)} | {pm(row, 'mauve_real', 1.0, 3)} | "
+                     f"{100 * row['exact_duplicates']:.1f} / {100 * row['near_duplicates']:.1f} | "
+                     f"{row['canaries_reproduced']:g} of {results['settings']['canaries']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = study_parser(__doc__)
+    parser.add_argument("--data", choices=tuple(DATASETS), default="sst2", help="the data set of the study")
     parser.add_argument("--resume", action="store_true", help="keep the cells of a results file with the same "
                                                                "settings")
+    parser.add_argument("--table", type=Path, metavar="RESULTS", help="print the table of a results file and exit")
     args = parser.parse_args()
-    s = QUICK if args.quick else SETTINGS
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
+    s = QUICK if args.quick else SETTINGS[args.data]
     seeds = [args.seeds[0]] if args.quick else args.seeds
-    name = "synthetic_quick" if args.quick else "synthetic"
+    name = "synthetic_quick" if args.quick else result_name(f"synthetic_{args.data}", args)
     path = Path(args.out) / f"{name}.json"
     settings = {**s, "cells": [[d, str(e)] for d, e in s["cells"]], "seeds": seeds}
     done: list[dict[str, Any]] = []
@@ -158,20 +206,22 @@ def main() -> None:
         old = json.loads(path.read_text())
         if old.get("settings") == settings:
             done = old["cells"]
-    for data, epsilon in s["cells"]:
-        for seed in seeds:
-            if any(c["data"] == data and c["epsilon"] == epsilon and c["seed"] == seed for c in done):
-                continue
-            folder = Path(tempfile.mkdtemp(prefix=f"synthetic-{data}-"))
-            try:
-                result = cell(data, epsilon, seed, s, folder)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-            done.append(result)
-            print(f"[synthetic] {data} eps={epsilon} seed={seed}: TSTR {result['tstr_accuracy']:.3f} "
-                  f"(real {result['real_accuracy']:.3f}), MAUVE {result['mauve']}, {result['seconds']:.0f} s",
-                  file=sys.stderr, flush=True)
-            save(name, {"settings": settings, "cells": done, "summary": summary(done)}, args.out)
+    todo = [(d, e, seed) for d, e in s["cells"] for seed in seeds
+            if not any(c["data"] == d and c["epsilon"] == e and c["seed"] == seed for c in done)]
+    print(f"[synthetic] {name}: {len(todo)} of {len(s['cells']) * len(seeds)} cells to run "
+          f"({s['steps']} steps of B = {s['batch_size']}, then "
+          f"{' / '.join(str(n) for n in s['rows'].values())} records each)", file=sys.stderr, flush=True)
+    for data, epsilon, seed in todo:
+        folder = Path(tempfile.mkdtemp(prefix=f"synthetic-{data}-"))
+        try:
+            result = cell(data, epsilon, seed, s, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        done.append(result)
+        print(f"[synthetic] {data} eps={epsilon} seed={seed}: TSTR {result['tstr_accuracy']:.3f} "
+              f"(real {result['real_accuracy']:.3f}), MAUVE {result['mauve']}, {result['seconds']:.0f} s",
+              file=sys.stderr, flush=True)
+        save(name, {"settings": settings, "cells": done, "summary": summary(done)}, args.out)
 
 
 if __name__ == "__main__":
