@@ -51,7 +51,7 @@ def quick_results(tmp_path_factory):
     procs = {n: subprocess.Popen([sys.executable, str(STUDIES / f"{n}.py"), "--quick", "--out", str(out),
                                   *extra.get(n, [])],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in NAMES}
-    logs = {n: p.communicate(timeout=600)[0] for n, p in procs.items()}
+    logs = {n: p.communicate(timeout=1800)[0] for n, p in procs.items()}
     for n, p in procs.items():
         assert p.returncode == 0, f"{n} --quick failed:\n{logs[n][-3000:]}"
     return {n: json.loads((out / f"{n}_quick.json").read_text()) for n in NAMES}
@@ -401,6 +401,23 @@ def test_the_docs_cpu_denoise_tables_are_what_finetune_py_prints(capsys):
     assert printed in (ROOT / "docs" / "studies.md").read_text()
     summary = printed[printed.index("| arm | seeds |"):]  # the means and the paired wins
     assert summary in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_the_docs_ftrl_table_is_what_finetune_py_prints(capsys):
+    """docs/studies.md's fine-tuning ftrl table is ``finetune.py ftrl --table`` of the committed results, and
+    docs/methods.md quotes its cells."""
+    import finetune
+
+    results = ROOT / "benchmarks" / "results" / "studies" / "finetune_ftrl.json"
+    finetune.main(["ftrl", "--table", str(results)])
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("| ε | arm | mechanism (bands) |")
+    assert printed in (ROOT / "docs" / "studies.md").read_text()
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    for line in printed.splitlines()[2:]:
+        eps, arm, *_, acc, _loss = [c.strip() for c in line.strip("|").split("|")]
+        if eps == "4":
+            assert acc in methods, (arm, acc)
 
 
 def test_part_runs_in_parallel_processes_share_one_results_file(tmp_path):
