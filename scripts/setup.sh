@@ -8,7 +8,8 @@
 # Idempotent: a set-up whose inputs (this script, pyproject.toml, the torch build, the extras) have not changed since
 # the last one is skipped in a second. PyTorch: the CPU build where no NVIDIA GPU answers `nvidia-smi -L`, else the
 # CUDA build; DPL_TORCH=cpu|cuda overrides the guess, DPL_TORCH=keep uses the torch already in .venv.
-# Other settings: PYTHON (the interpreter that makes .venv, default python3), DPL_VENV (default .venv).
+# Other settings: PYTHON (the interpreter that makes .venv, default python3), DPL_VENV (default .venv),
+# DPL_TEST_WORKERS (test processes, default auto: one per core, each with one thread).
 set -euo pipefail
 
 TORCH_VERSION=2.13.0
@@ -88,7 +89,8 @@ fi
 case "$mode" in
   quickstart) say "running: dpl fit --config configs/quickstart.yaml $*"
               exec "$venv/bin/dpl" fit --config configs/quickstart.yaml "$@" ;;
-  test) say "running: python -m pytest -q $*"
-        exec "$venv/bin/python" -m pytest -q "$@" ;;
+  test) workers=${DPL_TEST_WORKERS:-auto}   # pytest-xdist: one worker per core, each test file on one worker
+        say "running: python -m pytest -q -n $workers --dist loadfile $*"
+        exec "$venv/bin/python" -m pytest -q -n "$workers" --dist loadfile "$@" ;;
   env) ;;
 esac

@@ -44,7 +44,7 @@ def test_script_runs_the_documented_commands():
     quickstart = re.search(r"## Quickstart\n+```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S).group(1)
     assert _commands(quickstart) == ["dpl fit --config configs/quickstart.yaml"]
     assert 'exec "$venv/bin/dpl" fit --config configs/quickstart.yaml "$@"' in script
-    assert 'exec "$venv/bin/python" -m pytest -q "$@"' in script
+    assert 'exec "$venv/bin/python" -m pytest -q -n "$workers" --dist loadfile "$@"' in script
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
