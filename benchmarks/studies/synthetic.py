@@ -65,7 +65,7 @@ QUICK = {"cells": [("sst2", 8.0), ("banking77", math.inf)], "train_rows": 200, "
 
 
 class _Tee(io.StringIO):
-    """Kept (for the error message) and shown (progress of the long fits) at once."""
+    """Kept (the checkpoint's path, the error message) and shown on stderr (the long fits' progress) at once."""
 
     def write(self, text: str) -> int:
         sys.__stderr__.write(text)
@@ -76,7 +76,7 @@ def dpl(*args: str) -> str:
     """``dpl ARGS`` in this process; its stdout (a failure raises with the end of its stderr)."""
     from dpl.cli import main
 
-    out, err = io.StringIO(), _Tee()
+    out, err = _Tee(), _Tee()
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
