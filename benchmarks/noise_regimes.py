@@ -188,6 +188,32 @@ def finetune_runs() -> Iterator[Run]:
                       res["data"]["trainable_parameters"], c["sigma"], c["curve"][last]["bleu"], (c["seed"],))
 
 
+def finetune_ftrl_runs() -> Iterator[Run]:
+    """finetune.py ftrl: MiniLM with LoRA r 1 on SST-2; every arm's sigma per step from its mechanism."""
+    for res in _files("finetune_ftrl"):
+        if "cells" not in res:
+            continue  # a timing file
+        s, data = res["settings"], res["data"]
+        for c in res["cells"]:
+            if c["acc"]:
+                sigma = step_sigma(c["sigma"], c["plugins"], data["train"], s["batch_size"], c["steps"], c["epsilon"])
+                yield Run("finetune ftrl", f"{c['arm']}, ε {c['epsilon']:g}", data["train"], s["batch_size"],
+                          c["steps"], data["trainable_parameters"], sigma, c["acc"]["mean"], tuple(s["seeds"]))
+
+
+def clipping_runs() -> Iterator[Run]:
+    """clipping.py: MiniLM full fine-tuning on SST-2 (flat and group-wise clipping); the gradient's sigma (an
+    adaptive arm spends a share of the budget on its counts)."""
+    for res in _files("clipping"):
+        if "cells" not in res:
+            continue  # a timing file
+        s, data = res["settings"], res["data"]
+        for c in res["cells"]:
+            if c["acc"]:
+                yield Run("clipping", f"{c['arm']}, ε {c['epsilon']:g}", data["train"], s["batch_size"], c["steps"],
+                          data["trainable_parameters"], c["gradient_sigma"], c["acc"]["mean"], tuple(s["seeds"]))
+
+
 #: study -> (its runs, what its outcome is, the results files it reads)
 STUDIES: dict[str, tuple[Callable[[], Iterator[Run]], str, str]] = {
     "quickstart": (quickstart_runs, "test accuracy", "tuning_quickstart.json"),
@@ -199,6 +225,8 @@ STUDIES: dict[str, tuple[Callable[[], Iterator[Run]], str, str]] = {
     "adambc banking77": (adambc_runs("banking77"), "Banking77 dev accuracy (77 classes)", "adambc_banking77*.json"),
     "adambc synthetic": (adambc_runs("synthetic"), "training accuracy (13 classes)", "adambc_synthetic*.json"),
     "finetune": (finetune_runs, "E2E BLEU (generation)", "finetune_denoise.json"),
+    "finetune ftrl": (finetune_ftrl_runs, "SST-2 validation accuracy", "finetune_ftrl.json"),
+    "clipping": (clipping_runs, "SST-2 validation accuracy", "clipping*.json"),
 }
 
 

@@ -29,11 +29,11 @@ WARNING = "noise on each step's mean update"
 
 
 def test_a_small_lora_r8_run_is_hopeless_and_the_quickstart_is_not():
-    # docs/planning.md's noisy example: 512 SST-2 rows, B = 32, 3 epochs at epsilon 4 (sigma 0.8017 as dpl plan and
+    # docs/planning.md's noisy example: 512 SST-2 rows, B = 16, 3 epochs at epsilon 4 (sigma 0.6967 as dpl plan and
     # dpl fit calibrate it), MiniLM LoRA r 8 on query/key/value/dense (338,690 trainable parameters with the head)
-    study = NoiseRegime(0.8017084690119702, 32, 338_690, 1.0)
-    assert study.relative_noise == pytest.approx(14.6, abs=0.05) and study.hopeless and not study.quiet
-    assert "= 14.6 C" in study.warning() and study.warning().startswith("dpl: ") and "\n" not in study.warning()
+    study = NoiseRegime(0.6967, 16, 338_690, 1.0)
+    assert study.relative_noise == pytest.approx(25.3, abs=0.05) and study.hopeless and not study.quiet
+    assert "= 25.3 C" in study.warning() and study.warning().startswith("dpl: ") and "\n" not in study.warning()
     # configs/quickstart.yaml: B = 512, LoRA r 1 on query/value + head (9,986), sigma at epsilon 8 over 40 steps
     quickstart = NoiseRegime(0.4601, 512, 9_986, 1.0)
     assert quickstart.relative_noise == pytest.approx(0.0898, abs=1e-3) and quickstart.quiet
@@ -73,16 +73,16 @@ def test_engine_start_warns_once_in_the_hopeless_regime(caplog):
 
 
 def test_the_warning_cites_classification_evidence_only_to_a_classification_run():
-    """Above 6 only classification runs failed to appear and the one generation run (E2E LoRA at 20) learned: a
+    """Above 16 only classification runs failed to appear and the one generation run (E2E LoRA at 20) learned: a
     generation run, or one whose driver names no task, is not told it is noisier than any classification run."""
     from dpl.core.regime import CLASSIFICATION, GENERATION
 
-    regime = NoiseRegime(0.8017084690119702, 32, 338_690, 1.0)
+    regime = NoiseRegime(0.6967, 16, 338_690, 1.0)
     classification, generation, unsaid = (regime.warning(k) for k in (CLASSIFICATION, GENERATION, None))
-    assert "above 6 C, noisier than any classification run the project has seen learn; raise B" in classification
+    assert "above 16 C, noisier than any classification run the project has seen learn; raise B" in classification
     for line in (generation, unsaid):
         assert "noisier than any classification run" not in line and "\n" not in line
-        assert ("above 6 C, where no classification run the project has seen learned and its one generation run (a "
+        assert ("above 16 C, where no classification run the project has seen learned and its one generation run (a "
                 "pretrained language model's LoRA on E2E, at 20 C) did; if the validation loss does not fall") in line
 
 
@@ -193,6 +193,7 @@ def test_plan_sigma_is_what_fit_calibrates(tiny, extra, caplog):
 def test_fit_warns_before_training_where_plan_says_nothing_learns(tiny, caplog):
     args = _quickstart_args(tiny, "--model.init_args.privacy.batch_size", "2", "--trainer.max_steps", "2",
                             "--model.init_args.privacy.physical_batch_size", "2",
+                            "--model.init_args.privacy.target_epsilon", "1",
                             "--model.init_args.finetuning.method", "full")
     report = plan_config(args)
     assert report.current.regime.hopeless
