@@ -92,6 +92,22 @@ def test_per_layer_matches_the_loop(name, checkpointing, length):
     assert len(groups) == len({n.rpartition(".")[0] for g in groups for n in g}) > 4
 
 
+@pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])
+def test_norms_in_chunks_match_the_loop(monkeypatch, length):
+    """A norm chunk of a few examples (at length 6 a Gram layer's 2 T^2 + T (d_in + d_out) is at most 360 elements
+    per example: chunks of 2; at 24 a per-example weight gradient 16 * 32 + 24 * 48 = 1,664: chunks of one, and the
+    batch's 5 * 512 above the chunk, so not formed once for the sum): each layer's norms in several chunks and its
+    weighted sum from its inputs and output gradients, rather than its one-chunk preparation, still equal the loop."""
+    from dpl.core import layer_gradients
+
+    monkeypatch.setattr(policy, "NORM_CHUNK", 720 if length == 6 else 2000)
+    chunked = []
+    real = layer_gradients._direct_sums
+    monkeypatch.setattr(layer_gradients, "_direct_sums", lambda rec, *rest: chunked.append(rec.kind) or real(rec, *rest))
+    _check(_build("llama-full", False), random_batch(batch_size=5, length=length))
+    assert {"linear", "embedding"} <= set(chunked) if length == 6 else "linear" in chunked
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_users_match_the_loop(checkpointing):
     model = _build("llama-full", checkpointing)

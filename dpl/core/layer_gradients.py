@@ -181,8 +181,9 @@ def lean_prepare(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tenso
     """As :func:`prepare`, holding less: a linear or embedding layer's norms a chunk of examples at a time
     (:func:`sq_norms`) and its weighted sum from its inputs and output gradients (group-wise clipping, where the
     factors are known as soon as the layer's norms are)."""
-    if rec.kind not in _PREPARE or _small_per_example_gradients(rec, grads, grouping):
-        return prepare(rec, grads, grams, grouping)
+    if (rec.kind not in _PREPARE or _small_per_example_gradients(rec, grads, grouping)
+            or (grouping is None and not _chunked(rec, grads))):
+        return prepare(rec, grads, grams, grouping)  # norms in one chunk: their by-products (a bias's sums) reused
     sq = sq_norms(rec, grads, grams, grouping)
     if grouping is not None:
         rec = LayerRecord(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs])
@@ -201,6 +202,14 @@ def _small_per_example_gradients(rec: LayerRecord, grads: list[Tensor], grouping
     steps = sum(_as_3d(g).shape[1] for g in grads)
     d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(rec.inputs[0]).shape[-1]
     return per_example_path(steps, d_in, d_out) and rows * d_in * d_out <= policy.NORM_CHUNK
+
+
+def _chunked(rec: LayerRecord, grads: list[Tensor]) -> bool:
+    """Whether :func:`sq_norms` takes a linear or embedding layer's per-example norms in more than one chunk."""
+    rows = grads[0].shape[0]
+    steps = sum(_as_3d(g).shape[1] for g in grads)
+    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(rec.inputs[0]).shape[-1]
+    return policy.norm_chunk(policy.norm_temporary(rec.kind, steps, d_in, d_out)) < rows
 
 
 def _prepare_embedding(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
