@@ -92,20 +92,78 @@ def test_per_layer_matches_the_loop(name, checkpointing, length):
     assert len(groups) == len({n.rpartition(".")[0] for g in groups for n in g}) > 4
 
 
-@pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])
-def test_norms_in_chunks_match_the_loop(monkeypatch, length):
-    """A norm chunk of a few examples (at length 6 a Gram layer's 2 T^2 + T (d_in + d_out) is at most 360 elements
-    per example: chunks of 2; at 24 a per-example weight gradient 16 * 32 + 24 * 48 = 1,664: chunks of one, and the
-    batch's 5 * 512 above the chunk, so not formed once for the sum): each layer's norms in several chunks and its
-    weighted sum from its inputs and output gradients, rather than its one-chunk preparation, still equal the loop."""
-    from dpl.core import layer_gradients
+def _spy_paths(monkeypatch) -> dict[str, list[str]]:
+    """Record which layers form their clipped sum with their norms, chunk by chunk (``fused``), and which from their
+    inputs and output gradients after their norms (``direct``)."""
+    from dpl.core import group_clipping, layer_gradients
 
+    paths: dict[str, list[str]] = {"fused": [], "direct": []}
+    fused, direct = layer_gradients.clipped_in_chunks, layer_gradients._direct_sums
+
+    def spy_fused(rec, *rest):
+        out = fused(rec, *rest)
+        if out is not None:
+            paths["fused"].append(rec.kind)
+        return out
+    monkeypatch.setattr(group_clipping, "clipped_in_chunks", spy_fused)
+    monkeypatch.setattr(layer_gradients, "_direct_sums",
+                        lambda rec, *rest: paths["direct"].append(rec.kind) or direct(rec, *rest))
+    return paths
+
+
+@pytest.mark.parametrize("name", ["llama-full", "bert-full"])  # BERT's linear layers have biases
+@pytest.mark.parametrize("patterns", [None, ["*.0.*", "*"]], ids=["layers", "groups"])
+@pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])
+def test_norms_in_chunks_match_the_loop(monkeypatch, length, patterns, name):
+    """A norm chunk of a few examples (at length 6 a Gram layer's 2 T^2 + T (d_in + d_out) is at most 360 elements
+    per example: chunks of 2; at 24 a per-example weight gradient 16 * 32 + 24 * 48 = 1,664: chunks of one, the
+    batch's 5 * 512 above the chunk, so not formed once for the whole batch). A linear layer clipped on its own on
+    the per-example path forms each chunk's per-example gradients once, for its norms and its sum together; on the
+    Gram path, or in a group of several layers, its norms come in chunks and its sum from its inputs and output
+    gradients. Both equal the loop, per example and per user."""
     monkeypatch.setattr(policy, "NORM_CHUNK", 720 if length == 6 else 2000)
-    chunked = []
-    real = layer_gradients._direct_sums
-    monkeypatch.setattr(layer_gradients, "_direct_sums", lambda rec, *rest: chunked.append(rec.kind) or real(rec, *rest))
-    _check(_build("llama-full", False), random_batch(batch_size=5, length=length))
-    assert {"linear", "embedding"} <= set(chunked) if length == 6 else "linear" in chunked
+    paths = _spy_paths(monkeypatch)
+    model = _build(name, False)
+    _check(model, random_batch(batch_size=5, length=length), patterns)
+    if length == 24 and patterns is None:
+        assert "linear" in paths["fused"] and "linear" not in paths["direct"]
+    else:
+        assert not paths["fused"] and "linear" in paths["direct"]
+    if length == 6:
+        assert "embedding" in paths["direct"]  # an embedding's norms: always Gram
+    # users (a unit's tokens are its rows', so 6 positions x 2 rows can take the per-example path)
+    _check(model, random_batch(batch_size=6, length=length), patterns, units=torch.tensor([0, 0, 1, 2, 2, 3]))
+
+
+@pytest.mark.parametrize("how", ["exclude", "not-finite"])
+@pytest.mark.parametrize("length", [6, 24], ids=["gram", "per-example"])
+def test_excluded_examples_add_nothing_on_every_path(monkeypatch, length, how):
+    """Rows flagged in ``exclude`` (FSDP's fillers), or whose gradient is not finite (a loss times inf), add exactly
+    nothing and are not counted, whether a layer forms its sum with its norms chunk by chunk or after them: the sums
+    and counts of the other rows alone."""
+    monkeypatch.setattr(policy, "NORM_CHUNK", 720 if length == 6 else 2000)
+    paths = _spy_paths(monkeypatch)
+    model = _build("llama-full", False)
+    batch = random_batch(batch_size=5, length=length)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    groups = policy.clipping_groups(names)
+    thresholds = policy.group_thresholds(0.05, [sum(dict(model.named_parameters())[n].numel() for n in g)
+                                                for g in groups])
+    clipper = PerExampleClipper(model)
+    clipper.set_groups(groups)
+    flagged = torch.tensor([False, True, False, False, True])
+    with clipper.record(5):
+        losses = _loss_fn(model)(batch)
+    if how == "not-finite":
+        losses = losses * torch.where(flagged, math.inf, 1.0).to(losses.dtype)
+    sums, _, counts = clipper.group_clipped_sum(losses, torch.tensor(thresholds),
+                                                exclude=flagged if how == "exclude" else None)
+    kept = torch.tensor([0, 2, 3])
+    expected, _, within = reference(model, {k: v[kept] for k, v in batch.items()}, groups, thresholds)
+    for name in names:
+        torch.testing.assert_close(sums[name].double(), expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(counts.double(), within.double())
+    assert bool(paths["fused"]) == (length == 24)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])

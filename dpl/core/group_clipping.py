@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, lean_prepare
+from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, clipped_in_chunks, lean_prepare
 from dpl.core.noise import NoiseSource, normal
 from dpl.core.streaming import StreamingNorms, _Layer
 
@@ -40,6 +40,7 @@ class GroupClipping(StreamingNorms):
         self.sums: dict[str, Tensor] = {}
         self.counts = torch.zeros(0)
         self._left: dict[int, int] = {}
+        self._layers: dict[int, int] = {}  # each group's layers in this pass
         self._pending: dict[int, list[tuple[LayerRecord, PreparedLayer]]] = {}
         self._group_sq: dict[int, Tensor] = {}
 
@@ -55,13 +56,19 @@ class GroupClipping(StreamingNorms):
         for rec, _ in self.layers.values():
             group = self.group_of[id(rec)]
             self._left[group] = self._left.get(group, 0) + 1
+        self._layers = dict(self._left)
         self.listening = True
 
     def _account(self, rec: LayerRecord, layer: _Layer, inputs: list[Tensor], grads: list[Tensor],
                  book: int = 0) -> Tensor:
         view = LayerRecord(rec.module, rec.kind, rec.full_names, inputs)
-        prepared = lean_prepare(view, grads, self._gram_cache(inputs), self.grouping)
         group = self.group_of[id(rec)]
+        prepared = None
+        if self._layers[group] == 1:  # clipped on its own: its factors are known chunk by chunk
+            prepared = clipped_in_chunks(view, grads, self.grouping,
+                                         lambda sq, start: self._factors(group, sq.sqrt(), start))
+        if prepared is None:
+            prepared = lean_prepare(view, grads, self._gram_cache(inputs), self.grouping)
         self._pending.setdefault(group, []).append((rec, prepared))
         sq = self._group_sq.get(group)
         self._group_sq[group] = prepared.sq_norms if sq is None else sq + prepared.sq_norms
@@ -74,18 +81,24 @@ class GroupClipping(StreamingNorms):
         """The group's clipping factors min(1, C_g / ||g_i^(g)||), its layers' weighted sums and its count (a group
         none of whose layers got a gradient: norms 0)."""
         norms = self._group_sq.pop(group, torch.zeros_like(self.sq_norms)).sqrt()
-        threshold = self.thresholds[group]
-        keep = torch.isfinite(norms)
-        if self.exclude is not None:
-            keep = keep & ~self.exclude
-        factors = torch.where(keep, (threshold / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
-        mask = None if bool(keep.all()) else keep
+        factors, mask = self._factors(group, norms, 0)
         for rec, prepared in self._pending.pop(group, []):
-            for local, tensor in prepared.weighted_sum(factors, mask).items():
+            sums = prepared.sums if prepared.sums is not None else prepared.weighted_sum(factors, mask)
+            for local, tensor in sums.items():
                 self.sums[rec.full_names[local]] = tensor
-        within = (norms <= threshold) & keep
+        keep = torch.ones_like(norms, dtype=torch.bool) if mask is None else mask
+        within = (norms <= self.thresholds[group]) & keep
         self.counts[group] = within.sum().float() - 0.5 * keep.sum().float()
         self._left[group] = -1  # clipped
+
+    def _factors(self, group: int, norms: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        """The clipping factors min(1, C_g / ||g_i^(g)||) of the units from ``start`` on whose group norms are
+        ``norms``, 0 for a unit not kept (a norm not finite, an excluded filler); and the units kept (None: all)."""
+        keep = torch.isfinite(norms)
+        if self.exclude is not None:
+            keep = keep & ~self.exclude[start:start + norms.numel()]
+        factors = torch.where(keep, (self.thresholds[group] / (norms + 1e-6)).clamp(max=1.0), torch.zeros_like(norms))
+        return factors, None if bool(keep.all()) else keep
 
     def flush(self) -> None:
         """After the backward pass: the layers whose output gradient never came (unused) are dropped, and every group

@@ -10,6 +10,7 @@ per-example gradients of the module's own parameters). :class:`Grouping` turns e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,7 @@ class PreparedLayer:
 
     sq_norms: Tensor
     weighted_sum: callable  # (factors, keep) -> sums; keep: None or a bool mask of the examples to include
+    sums: dict[str, Tensor] | None = None  # the clipped sums, where they were formed with the norms (clipped_in_chunks)
 
 
 def _zero_rows(t: Tensor, keep: Tensor | None) -> Tensor:
@@ -189,6 +191,55 @@ def lean_prepare(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tenso
         rec = LayerRecord(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs])
         grads = [grouping.tokens(g) for g in grads]
     return PreparedLayer(sq, lambda factors, keep=None: _direct_sums(rec, grads, factors, keep))
+
+
+def clipped_in_chunks(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None,
+                      factors_of: Callable[[Tensor, int], tuple[Tensor, Tensor | None]]) -> PreparedLayer | None:
+    """A linear layer clipped on its own (a group of one layer) whose norm takes the per-example path in chunks: each
+    chunk's per-example gradients are formed once, their squared norms (bias included) turned into the chunk's
+    clipping factors by ``factors_of(sq, first_row)`` (factors, and the rows kept or None for all), and summed
+    weighted at once: one product of the layer's size, where norms then a weighted sum take two (an LM head, long
+    sequences). The returned layer's ``sums`` are the clipped sums. None where the layer is not on that path."""
+    if rec.kind != "linear" or "weight" not in rec.full_names or not _chunked_per_example(rec, grads, grouping):
+        return None
+    inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
+    grads = grads if grouping is None else [grouping.tokens(g) for g in grads]
+    a, g = _cat_steps(inputs), _cat_steps(grads)
+    rows, steps, d_in = a.shape
+    d_out = g.shape[-1]
+    chunk = policy.norm_chunk(policy.norm_temporary("linear", steps, d_in, d_out))
+    narrow_out = d_out <= d_in  # the narrower operand first, as in _prepare_linear
+    weight = torch.zeros(d_out * d_in, dtype=torch.float32, device=a.device)
+    bias = torch.zeros(d_out, dtype=torch.float32, device=a.device) if "bias" in rec.full_names else None
+    norms = []
+    for start in range(0, rows, chunk):
+        ac, gc = a[start:start + chunk].float(), g[start:start + chunk].float()
+        per_example = (torch.bmm(gc.transpose(1, 2).contiguous(), ac) if narrow_out else
+                       torch.bmm(ac.transpose(1, 2).contiguous(), gc))
+        sq = per_example.pow(2).sum((1, 2))
+        bias_part = gc.sum(1) if bias is not None else None
+        if bias_part is not None:
+            sq = sq + bias_part.pow(2).sum(1)
+        factors, keep = factors_of(sq, start)
+        weight += factors @ _zero_rows(per_example, keep).reshape(per_example.shape[0], -1)
+        if bias_part is not None:
+            bias += factors @ _zero_rows(bias_part, keep)
+        norms.append(sq)
+        del per_example
+    sums = {"weight": weight.view(d_out, d_in) if narrow_out else weight.view(d_in, d_out).t().contiguous()}
+    if bias is not None:
+        sums["bias"] = bias
+    return PreparedLayer(torch.cat(norms), lambda factors, keep=None: sums, sums=sums)
+
+
+def _chunked_per_example(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> bool:
+    """Whether :func:`lean_prepare` would take a linear layer's norms from per-example gradients formed a chunk at a
+    time and its weighted sum from a second product (not formed once for the whole batch)."""
+    steps = sum(_as_3d(g).shape[1] for g in grads)
+    if grouping is not None:  # a unit's tokens are all its rows' (padded to the widest unit)
+        steps = steps * int(grouping.index.shape[1])
+    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(rec.inputs[0]).shape[-1]
+    return per_example_path(steps, d_in, d_out) and not _small_per_example_gradients(rec, grads, grouping)
 
 
 def _small_per_example_gradients(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> bool:
