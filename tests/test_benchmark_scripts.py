@@ -89,7 +89,7 @@ def test_llm_scale_docs_tables_are_what_table_prints(capsys):
     assert printed in (ROOT / "docs" / "benchmarks.md").read_text()
 
 
-@pytest.mark.parametrize("name", ["step_time_clipping", "step_time_clipping_b256"])
+@pytest.mark.parametrize("name", ["step_time_clipping", "step_time_clipping_b256", "step_time_clipping_b256_full"])
 def test_clipping_step_time_docs_table_is_what_table_prints(name):
     """docs/benchmarks.md's clipping step-time tables (batch 32; batch 256 in micro-batches of 32) are
     ``step_time.py --table`` of the committed results."""
