@@ -195,6 +195,19 @@ def test_synthetic_studies_are_sized_to_8_cpu_hours():
         assert 12 * cell <= 8 * 3600, (data, cell)
 
 
+def test_synthetic_study_refuses_a_tuning_seed(monkeypatch, capsys):
+    """The synthetic study tunes nothing (each cell trains with its config's lr): ``--tune-seed`` is refused in one
+    line rather than accepted and ignored."""
+    import synthetic
+
+    monkeypatch.setattr(sys, "argv", ["synthetic.py", "--data", "sst2", "--tune-seed", "7"])
+    with pytest.raises(SystemExit) as info:
+        synthetic.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err[-1].endswith("--tune-seed: this study tunes nothing (every cell trains with "
+                                                     "its config's lr)")
+
+
 @pytest.mark.parametrize("target", [1.0, 4.0])
 @pytest.mark.parametrize("law", ["poisson", "geometric"])
 def test_tuning_study_solves_the_total_epsilon(target, law):

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import DATA, RESULTS, read_tsv, result_name, save, study_parser
+from common import DATA, PUBLISHED_TUNE_SEED, RESULTS, read_tsv, result_name, save, study_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASETS = {"sst2": {"config": "configs/synthetic/sst2.yaml", "text": "sentence", "validation": "validation.tsv"},
@@ -192,7 +192,11 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="keep the cells of a results file with the same "
                                                                "settings")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="print the table of a results file and exit")
+    parser.set_defaults(tune_seed=None)
     args = parser.parse_args()
+    if args.tune_seed is not None:
+        parser.error("--tune-seed: this study tunes nothing (every cell trains with its config's lr)")
+    args.tune_seed = PUBLISHED_TUNE_SEED
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return
