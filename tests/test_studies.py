@@ -533,7 +533,8 @@ def test_planning_shows_the_noise_regimes_of_the_committed_runs():
     runs = module.runs()
     assert module.table(runs) in (ROOT / "docs" / "planning.md").read_text()  # the docs show the files as they are
     # what docs/planning.md and dpl.core.regime say of them: no classification run lies above the warning's threshold
-    assert all(r.relative_noise <= HOPELESS for r in runs if r.study != "finetune")
+    classification = [r.relative_noise for r in runs if r.study != "finetune"]
+    assert max(classification) <= HOPELESS <= 1.2 * max(classification)  # "just above the noisiest" (docs/planning.md)
 
 
 # ---------------------------------------------------------------------------------------------------------
