@@ -188,30 +188,30 @@ def finetune_runs() -> Iterator[Run]:
                       res["data"]["trainable_parameters"], c["sigma"], c["curve"][last]["bleu"], (c["seed"],))
 
 
-def finetune_ftrl_runs() -> Iterator[Run]:
-    """finetune.py ftrl: MiniLM with LoRA r 1 on SST-2; every arm's sigma per step from its mechanism."""
-    for res in _files("finetune_ftrl"):
+def _cells(files: str, study: str, sigma_of: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], float]
+           ) -> Iterator[Run]:
+    """The finished cells of a fine-tuning study written by ``common.save`` (timing files left out): each cell's arm
+    and epsilon, the data's rows and trainable parameters, and its sigma per step ``sigma_of(cell, settings, data)``."""
+    for res in _files(files):
         if "cells" not in res:
             continue  # a timing file
         s, data = res["settings"], res["data"]
         for c in res["cells"]:
             if c["acc"]:
-                sigma = step_sigma(c["sigma"], c["plugins"], data["train"], s["batch_size"], c["steps"], c["epsilon"])
-                yield Run("finetune ftrl", f"{c['arm']}, ε {c['epsilon']:g}", data["train"], s["batch_size"],
-                          c["steps"], data["trainable_parameters"], sigma, c["acc"]["mean"], tuple(s["seeds"]))
+                yield Run(study, f"{c['arm']}, ε {c['epsilon']:g}", data["train"], s["batch_size"], c["steps"],
+                          data["trainable_parameters"], sigma_of(c, s, data), c["acc"]["mean"], tuple(s["seeds"]))
+
+
+def finetune_ftrl_runs() -> Iterator[Run]:
+    """finetune.py ftrl: MiniLM with LoRA r 1 on SST-2; every arm's sigma per step from its mechanism."""
+    return _cells("finetune_ftrl", "finetune ftrl", lambda c, s, data: step_sigma(
+        c["sigma"], c["plugins"], data["train"], s["batch_size"], c["steps"], c["epsilon"]))
 
 
 def clipping_runs() -> Iterator[Run]:
     """clipping.py: MiniLM full fine-tuning on SST-2 (flat and group-wise clipping); the gradient's sigma (an
     adaptive arm spends a share of the budget on its counts)."""
-    for res in _files("clipping"):
-        if "cells" not in res:
-            continue  # a timing file
-        s, data = res["settings"], res["data"]
-        for c in res["cells"]:
-            if c["acc"]:
-                yield Run("clipping", f"{c['arm']}, ε {c['epsilon']:g}", data["train"], s["batch_size"], c["steps"],
-                          data["trainable_parameters"], c["gradient_sigma"], c["acc"]["mean"], tuple(s["seeds"]))
+    return _cells("clipping", "clipping", lambda c, s, data: c["gradient_sigma"])
 
 
 #: study -> (its runs, what its outcome is, the results files it reads)

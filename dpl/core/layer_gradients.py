@@ -229,7 +229,12 @@ def clipped_in_chunks(rec: LayerRecord, grads: list[Tensor], grouping: Grouping 
     sums = {"weight": weight.view(d_out, d_in) if narrow_out else weight.view(d_in, d_out).t().contiguous()}
     if bias is not None:
         sums["bias"] = bias
-    return PreparedLayer(torch.cat(norms), lambda factors, keep=None: sums, sums=sums)
+    return PreparedLayer(torch.cat(norms), _formed_already, sums=sums)
+
+
+def _formed_already(factors: Tensor, keep: Tensor | None = None) -> dict[str, Tensor]:
+    """The weighted sum of a layer whose clipped sums were formed with its norms (read ``sums``)."""
+    raise RuntimeError("this layer's clipped sums were formed with its norms: read PreparedLayer.sums")
 
 
 def _chunked_per_example(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> bool:

@@ -13,10 +13,10 @@ frozen-feature classification runs up to 5.8 learned, less the noisier (61-64 % 
 users reach 75-79 % at 0.4-1); correlated noise at 8.5 per step learned (BLT on MiniLM LoRA: 77.4 %), and full
 fine-tuning of MiniLM at 14-14.8 learned (69.7-75.5 % on SST-2 at epsilon 1). No classification run lies above 14.8,
 so the evidence does not place :data:`HOPELESS`: it marks "noisier than any classification run the project has seen
-learn", not a measured edge. The check does not see how concentrated the gradients are: the one run above it, a pretrained
-language model's LoRA on E2E generation (20), learned. So its words depend on the kind of task the driver names
-(:data:`CLASSIFICATION`, :data:`GENERATION`, or none): only a classification run is told it is noisier than any
-classification run seen to learn.
+learn", not a measured edge. The check does not see how concentrated the gradients are: the one run above it, a
+pretrained language model's LoRA on E2E generation (20), learned. So its words depend on the kind of task the driver
+names (:data:`CLASSIFICATION`, :data:`GENERATION`, or none): only a classification run is told it is noisier than
+any classification run seen to learn.
 """
 
 from __future__ import annotations
