@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, clipped_in_chunks, lean_prepare
+from dpl.core.layer_gradients import LayerRecord, PreparedLayer, clipped_in_chunks, lean_prepare
 from dpl.core.noise import NoiseSource, normal
 from dpl.core.streaming import StreamingNorms, _Layer
+from dpl.core.units import Grouping
 
 
 class GroupClipping(StreamingNorms):

@@ -5,7 +5,8 @@ the gradients, without materialising them where a product identity avoids it.
 ``prepare(record, grads, grams, grouping)`` dispatches on the layer's kind: ``linear`` (ghost norm through the Gram
 matrices of inputs and output gradients, or the per-example gradients when cheaper), ``embedding`` (token-identity
 masks, ``index_add``), ``layer_norm`` and ``rms_norm`` (closed forms), ``generic`` (``torch.func``: exact
-per-example gradients of the module's own parameters). :class:`Grouping` turns examples into privacy units.
+per-example gradients of the module's own parameters). :class:`~dpl.core.units.Grouping` turns examples into privacy
+units.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.func import functional_call, vjp, vmap
 
 from dpl.core import clipping_policy as policy
 from dpl.core.clipping_policy import per_example_path
+from dpl.core.units import Grouping
 
 
 @dataclass
@@ -80,6 +82,21 @@ def _cat_steps(tensors: list[Tensor]) -> Tensor:
     if len({t.dtype for t in parts}) > 1:
         parts = [t.float() for t in parts]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _per_unit(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> tuple[LayerRecord, list[Tensor]]:
+    """The layer's recorded inputs and output gradients per unit (each unit's rows' tokens concatenated, padded to the
+    widest unit); unchanged per example."""
+    if grouping is None:
+        return rec, grads
+    return (LayerRecord(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs]),
+            [grouping.tokens(g) for g in grads])
+
+
+def _dims(rec: LayerRecord, grads: list[Tensor]) -> tuple[int, int, int, int]:
+    """A linear or embedding layer's rows, positions over all its recorded calls, input and output widths."""
+    steps = sum(_as_3d(g).shape[1] for g in grads)
+    return grads[0].shape[0], steps, _as_3d(rec.inputs[0]).shape[-1], _as_3d(grads[0]).shape[-1]
 
 
 def _batched_dot(x: Tensor, y: Tensor) -> Tensor:
@@ -187,9 +204,7 @@ def lean_prepare(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tenso
             or (grouping is None and not _chunked(rec, grads))):
         return prepare(rec, grads, grams, grouping)  # norms in one chunk: their by-products (a bias's sums) reused
     sq = sq_norms(rec, grads, grams, grouping)
-    if grouping is not None:
-        rec = LayerRecord(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs])
-        grads = [grouping.tokens(g) for g in grads]
+    rec, grads = _per_unit(rec, grads, grouping)
     return PreparedLayer(sq, lambda factors, keep=None: _direct_sums(rec, grads, factors, keep))
 
 
@@ -202,9 +217,8 @@ def clipped_in_chunks(rec: LayerRecord, grads: list[Tensor], grouping: Grouping 
     sequences). The returned layer's ``sums`` are the clipped sums. None where the layer is not on that path."""
     if rec.kind != "linear" or "weight" not in rec.full_names or not _chunked_per_example(rec, grads, grouping):
         return None
-    inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
-    grads = grads if grouping is None else [grouping.tokens(g) for g in grads]
-    a, g = _cat_steps(inputs), _cat_steps(grads)
+    rec, grads = _per_unit(rec, grads, grouping)
+    a, g = _cat_steps(rec.inputs), _cat_steps(grads)
     rows, steps, d_in = a.shape
     d_out = g.shape[-1]
     chunk = policy.norm_chunk(policy.norm_temporary("linear", steps, d_in, d_out))
@@ -240,10 +254,9 @@ def _formed_already(factors: Tensor, keep: Tensor | None = None) -> dict[str, Te
 def _chunked_per_example(rec: LayerRecord, grads: list[Tensor], grouping: Grouping | None) -> bool:
     """Whether :func:`lean_prepare` would take a linear layer's norms from per-example gradients formed a chunk at a
     time and its weighted sum from a second product (not formed once for the whole batch)."""
-    steps = sum(_as_3d(g).shape[1] for g in grads)
+    _, steps, d_in, d_out = _dims(rec, grads)
     if grouping is not None:  # a unit's tokens are all its rows' (padded to the widest unit)
         steps = steps * int(grouping.index.shape[1])
-    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(rec.inputs[0]).shape[-1]
     return per_example_path(steps, d_in, d_out) and not _small_per_example_gradients(rec, grads, grouping)
 
 
@@ -254,17 +267,13 @@ def _small_per_example_gradients(rec: LayerRecord, grads: list[Tensor], grouping
     only (units concatenate their rows' tokens: the chunked path)."""
     if rec.kind != "linear" or "weight" not in rec.full_names or grouping is not None:
         return False
-    rows = grads[0].shape[0]
-    steps = sum(_as_3d(g).shape[1] for g in grads)
-    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(rec.inputs[0]).shape[-1]
+    rows, steps, d_in, d_out = _dims(rec, grads)
     return per_example_path(steps, d_in, d_out) and rows * d_in * d_out <= policy.NORM_CHUNK
 
 
 def _chunked(rec: LayerRecord, grads: list[Tensor]) -> bool:
     """Whether :func:`sq_norms` takes a linear or embedding layer's per-example norms in more than one chunk."""
-    rows = grads[0].shape[0]
-    steps = sum(_as_3d(g).shape[1] for g in grads)
-    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(rec.inputs[0]).shape[-1]
+    rows, steps, d_in, d_out = _dims(rec, grads)
     return policy.norm_chunk(policy.norm_temporary(rec.kind, steps, d_in, d_out)) < rows
 
 
@@ -367,17 +376,14 @@ def sq_norms(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
     once: at most about :data:`~dpl.core.clipping_policy.NORM_CHUNK` elements per chunk (one example at least)."""
     if rec.kind not in _PREPARE:
         return prepare(rec, grads, grams, grouping).sq_norms
-    inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
-    grads = grads if grouping is None else [grouping.tokens(g) for g in grads]
-    rows = inputs[0].shape[0]
-    steps = sum(_as_3d(g).shape[1] for g in grads)
-    d_out, d_in = _as_3d(grads[0]).shape[-1], _as_3d(inputs[0]).shape[-1]
+    rec, grads = _per_unit(rec, grads, grouping)
+    rows, steps, d_in, d_out = _dims(rec, grads)
     chunk = policy.norm_chunk(policy.norm_temporary(rec.kind, steps, d_in, d_out))
     if chunk >= rows:
-        return _PREPARE[rec.kind](LayerRecord(rec.module, rec.kind, rec.full_names, inputs), grads, grams).sq_norms
+        return _PREPARE[rec.kind](rec, grads, grams).sq_norms
     parts = []
     for start in range(0, rows, chunk):
-        part = LayerRecord(rec.module, rec.kind, rec.full_names, [x[start:start + chunk] for x in inputs])
+        part = LayerRecord(rec.module, rec.kind, rec.full_names, [x[start:start + chunk] for x in rec.inputs])
         parts.append(_PREPARE[rec.kind](part, [g[start:start + chunk] for g in grads], {}).sq_norms)
     return torch.cat(parts)
 
@@ -389,9 +395,8 @@ def per_example_gradients(rec: LayerRecord, grads: list[Tensor], grouping: Group
         return per_example if grouping is None else {n: grouping.sum(t) for n, t in per_example.items()}
     if rec.kind != "linear":
         raise ValueError(f"no materialised per-example gradients for kind {rec.kind!r}")
-    inputs = rec.inputs if grouping is None else [grouping.tokens(x) for x in rec.inputs]
-    grads = grads if grouping is None else [grouping.tokens(g) for g in grads]
-    a, g = _cat_steps(inputs).float(), _cat_steps(grads).float()
+    rec, grads = _per_unit(rec, grads, grouping)
+    a, g = _cat_steps(rec.inputs).float(), _cat_steps(grads).float()
     out = {}
     if "weight" in rec.full_names:
         out["weight"] = torch.bmm(g.transpose(1, 2), a)  # (B, d_out, d_in)
@@ -408,47 +413,6 @@ def prepare(rec: LayerRecord, grads: list[Tensor], grams: dict[tuple, Tensor],
         if grouping is not None:
             per_example = {n: grouping.sum(t) for n, t in per_example.items()}
         return _per_example_prepared(per_example)
-    if grouping is not None:
-        rec = LayerRecord(rec.module, rec.kind, rec.full_names, [grouping.tokens(x) for x in rec.inputs])
-        grads = [grouping.tokens(g) for g in grads]
+    rec, grads = _per_unit(rec, grads, grouping)
     return _PREPARE[rec.kind](rec, grads, grams)
 
-
-class Grouping:
-    """The units of a batch (``units``: unit id per example, a unit's examples contiguous): per-unit sums of
-    per-example tensors, and per-unit token sequences made of all the unit's examples' tokens."""
-
-    def __init__(self, units: Tensor, cache: bool = True) -> None:
-        self.cache = cache  # keep each token sequence for the layers that read the same tensor (no: make it per use)
-        _, self.inverse, counts = torch.unique_consecutive(units, return_inverse=True, return_counts=True)
-        self.count, self.rows = int(counts.numel()), int(units.numel())
-        if self.count != int(torch.unique(units).numel()):
-            raise ValueError("the rows of a privacy unit must be contiguous in the batch")
-        widest = int(counts.max()) if self.count else 0
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(widest, device=units.device)
-        index = starts[:, None] + slot[None, :]  # (units, widest): rows of each unit, then padding (= rows)
-        self.index = torch.where(slot[None, :] < counts[:, None], index, torch.full_like(index, self.rows))
-        self._tokens: dict[tuple, Tensor] = {}
-
-    def sum(self, t: Tensor) -> Tensor:
-        """(examples, ...) -> (units, ...): the sum over each unit's examples."""
-        out = torch.zeros((self.count, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        return out.index_add_(0, self.inverse.to(t.device), t)
-
-    def all_rows(self, flags: Tensor) -> Tensor:
-        """Per unit: whether every example of it is flagged."""
-        return self.sum((~flags).to(torch.int64)) == 0
-
-    def tokens(self, t: Tensor) -> Tensor:
-        """(examples, [positions,] ...) -> (units, widest * positions, ...): each unit's examples concatenated
-        along the positions, padded with zeros (which add nothing to a gradient); computed once per tensor."""
-        key = (t.data_ptr(), tuple(t.shape), t.stride())
-        if not self.cache:
-            self._tokens.clear()
-        if key not in self._tokens:
-            x = t.unsqueeze(1) if t.dim() == 2 and t.is_floating_point() else t  # (B, d) -> (B, 1, d)
-            padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
-            grouped = padded[self.index.to(t.device)]  # (units, widest, positions, ...)
-            self._tokens[key] = grouped.reshape(self.count, -1, *x.shape[2:])
-        return self._tokens[key]

@@ -36,8 +36,9 @@ from torch import Tensor, nn
 
 from dpl.core import clipping_policy as policy
 from dpl.core.group_clipping import GroupClipping
-from dpl.core.layer_gradients import Grouping, LayerRecord, _zero_rows, exact_per_example, prepare, rms_normed
+from dpl.core.layer_gradients import LayerRecord, _zero_rows, exact_per_example, prepare, rms_normed
 from dpl.core.streaming import StreamingNorms, in_backward
+from dpl.core.units import Grouping
 from dpl.errors import ConfigError
 
 log = logging.getLogger("dpl")
@@ -342,7 +343,6 @@ class PerExampleClipper:
         for rec, state in prepared:
             for local, tensor in state.weighted_sum(factors, keep).items():
                 sums[rec.full_names[local]] = tensor
-        self._clear()
         return self._complete(sums), norms
 
     def _complete(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:

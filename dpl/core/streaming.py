@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from dpl.core import clipping_policy as policy
-from dpl.core.layer_gradients import Grouping, LayerRecord, PreparedLayer, per_example_gradients, prepare, sq_norms
+from dpl.core.layer_gradients import LayerRecord, PreparedLayer, per_example_gradients, prepare, sq_norms
+from dpl.core.units import Grouping
 
 
 def in_backward() -> bool:

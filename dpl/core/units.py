@@ -125,3 +125,43 @@ def unit_sizes(units: torch.Tensor) -> torch.Tensor:
     """Per row: the number of rows of its unit in this batch (``units``: the unit id of every row)."""
     _, inverse, counts = torch.unique(units, return_inverse=True, return_counts=True)
     return counts[inverse]
+
+
+class Grouping:
+    """The units of a batch (``units``: unit id per example, a unit's examples contiguous): per-unit sums of
+    per-example tensors, and per-unit token sequences made of all the unit's examples' tokens."""
+
+    def __init__(self, units: Tensor, cache: bool = True) -> None:
+        self.cache = cache  # keep each token sequence for the layers that read the same tensor (no: make it per use)
+        _, self.inverse, counts = torch.unique_consecutive(units, return_inverse=True, return_counts=True)
+        self.count, self.rows = int(counts.numel()), int(units.numel())
+        if self.count != int(torch.unique(units).numel()):
+            raise ValueError("the rows of a privacy unit must be contiguous in the batch")
+        widest = int(counts.max()) if self.count else 0
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(widest, device=units.device)
+        index = starts[:, None] + slot[None, :]  # (units, widest): rows of each unit, then padding (= rows)
+        self.index = torch.where(slot[None, :] < counts[:, None], index, torch.full_like(index, self.rows))
+        self._tokens: dict[tuple, Tensor] = {}
+
+    def sum(self, t: Tensor) -> Tensor:
+        """(examples, ...) -> (units, ...): the sum over each unit's examples."""
+        out = torch.zeros((self.count, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return out.index_add_(0, self.inverse.to(t.device), t)
+
+    def all_rows(self, flags: Tensor) -> Tensor:
+        """Per unit: whether every example of it is flagged."""
+        return self.sum((~flags).to(torch.int64)) == 0
+
+    def tokens(self, t: Tensor) -> Tensor:
+        """(examples, [positions,] ...) -> (units, widest * positions, ...): each unit's examples concatenated
+        along the positions, padded with zeros (which add nothing to a gradient); computed once per tensor."""
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if not self.cache:
+            self._tokens.clear()
+        if key not in self._tokens:
+            x = t.unsqueeze(1) if t.dim() == 2 and t.is_floating_point() else t  # (B, d) -> (B, 1, d)
+            padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+            grouped = padded[self.index.to(t.device)]  # (units, widest, positions, ...)
+            self._tokens[key] = grouped.reshape(self.count, -1, *x.shape[2:])
+        return self._tokens[key]
