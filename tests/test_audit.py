@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dpl.audit import (AuditConfig, epsilon_lower_bound, guesses_for, p_value, perfect_guess_ceiling, run_audit,
                        score_guesses)
@@ -128,7 +129,38 @@ def test_noise_leak_needs_the_release_to_be_the_update():
         run_audit(AuditConfig(**FAST, plugins={"adambc": {}}, inject="noise_leak"))
 
 
+PER_LAYER = dict(FAST, clipping="per_layer", layers=16, canary_type="random", rows=48)
+
+
+@pytest.mark.parametrize("thresholds", ["fixed", "adaptive"])
+def test_per_layer_audit_is_sound_and_catches_its_bugs(thresholds):
+    """privacy.clipping per_layer over 16 layers, random canaries spanning all of them: the honest mechanism stays below
+    its claim and sees the canaries; each layer clipped to C instead of C_g (a canary adds 4 C), clipping off, and the
+    noise known to the auditor (the counts' noise of adaptive thresholds replayed first) are violations."""
+    honest = run_audit(AuditConfig(**PER_LAYER, clipping_thresholds=thresholds))
+    assert "per_layer clipping" in honest.report()
+    assert not honest.violation and honest.best.correct > honest.best.guesses / 2, honest.report()
+    for bug in ("unsplit_thresholds", "no_clip", "noise_leak"):
+        broken = run_audit(AuditConfig(**PER_LAYER, clipping_thresholds=thresholds, inject=bug))
+        assert broken.violation, broken.report()
+
+
+def test_the_canary_model_split_into_layers_has_the_same_gradient():
+    from dpl.audit.canaries import LinearCanaryModel
+
+    x, y = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
+    model = LinearCanaryModel(7, 5, layers=3).double()
+    assert [part.weight.shape[0] for part in model.parts] == [3, 2, 2]
+    weights = [part.weight for part in model.parts]
+    grads = torch.autograd.grad(model.per_example_loss({"x": x, "y": y})[1], weights)
+    assert torch.equal(torch.cat(grads), torch.outer(y[1], x[1]))  # one product per entry: exact
+    assert model.weight().shape == (7, 5)
+
+
 @pytest.mark.parametrize(("change", "message"), [
+    ({"inject": "unsplit_thresholds"}, "unsplit_thresholds needs clipping: per_layer and layers >= 2"),
+    ({"clipping_thresholds": "adaptive"}, "adaptive needs clipping: per_layer"),
+    ({"clipping": "per_layer", "layers": 10**6}, "layers must be in"),
     ({"canaries": 1}, "canaries"),
     ({"rows": 10, "cols": 10}, "rows \\* cols"),
     ({"batch_size": 10**6}, "batch_size"),

@@ -68,12 +68,19 @@ def _unit_rows(t: Tensor) -> Tensor:
 
 
 class LinearCanaryModel(nn.Module):
-    """``loss_j = y_j . (W x_j)``: its gradient in W is ``y_j x_j^T`` whatever W is."""
+    """``loss_j = y_j . (W x_j)``: its gradient in W is ``y_j x_j^T`` whatever W is. ``layers`` > 1 splits W's rows
+    into that many linear layers (each a group of ``privacy.clipping: per_layer``); :meth:`weight` is W."""
 
-    def __init__(self, rows: int, cols: int) -> None:
+    def __init__(self, rows: int, cols: int, layers: int = 1) -> None:
         super().__init__()
-        self.layer = nn.Linear(cols, rows, bias=False)
-        nn.init.zeros_(self.layer.weight)
+        sizes = [len(part) for part in torch.arange(rows).tensor_split(layers)]
+        self.parts = nn.ModuleList(nn.Linear(cols, size, bias=False) for size in sizes)
+        for part in self.parts:
+            nn.init.zeros_(part.weight)
+
+    def weight(self) -> Tensor:
+        """W (rows x cols): the layers' weights, stacked."""
+        return torch.cat([part.weight for part in self.parts])
 
     def per_example_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        return (self.layer(batch["x"]) * batch["y"]).sum(dim=-1)
+        return (torch.cat([part(batch["x"]) for part in self.parts], dim=-1) * batch["y"]).sum(dim=-1)

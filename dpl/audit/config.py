@@ -50,12 +50,18 @@ class AuditConfig:
         physical_batch_size: micro-batch size of the private step.
         inject: plant a bug to check the audit: ``weak_noise`` (noise x weak_noise_factor), ``no_clip``,
             ``noise_leak`` (the auditor knows the noise generator's state and subtracts the noise) or
-            ``per_row_clip`` (``unit: user``: each row clipped on its own, so a user adds up to k C).
+            ``per_row_clip`` (``unit: user``: each row clipped on its own, so a user adds up to k C) or
+            ``unsplit_thresholds`` (``clipping: per_layer``: each layer clipped to C instead of C_g, so a canary that
+            spans G layers adds up to sqrt(G) C).
         unit: ``example`` or ``user``: audit user-level DP (user-level sampling): every canary and every ordinary
             example is a user of ``max_rows_per_user`` rows (a canary's rows are copies of it: the worst case), users
             are Poisson-sampled at q = B / (examples + canaries / 2), and the bound is on the user-level epsilon.
         max_rows_per_user: k, the rows of each user with ``unit: user``.
         weak_noise_factor: the noise factor of ``weak_noise``.
+        clipping: ``flat`` or ``per_layer`` (``privacy.clipping``: each of the ``layers`` clipped to its own C_g).
+        clipping_thresholds: ``fixed`` or ``adaptive`` (``privacy.clipping_thresholds``, ``per_layer`` only).
+        layers: the weight matrix's rows split into this many linear layers (per_layer's groups); use
+            ``canary_type: random``, whose canaries span every layer (a Dirac canary lies in one, clipped to its C_g).
     """
 
     plugins: dict[str, dict[str, Any] | None] | None = None
@@ -79,10 +85,13 @@ class AuditConfig:
     seed: int | None = None
     accountant: Literal["prv", "rdp"] = "prv"
     physical_batch_size: int = 4096
-    inject: Literal["none", "weak_noise", "no_clip", "noise_leak", "per_row_clip"] = "none"
+    inject: Literal["none", "weak_noise", "no_clip", "noise_leak", "per_row_clip", "unsplit_thresholds"] = "none"
     weak_noise_factor: float = 0.1
     unit: Literal["example", "user"] = "example"
     max_rows_per_user: int = 1
+    clipping: Literal["flat", "per_layer"] = "flat"
+    clipping_thresholds: Literal["fixed", "adaptive"] = "fixed"
+    layers: int = 1
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -109,8 +118,13 @@ class AuditConfig:
         need(self.weak_noise_factor >= 0, "weak_noise_factor must be >= 0")
         need(self.max_rows_per_user >= 1, f"max_rows_per_user must be >= 1, got {self.max_rows_per_user}")
         need(self.inject != "per_row_clip" or names_users(self.unit), "inject: per_row_clip needs unit: user")
+        need(self.inject != "unsplit_thresholds" or (self.clipping == "per_layer" and self.layers >= 2),
+             "inject: unsplit_thresholds needs clipping: per_layer and layers >= 2")
+        need(self.clipping == "per_layer" or self.clipping_thresholds == "fixed",
+             "clipping_thresholds: adaptive needs clipping: per_layer")
         rows, cols = self.shape()
         need(rows >= 1 and cols >= 1, f"rows and cols must be >= 1, got {rows} x {cols}")
+        need(1 <= self.layers <= rows, f"layers must be in [1, rows = {rows}], got {self.layers}")
         if self.canary_type == "dirac":
             need(rows * cols >= self.canaries, f"dirac canaries need rows * cols >= canaries ({rows} x {cols} < "
                                                f"{self.canaries})")
@@ -185,7 +199,9 @@ class AuditResult:
         cfg = self.config
         lines = [
             "dpl audit: one-run privacy audit (Steinke, Nasr & Jagielski 2023), white-box gradient canaries",
-            f"  mechanism       {self.mechanism}" + (f" + plugins {', '.join(self.plugins)}" if self.plugins else ""),
+            f"  mechanism       {self.mechanism}" + (f" + plugins {', '.join(self.plugins)}" if self.plugins else "")
+            + (f"; per_layer clipping, {cfg.clipping_thresholds} thresholds, {cfg.layers} layers"
+               if cfg.clipping == "per_layer" else ""),
             f"  injected bug    {cfg.inject}" + (f" (noise x{cfg.weak_noise_factor:g})" if cfg.inject == "weak_noise"
                                                   else ""),
             f"  claim           epsilon = {self.claimed_epsilon:.3f}, delta = {self.delta:.3g} "

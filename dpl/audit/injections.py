@@ -4,6 +4,8 @@ plugin answers the hook (``dpl audit --inject ...``). Never registered outside a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dpl.core.gradients import GradientSum
@@ -11,7 +13,7 @@ from dpl.api import hookimpl
 from dpl.core.plugin_manager import Contract
 from dpl.core.step import UNITS_KEY, StepContext
 
-INJECTIONS = ("none", "weak_noise", "no_clip", "noise_leak", "per_row_clip")
+INJECTIONS = ("none", "weak_noise", "no_clip", "noise_leak", "per_row_clip", "unsplit_thresholds")
 
 
 class WeakNoise:
@@ -30,17 +32,47 @@ class WeakNoise:
             ctx.noise_multiplier = claimed
 
 
+@contextmanager
+def _thresholds(clip: Any, value: float) -> Iterator[None]:
+    """Every group threshold C_g of ``privacy.clipping: per_layer`` set to ``value`` for one hook call, then restored
+    (adaptive thresholds move from the restored ones). Nothing under flat clipping."""
+    saved = list(clip.thresholds)
+    clip.thresholds = [value] * len(saved)
+    try:
+        yield
+    finally:
+        clip.thresholds = saved
+
+
 class NoClip:
-    """Bug: ``estimate_gradient`` runs with C = inf (no clipping) while the noise is calibrated for C."""
+    """Bug: ``estimate_gradient`` runs with C = inf (no clipping; per_layer: every C_g = inf) while the noise is
+    calibrated for C."""
+
+    def __init__(self, clip: Any) -> None:
+        self.clip = clip  # the default estimator (its per_layer thresholds)
 
     @hookimpl(wrapper=True)
     def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]):
         claimed = ctx.max_grad_norm
         ctx.max_grad_norm = math.inf
         try:
-            return (yield)
+            with _thresholds(self.clip, math.inf):
+                return (yield)
         finally:
             ctx.max_grad_norm = claimed
+
+
+class UnsplitThresholds:
+    """Bug (``privacy.clipping: per_layer``): every group clipped to C instead of its share C_g (sum_g C_g^2 = C^2), so
+    an example whose gradient spans G groups adds up to sqrt(G) C while the noise is calibrated for C."""
+
+    def __init__(self, clip: Any) -> None:
+        self.clip = clip
+
+    @hookimpl(wrapper=True)
+    def estimate_gradient(self, ctx: StepContext, batch: dict[str, Any]):
+        with _thresholds(self.clip, ctx.max_grad_norm):
+            return (yield)
 
 
 class PerRowClip:

@@ -43,14 +43,14 @@ import torch
 from dpl.audit.bound import guesses_for, perfect_guess_ceiling, score_guesses
 from dpl.audit.canaries import CanaryData, LinearCanaryModel
 from dpl.audit.config import AuditConfig, AuditResult
-from dpl.audit.injections import NoClip, PerRowClip, WeakNoise
+from dpl.audit.injections import NoClip, PerRowClip, UnsplitThresholds, WeakNoise
 from dpl.core.engine import PrivateEngine
 from dpl.core.gradients import GradientSum
 from dpl.core.noise import replay_source
 from dpl.core.plugin_manager import active_plugin_names, create_plugin_manager, implemented_hooks
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.sampling import derive_seed, secure_generator
-from dpl.core.step import StepContext
+from dpl.core.step import CLIPPING_COUNTS_KEY, StepContext
 from dpl.core.update import apply_direction
 from dpl.errors import ConfigError
 
@@ -69,7 +69,7 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     cfg.validate()
     start = time.perf_counter()
     data = CanaryData(cfg, secure_generator(derive_seed(cfg.seed, "audit/canaries")))
-    model = LinearCanaryModel(data.rows, data.cols)
+    model = LinearCanaryModel(data.rows, data.cols, cfg.layers)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     pm = create_plugin_manager(cfg.plugins)
@@ -77,7 +77,9 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     if cfg.inject == "weak_noise":
         pm.register(WeakNoise(cfg.weak_noise_factor), name="audit-inject-weak-noise")
     elif cfg.inject == "no_clip":
-        pm.register(NoClip(), name="audit-inject-no-clip")
+        pm.register(NoClip(pm.get_plugin("clip")), name="audit-inject-no-clip")
+    elif cfg.inject == "unsplit_thresholds":
+        pm.register(UnsplitThresholds(pm.get_plugin("clip")), name="audit-inject-unsplit-thresholds")
     elif cfg.inject == "noise_leak":
         _check_leak_supported(pm)
     elif cfg.inject == "per_row_clip":
@@ -91,7 +93,8 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     privacy = PrivacyConfig(target_epsilon=cfg.target_epsilon, target_delta=cfg.target_delta,
                             noise_multiplier=cfg.noise_multiplier, max_grad_norm=C, batch_size=B, physical_batch_size=cfg.physical_batch_size,
                             accountant=cfg.accountant, seed=cfg.seed, unit=cfg.unit,
-                            max_rows_per_user=cfg.max_rows_per_user)
+                            max_rows_per_user=cfg.max_rows_per_user, clipping=cfg.clipping,
+                            clipping_thresholds=cfg.clipping_thresholds)
     engine = PrivateEngine(privacy, cfg.plugins, plugin_manager=pm, seed_namespace="audit/")
     engine.setup(model, trainable=trainable, num_rows=len(data), steps=T, sampling_rate=q,
                  optimizer_factory=optimizer_factory, users=data.user_keys)
@@ -100,8 +103,8 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
     claimed = engine.final_epsilon()
 
     optimizer = optimizer_factory(list(trainable.values()))
-    weight = model.layer.weight
-    weight_name = next(n for n, p in trainable.items() if p is weight)
+    weight_names = [n for n, p in trainable.items() if any(p is part.weight for part in model.parts)]
+    counts = len(pm.get_plugin("clip").thresholds) if privacy.adaptive_clipping else 0
     unit = B / (cfg.lr * C)  # y_it = <theta_t - theta_{t+1}, u_i> * unit
     scores = torch.zeros(m, dtype=torch.float64)
     log_1mq, log_q = math.log1p(-min(q, 1.0 - 1e-12)), math.log(q)
@@ -110,15 +113,15 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
         rows = next(batches)
         batch = engine.tag(data.batch(rows), rows)
         leaked_state = engine.secret_state_dict()["noise_rng"] if cfg.inject == "noise_leak" else None
-        before = weight.detach().clone()
+        before = model.weight().detach().clone()
         direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=model.per_example_loss,
                                 optimizer=optimizer)
         apply_direction(optimizer, trainable, direction)
         del direction
-        observed = data.project(before - weight.detach()) * unit
+        observed = data.project(before - model.weight().detach()) * unit
         if leaked_state is not None:  # the auditor replays the noise from the leaked generator state
-            observed -= data.project(_replayed_noise(pm, engine.noise_source, leaked_state, trainable, sigma, C, B,
-                                                  t)[weight_name]) * (B / C)
+            replayed = _replayed_noise(pm, engine.noise_source, leaked_state, trainable, sigma, C, B, t, counts)
+            observed -= data.project(torch.cat([replayed[name] for name in weight_names])) * (B / C)
         if cfg.score == "lr" and sigma > 0:
             scores += torch.logaddexp(torch.full_like(observed, log_1mq),
                                       log_q + (2 * observed - 1) / (2 * sigma ** 2))
@@ -141,9 +144,13 @@ def run_audit(cfg: AuditConfig, progress: Any = None) -> AuditResult:
 
 
 def _replayed_noise(pm: Any, source: Any, state: torch.Tensor, trainable: dict[str, torch.Tensor], sigma: float,
-                    C: float, B: int, step: int) -> dict[str, torch.Tensor]:
-    """The noise of a step's release, replayed from the noise generator's leaked state (``privatize`` on zeros)."""
-    zeros = GradientSum({n: torch.zeros(p.shape, dtype=torch.float32) for n, p in trainable.items()}, 0)
+                    C: float, B: int, step: int, counts: int = 0) -> dict[str, torch.Tensor]:
+    """The noise of a step's release, replayed from the noise generator's leaked state (``privatize`` on zeros;
+    ``counts``: the groups of adaptive clipping thresholds, whose counts' noise is drawn first)."""
+    values = {n: torch.zeros(p.shape, dtype=torch.float32) for n, p in trainable.items()}
+    if counts:
+        values[CLIPPING_COUNTS_KEY] = torch.zeros(counts)
+    zeros = GradientSum(values, 0)
     ctx = StepContext(model=None, trainable=trainable, per_example_loss=None, max_grad_norm=C, noise_multiplier=sigma,
                       expected_batch_size=B, step=step, noise_source=replay_source(source, state),
                       log=lambda name, value: None)
