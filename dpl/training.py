@@ -8,8 +8,12 @@ a streaming direction such as DPZero's is applied in place) and steps the optimi
 spend more than the budget (:class:`~dpl.errors.BudgetExceeded`). :meth:`PrivateTraining.step` also takes a batch of
 the caller's (a benchmark timing one step on a fixed batch).
 
-What it does not do (the Lightning adapter, :class:`~dpl.lightning.module.DPModule`, does): DDP or FSDP,
-checkpoints and their secret sidecar, the privacy report, validation, logging.
+A run continues where it stopped from :meth:`PrivateTraining.state_dict` (public: the trainable parameters, the
+optimizer and scheduler, the engine's plan, history and plugin states) and :meth:`PrivateTraining.secret_state_dict`
+(owner-only: the noise and sampler generators, the plugins' secrets), given back as ``state`` and ``secret``.
+
+What it does not do (the Lightning adapter, :class:`~dpl.lightning.module.DPModule`, does): DDP or FSDP, checkpoint
+files, the privacy report, validation, logging.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class PrivateTraining:
             tokenizer's ``max_length``), on which the private step is probed to choose the micro-batch
             (:meth:`~dpl.core.engine.PrivateEngine.fit_micro_batch`; never pass training examples).
         probe_tokens: the probe batch's sequence length, for the log line.
+        state: continue a run from its :meth:`state_dict` (the same model, data size, privacy settings and plugins;
+            a changed plan is refused as a checkpoint's is).
+        secret: that run's :meth:`secret_state_dict`: with ``privacy.seed`` the noise and batches continue its
+            streams (bit for bit); without it, or with ``None``, they continue from fresh OS entropy (still private).
     """
 
     def __init__(self, model: nn.Module, per_example_loss: Callable[[dict[str, Any]], Tensor],
@@ -68,7 +76,8 @@ class PrivateTraining:
                  scheduler: SchedulerFactory | None = None, users: Sequence[Hashable] | None = None,
                  sampling_rate: float | None = None,
                  log_metric: Callable[[str, float], None] | None = None, seed_namespace: str = "",
-                 probe_batch: Callable[[int], dict[str, Any]] | None = None, probe_tokens: int | None = None) -> None:
+                 probe_batch: Callable[[int], dict[str, Any]] | None = None, probe_tokens: int | None = None,
+                 state: Mapping[str, Any] | None = None, secret: Mapping[str, Any] | None = None) -> None:
         if (data is None) == (num_examples is None):
             raise ConfigError("give the training data or its size (num_examples), not both")
         if data is not None and isinstance(data, dict) and hasattr(data, "column_names"):  # a datasets.DatasetDict
@@ -95,6 +104,8 @@ class PrivateTraining:
             list(self.trainable.values()))
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.device = next(iter(self.trainable.values())).device
+        if state is not None:
+            self._continue(state, secret)
         self.engine.start(self.device)
         if self.engine.privacy.physical_batch_size == "auto":
             self.engine.fit_micro_batch(model=model, trainable=self.trainable, per_example_loss=per_example_loss,
@@ -102,6 +113,34 @@ class PrivateTraining:
                                         tokens=probe_tokens)
         self._sampler = self.engine.batch_sampler()
         self._batches: Iterator[list[int]] | None = None
+
+    # --- continuing a run ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What continues this run and may be shared: the trainable parameters, the optimizer's and scheduler's
+        states and the engine's public state (no generator state: :meth:`secret_state_dict` holds those)."""
+        return {"trainable": {n: p.detach().clone() for n, p in self.trainable.items()},
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "engine": self.engine.state_dict()}
+
+    def secret_state_dict(self) -> dict[str, Any]:
+        """The owner-only part of the run's state: the noise and sampler generators and the plugins' secrets (whoever
+        holds it with a released model can subtract the noise; never share it)."""
+        return self.engine.secret_state_dict()
+
+    def _continue(self, state: Mapping[str, Any], secret: Mapping[str, Any] | None) -> None:
+        saved = state["trainable"]
+        if set(saved) != set(self.trainable):
+            raise ConfigError(f"the saved run trains other parameters ({len(saved)} saved, {len(self.trainable)} "
+                              "here): continue it with the same model and trainable parameters")
+        with torch.no_grad():
+            for name, p in self.trainable.items():
+                p.copy_(saved[name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.engine.load_state_dict(state["engine"])
+        self.engine.load_secret_state_dict(None if secret is None else dict(secret))
 
     # --- what was spent ---------------------------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ from dpl.core.plugin_manager import create_plugin_manager, installed_plugins, im
 from dpl.core.privacy import PrivacyConfig
 from dpl.core.step import StepContext, private_step
 from dpl.core.update import apply_direction
+from dpl.errors import PrivacyWarning
 
 N, B, STEPS = 64, 16, 6
 
@@ -154,6 +155,37 @@ def test_two_continuations_of_one_checkpoint_draw_fresh_noise(seed):
     assert residual.numel() == 4040
     assert abs(residual.mean().item()) < 7 * (2 / 4040) ** 0.5
     assert residual.std().item() == pytest.approx(2 ** 0.5, rel=0.08)
+
+
+def test_a_seeded_resume_without_its_sidecar_never_draws_the_first_steps_noise_again():
+    """privacy.seed, resumed without the .secret sidecar: generators made again from the seed would start over, and
+    the step after the resume would carry step 0's noise (the difference of the two releases: the clipped sums',
+    noise-free). They are re-keyed from OS entropy: on the same batch, the releases of step 0 and of two
+    continuations all differ in every coordinate, and so do the batches drawn."""
+    torch.manual_seed(0)
+    model = nn.Linear(10, 4)
+    trainable = dict(model.named_parameters())
+    batch = {"x": torch.randn(4, 10)}
+
+    def release(engine):
+        direction = engine.step(batch, model=model, trainable=trainable, per_example_loss=lambda b: model(b["x"]).sum(-1))
+        return torch.cat([direction[n].flatten() for n in trainable])
+
+    engine = _linear_engine(11, model)
+    engine.start()
+    first_batches = [list(b) for _, b in zip(range(5), engine.batch_sampler())]
+    releases = [release(engine)]
+    public = engine.state_dict()
+    for _ in range(2):
+        branch = _linear_engine(11, model)
+        branch.load_state_dict(public)
+        with pytest.warns(PrivacyWarning, match="sidecar is missing"):
+            branch.load_secret_state_dict(None)
+            branch.start()
+        assert [list(b) for _, b in zip(range(5), branch.batch_sampler())] != first_batches
+        releases.append(release(branch))
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert (releases[a] != releases[b]).all(), (a, b)
 
 
 def test_max_epsilon_is_checked_before_every_step():

@@ -31,3 +31,5 @@ def test_library_page_runs(tmp_path):
     epsilon, accuracy = float(found.group(1)), float(found.group(3))
     assert 2.5 < epsilon <= 3.0  # calibrated to the target, never above it
     assert accuracy > 0.9  # the page's example learns its toy task
+    assert "continued at step 20" in out.stdout  # the run continued from its saved states
+    assert re.search(r"steps taken: 50, spent: ([\d.]+)", out.stdout), out.stdout

@@ -165,6 +165,59 @@ def test_adambc_runs_through_the_loop():
         loop(Classifier(), data, optimizer=lambda params: torch.optim.AdamW(params), plugins={"adambc": {}})
 
 
+@pytest.mark.parametrize("plugins", [None, {"adambc": {}}, {"ftrl": {"noise": "blt"}}, {"dpzero": {"mu": 1e-3}}],
+                         ids=["dp-sgd", "adambc", "ftrl", "dpzero"])
+def test_a_run_continued_from_its_states_is_the_run_uninterrupted(plugins):
+    """10 steps, against 4 steps, the states saved, a new PrivateTraining continuing them for 6: the same parameters
+    bit for bit (seeded), epsilon and plugin states; the public state holds no generator state."""
+    data = toy_data()
+    momentum = 0.9 if plugins is None or "ftrl" in plugins else 0.0  # adambc and dpzero need plain SGD
+
+    def make(model, **kwargs):
+        return loop(model, data, steps=10, plugins=plugins, privacy=privacy(target_epsilon=20.0),
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=momentum), **kwargs)
+
+    whole = Classifier()
+    make(whole).run()
+    first = make(Classifier())
+    for _ in range(4):
+        first.step()
+    state, secret = first.state_dict(), first.secret_state_dict()
+    assert "noise_rng" not in repr(state) and "sampler_rng" not in repr(state)
+    assert secret["noise_rng"] is not None
+    continued_model = Classifier()
+    with torch.no_grad():
+        continued_model.linear.weight.fill_(7.0)  # the saved parameters replace whatever the model holds
+    continued = make(continued_model, state=state, secret=secret)
+    assert continued.steps_done == 4
+    continued.run()
+    assert continued.steps_done == 10
+    for name, p in whole.named_parameters():
+        assert torch.equal(p, dict(continued_model.named_parameters())[name]), name
+    assert continued.epsilon == pytest.approx(make(Classifier()).engine.final_epsilon(), rel=1e-12)
+
+
+def test_a_continued_run_without_its_secret_draws_fresh_noise():
+    data = toy_data()
+    first = loop(Classifier(), data, steps=6)
+    for _ in range(3):
+        first.step()
+    state = first.state_dict()
+    runs = []
+    for _ in range(2):
+        model = Classifier()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            training = PrivateTraining(model, model.per_example_loss, privacy(), data=data, steps=6, state=state,
+                                       optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+        assert any("sidecar is missing" in str(w.message) for w in caught)  # seeded, yet not bit-exact
+        training.run()
+        runs.append(model.linear.weight.detach().clone())
+    assert not torch.equal(runs[0], runs[1])  # two continuations never share noise (OS entropy)
+    with pytest.raises(ConfigError, match="other parameters"):
+        loop(Classifier(), data, steps=6, state={**state, "trainable": {}})
+
+
 def test_needs_the_data_or_its_size():
     model = Classifier()
     with pytest.raises(ConfigError, match="num_examples"):

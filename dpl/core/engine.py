@@ -35,7 +35,7 @@ from dpl.core.gradients import GradientSum
 from dpl.core.ledger import Plan, PrivacyLedger, make_plan, steps_per_epoch
 from dpl.core.micro_batch import MicroBatch, probe_micro_batch
 from dpl.core.mechanism import Mechanism, apply_adjacency
-from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source
+from dpl.core.noise import NoiseSource, SecureNormal, StatefulSource, noise_source, rekey_
 from dpl.core.per_example import model_is_per_example
 from dpl.core.plugin_manager import (active_plugin_names, check_contracts, create_plugin_manager, options_as_dict,
                                      replaced_hooks)
@@ -345,12 +345,11 @@ class PrivateEngine:
             "resumed_parts": 0, "events": [], "scope": None, "accountant": cfg.accountant, "adjacency": None, "mechanism": None,
             "unit": cfg.unit, "num_examples": 0, "num_units": 0, "target_epsilon": cfg.target_epsilon,
             "max_epsilon": cfg.effective_max_epsilon}
-        users, unit = None, self.unit
+        unit = self.unit
         accounting["unit_text"] = unit.wording(accounting["adjacency"], accounting["sampling_rate"], cfg.batch_size)
-        if unit.users is not None:
-            # the count and k only: rows per user describe single users (the largest), so they stay in the log
-            users = {"users": self.unit.num_units, "max_rows_per_user": self.unit.max_rows,
-                     "sampling": self.unit.setup_fields()["user_sampling"]}
+        # the count and k only: rows per user describe single users (the largest), so they stay in the log
+        users = None if unit.users is None else {"users": unit.num_units, "max_rows_per_user": unit.max_rows,
+                                                 "sampling": unit.setup_fields()["user_sampling"]}
         return {
             **accounting, "users": users,
             "plugins": {name: dict(opts) for name, opts in self.plugin_options.items()},
@@ -432,9 +431,10 @@ class PrivateEngine:
         self._secret_to_apply, self._fresh_secret_on_start = None, False
         named = dict(self._named_stateful())
         if secret is None:
-            log.info("dpl: resumed without the checkpoint's .secret sidecar: noise and sampling continue from fresh "
-                     "OS entropy (as private; not bit-exact)")
-            if self.privacy.seed is not None:
+            log.info("dpl: resumed without the .secret sidecar: noise and sampling continue from fresh OS entropy")
+            if self.privacy.seed is not None:  # the seeded generators would draw the first steps' noise again
+                rekey_(self.noise_source)
+                self._sampler_generator.set_state(secure_generator().get_state())
                 warnings.warn("privacy.seed is set but the checkpoint's .secret sidecar is missing: the resumed run "
                               "is not bit-exact", PrivacyWarning, stacklevel=2)
             for obj in named.values():

@@ -225,6 +225,15 @@ def philox_seed(key: bytes | None) -> int:
     return int.from_bytes((os.urandom(_KEY_BYTES) if key is None else key)[:8], "little")
 
 
+def rekey_(source: NoiseSource) -> None:
+    """Re-key ``source`` in place from OS entropy (a seeded run continued without its secret state: its generators,
+    made again from the seed, would draw the noise of its first steps a second time)."""
+    if isinstance(source, KeyedNormal):
+        source.set_state(KeyedNormal().get_state())
+    elif isinstance(source, torch.Generator):
+        source.manual_seed(philox_seed(None))
+
+
 def replay_source(source: StatefulSource, state: Tensor) -> StatefulSource:
     """A new source of ``source``'s kind at ``state`` (from its ``get_state``): it draws what ``source`` drew then."""
     copy: StatefulSource
