@@ -472,6 +472,54 @@ def test_private_training_reports_progress_when_asked(capsys):
     assert capsys.readouterr().err == ""  # off by default
 
 
+def test_an_interrupted_run_continues_from_its_checkpoint_bit_for_bit(tmp_path):
+    """A run saving its state every step (``checkpoint_dir``), interrupted at step 5's evaluation, then run again with
+    the same settings: it continues at step 4 and ends with the uninterrupted run's parameters and curve, bit for bit
+    (dropout and momentum included); the file is gone after; another run's settings never read it."""
+    import torch
+    from common import private_training
+    from torch import nn
+
+    class Interrupted(Exception):
+        pass
+
+    x, y = torch.randn(64, 6), torch.randint(0, 2, (64,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    evaluations = []
+
+    def evaluate(fail_at=None):
+        evaluations.append(len(evaluations) + 1)
+        if len(evaluations) == fail_at:
+            raise Interrupted
+        return {"weight_sum": float(model[0].weight.sum())}
+
+    def run(fail_at=None, lr=0.1):
+        evaluations.clear()
+        model.load_state_dict(initial)
+        return private_training(model, dict(model.named_parameters()),
+                                lambda b: nn.functional.cross_entropy(model(b["x"]), b["y"], reduction="none"),
+                                lambda rows: {"x": x[rows], "y": y[rows]}, 64, lr=lr, momentum=0.9, batch_size=16,
+                                steps=8, noise_multiplier=1.0, seed=3, eval_steps=range(1, 9),
+                                evaluate=lambda: evaluate(fail_at), checkpoint_dir=tmp_path, checkpoint_seconds=0)
+
+    whole = run()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not list(tmp_path.iterdir())  # removed when the run ends
+    with pytest.raises(Interrupted):
+        run(fail_at=5)
+    assert len(list(tmp_path.glob("*.pt"))) == 1
+    other = run(lr=0.2)  # other settings: a run of its own from step 0, the interrupted run's file left alone
+    assert other["steps_done"] == 8 and len(evaluations) == 8 and len(list(tmp_path.glob("*.pt"))) == 1
+    continued = run()
+    assert evaluations == [1, 2, 3, 4]  # steps 5 to 8: it continued after step 4
+    assert continued["curve"] == whole["curve"] and continued["steps_done"] == 8
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    assert not list(tmp_path.iterdir())
+
+
 def test_finetune_plots(finetune_quick, tmp_path, monkeypatch):
     """The figures of the full runs (not drawn by --quick), drawn from the quick results."""
     import common

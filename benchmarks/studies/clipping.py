@@ -43,11 +43,12 @@ METEOR, NIST, CIDEr); seeds 0, 1, 2. About 4,500-6,300 s a run on one thread (th
 Results: ``<out>/clipping_<row>.json`` (other seeds: ``_seeds<first>`` / ``_tune<seed>`` in the name; ``--quick``:
 ``_quick``), written after every run with every tuning score and per-seed value, the seeds and the tuning seed in its
 settings; ``--resume`` continues from the first run not saved (parts may run at once with ``--epsilons``, each save
-keeping what the others saved); progress on stderr; ``--table RESULTS`` prints the docs' tables without training.
+keeping what the others saved), and with ``--checkpoint-dir`` from a run's state saved every 10 minutes
+(``finetune.py``); progress on stderr; ``--table RESULTS`` prints the docs' tables without training.
 
     python benchmarks/studies/clipping.py --resume                     # row sst2: the full study (CPU, one thread)
     python benchmarks/studies/clipping.py --seeds 3 4 5 --tune-seed 7 --resume   # the same with other seeds
-    python benchmarks/studies/clipping.py --row e2e --resume           # row e2e (SmolLM2, step 50)
+    python benchmarks/studies/clipping.py --row e2e --resume --checkpoint-dir ~/.cache/dpl-studies   # row e2e (step 50)
     python benchmarks/studies/clipping.py --time-steps 3               # only time 3 steps of each arm
     python benchmarks/studies/clipping.py --quick                      # a few steps on tiny data (the test)
     python benchmarks/studies/clipping.py --table benchmarks/results/studies/clipping_sst2.json
@@ -311,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not args.quick:
         print(f"this size {SCOPE[args.row]}", flush=True)
     setup = setup_of(args, s)
+    setup.settings["checkpoint_dir"] = args.checkpoint_dir
     if args.time_steps:
         measured = {"settings": settings, "data": setup.data, "threads": args.threads, **timing(args, s, setup, arms)}
         save(f"{name}_timing", measured, args.out)

@@ -15,8 +15,10 @@ An *arm* is a plain dict: ``{"name", "plugins", "optimizer": "sgd" | "adam", "mo
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -210,7 +212,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
                      eval_steps: Sequence[int] = (), stop_after: int | None = None, device: str = "cpu",
                      autocast: bool = False, user_keys: Sequence[Any] | None = None, max_rows_per_user: int = 1,
                      user_sampling: str = "users", clipping: dict[str, Any] | None = None,
-                     progress: bool = False) -> dict[str, Any]:
+                     progress: bool = False, checkpoint_dir: Path | None = None,
+                     checkpoint_seconds: float = 600.0) -> dict[str, Any]:
     """Train ``trainable`` (parameters of ``model``) privately for ``steps`` steps with :class:`dpl.PrivateTraining`
     (dpl's private engine, the one ``dpl fit`` and ``dpl audit`` drive: its plugins, mechanism, calibration, batch
     sampler and private step): the one training loop of the studies.
@@ -233,7 +236,11 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     clipping thresholds at the end (adaptive ``per_layer``: the released ones; else None), the plugins' logged values
     (means over the steps taken) and the wall time. A run whose parameters become non-finite stops early with
     ``diverged: True``. ``progress``: a line on stderr after every step (and the scores of every evaluation), for runs
-    of minutes a step.
+    of minutes a step. ``checkpoint_dir``: a folder where the run saves its state (:meth:`dpl.PrivateTraining.state_dict`,
+    its secret part, torch's generator, the curve so far) after a step, at most every ``checkpoint_seconds``, in a
+    file named by a hash of its settings, from which a run with the same settings continues (bit for bit: the run is
+    seeded) after an interruption; removed when the run ends. It holds the run's secret state: keep the folder
+    outside the results and the repository.
     """
     from contextlib import nullcontext
 
@@ -245,6 +252,12 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     n = num_examples
     delta = delta if delta is not None else 1.0 / (10 * (n if user_keys is None else len(set(user_keys))))
     torch.manual_seed(seed)
+    key = json.dumps([plugins, lr, optimizer, momentum, epsilon, delta, noise_multiplier, max_grad_norm, batch_size,
+                      steps, seed, physical_batch_size, list(eval_steps), stop_after, autocast, max_rows_per_user,
+                      user_sampling, clipping, n], sort_keys=True, default=str)
+    checkpoint = None if checkpoint_dir is None else Path(checkpoint_dir) / (
+        hashlib.sha256(key.encode()).hexdigest()[:20] + ".pt")
+    saved = _in_flight(checkpoint, key)
 
     def optimizer_factory(params):
         if optimizer == "adam":
@@ -280,11 +293,19 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
         training = PrivateTraining(model, loss, privacy, steps=steps, optimizer=optimizer_factory,
                                    num_examples=n, collate=batch_of, plugins=plugins, trainable=trainable,
                                    users=None if user_keys is None else list(user_keys), log_metric=log,
-                                   seed_namespace="studies/")
+                                   seed_namespace="studies/", state=saved and saved["state"],
+                                   secret=saved and saved["secret"])
     engine = training.engine
     sigma, spent = float(engine.noise_multiplier), engine.final_epsilon()
     curve: list[dict[str, Any]] = []
     diverged = False
+    saved_at = time.perf_counter()
+    if saved:
+        torch.set_rng_state(saved["torch_rng"])
+        curve, start = saved["curve"], start - saved["seconds"]
+        logged.update(saved["logged"])
+        if progress:
+            print(f"  continued at step {engine.steps_done} from {checkpoint}", file=sys.stderr, flush=True)
     for done in training.steps():
         if not all(bool(torch.isfinite(p).all()) for p in trainable.values()):
             diverged = True
@@ -299,6 +320,13 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
                                                     if isinstance(v, float)), file=sys.stderr, flush=True)
         if done == stop_after:
             break
+        if checkpoint is not None and time.perf_counter() - saved_at >= checkpoint_seconds:
+            _save_in_flight(checkpoint, {"key": key, "state": training.state_dict(),
+                                         "secret": training.secret_state_dict(), "torch_rng": torch.get_rng_state(),
+                                         "curve": curve, "logged": logged, "seconds": time.perf_counter() - start})
+            saved_at = time.perf_counter()
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
     if diverged:
         final = {}
     elif curve and curve[-1]["step"] == engine.steps_done:  # just evaluated: not again
@@ -313,6 +341,23 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
             "thresholds": thresholds[0] if thresholds else None, "diverged": diverged, "final": final, "curve": curve,
             "logged": {k: float(np.mean(v)) for k, v in logged.items()},
             "seconds": time.perf_counter() - start}
+
+
+def _in_flight(path: Path | None, key: str) -> dict[str, Any] | None:
+    """The state a run with these settings (``key``) saved in ``path`` before it was interrupted, if any."""
+    if path is None or not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    return saved if saved.get("key") == key else None
+
+
+def _save_in_flight(path: Path, saved: dict[str, Any]) -> None:
+    """Write a run's state to ``path`` atomically, readable by its owner only (it holds the noise generator)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        torch.save(saved, f)
+    os.replace(partial, path)
 
 
 def train_private(data: Split, classes: int, *, lr: float, batch_size: int = 256, epochs: float | None = None,

@@ -38,7 +38,9 @@ written after every cell; ``--resume`` keeps the finished cells of a file writte
 study in parts: ``--epsilons 1``, then ``--epsilons 4 16 --resume``; parts may run at once in separate processes, each
 save keeping the cells the others saved). The full runs print their size (runs x steps) first and a progress line
 per step on stderr; figures ``docs/figures/studies_finetune_<study>.png`` (full runs only); ``--table RESULTS``
-prints a results file's tables (the docs' tables) without training.
+prints a results file's tables (the docs' tables) without training. ``--checkpoint-dir DIR`` saves each run's state
+there every 10 minutes (it holds the run's secret noise state: a folder outside the repository), and a run with the
+same settings continues from it, bit for bit: the runs of an hour or more lose at most 10 minutes to an interruption.
 
     python benchmarks/studies/finetune.py ftrl --device cuda       # full study (GPU)
     python benchmarks/studies/finetune.py denoise --device cuda    # full study (GPU)
@@ -604,6 +606,9 @@ def add_run_options(parser: argparse.ArgumentParser, kept: str, timed: str, micr
     parser.add_argument("--time-steps", type=int, metavar="K", help=timed)
     parser.add_argument("--table", type=Path, metavar="RESULTS",
                         help="only print the tables of a results file (as in docs/studies.md); no training")
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="save each run's state there every 10 minutes, and continue an interrupted run from it "
+                             "(with --resume); it holds the runs' secret noise state: keep it outside the repository")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -655,6 +660,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     size = size_of(s, len(arms))
     print(f"{name} on {args.device} ({'bfloat16 autocast' if s['autocast'] else 'float32'}): {size}", flush=True)
     setup = setup_of(args, s)
+    setup.settings["checkpoint_dir"] = args.checkpoint_dir
     if args.time_steps:
         extra = {"lr": s["lr_grid"][0], "epsilon": s["epsilons"][0]} if args.study == "ftrl" else {}
         timing = {"settings": settings, "device": args.device, "data": setup.data,
