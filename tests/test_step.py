@@ -50,6 +50,41 @@ def test_noise_is_independent_across_coordinates_and_steps():
     torch.testing.assert_close(torch.diag(cov), torch.ones(64), atol=0.1, rtol=0)
 
 
+def test_adaptive_thresholds_counts_carry_their_noise_independent_of_the_gradients():
+    """Adaptive clipping thresholds: each step releases G centred counts with N(0, sigma_b^2) and the gradient with
+    sigma_D C, sigma_b and sigma_D from clipping_policy.count_noise (the pair is the calibrated mechanism). Measured
+    on zero sums: the released fractions' std is sigma_b / B, their mean 1/2, the gradient's std sigma_D C / B, and
+    the count noise is uncorrelated with the gradient noise of the same step."""
+    from dpl.core import clipping_policy
+    from dpl.core.step import CLIPPING_COUNTS_KEY
+
+    pm = create_plugin_manager()
+    gaussian = dict(pm.list_name_plugin())["gaussian"]
+    gaussian.count_share = share = 0.1
+    sigma, clip, batch, groups, steps = 1.3, 0.5, 16, 8, 4000
+    ctx = _ctx(tiny_bert(), sigma, clip, batch, seed=5)
+    fractions, gradient = [], []
+    for _ in range(steps):
+        released = pm.hook.privatize(ctx=ctx, gradient_sum=GradientSum(
+            {"w": torch.zeros(groups), CLIPPING_COUNTS_KEY: torch.zeros(groups)}, 0))
+        fractions.append(released.info["clipping_fractions"])
+        gradient.append(released.values["w"])
+        assert CLIPPING_COUNTS_KEY not in released.values  # the counts leave only as fractions
+    fractions, gradient = torch.tensor(fractions, dtype=torch.float64), torch.stack(gradient).double()
+    sigma_d, count_std = clipping_policy.count_noise(sigma, groups, share)
+    n = steps * groups  # 32,000 draws of each: a std's relative standard error is 1/sqrt(2n) = 0.4%, 2% is 5 of them
+    assert (fractions - 0.5).std().item() == pytest.approx(count_std / batch, rel=0.02)
+    assert abs((fractions - 0.5).mean().item()) < 5 * (count_std / batch) / math.sqrt(n)
+    assert gradient.std().item() == pytest.approx(sigma_d * clip / batch, rel=0.02)
+    assert released.noise_std == pytest.approx(sigma_d * clip / batch)
+    # standardised, the counts' and the gradient's draws of each step have correlation ~ N(0, 1/steps) per pair:
+    # every one of the 64 pairs within 5 standard errors
+    a = ((fractions - 0.5) / (count_std / batch))
+    b = gradient / (sigma_d * clip / batch)
+    correlation = (a.T @ b) / steps
+    assert correlation.abs().max().item() < 5 / math.sqrt(steps)
+
+
 def test_sigma_zero_infinite_clip_is_plain_sgd():
     batch = random_batch(batch_size=6)
     dp_model, ref_model = tiny_bert(seed=3), tiny_bert(seed=3)
