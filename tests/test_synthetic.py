@@ -94,6 +94,30 @@ def test_table_records_follow_their_control_prefix_and_every_text_token_is_score
     assert data.unit_description() == "one record of train.tsv (a text with its label)"
 
 
+def test_control_values_replace_the_values_seen_in_training_and_check_them(world, tmp_path):
+    """data.control_values: the schema (saved with the checkpoint, read by dpl synthesize) holds the listed values,
+    not those seen in the training file; a training record outside them, or a bad list, is one line."""
+    from dpl.errors import DataError
+
+    data_dir = str(world["tmp"] / "data")
+    listed = ["positive", "negative", "neutral"]  # neutral: in no training record, so only the listing reveals it
+    data = SyntheticDataModule(data_dir=data_dir, text_column="sentence", tokenizer=world["model"],
+                               control_values={"label": listed})
+    data.setup("fit")
+    assert data.schema()["values"] == {"label": listed}
+    assert len(data.train_set) == POSITIVE + NEGATIVE
+    narrow = SyntheticDataModule(data_dir=data_dir, text_column="sentence", tokenizer=world["model"],
+                                 control_values={"label": ["positive"]})
+    with pytest.raises(DataError, match=r"train.tsv line \d+: label 'negative' is not in data.control_values"):
+        narrow.setup("fit")
+    for values, message in [({"topic": ["a"]}, "'topic', which is not a control column (they are: label)"),
+                            ({"label": []}, "must be a non-empty list"),
+                            ({"label": ["a", " "]}, "lists an empty value"),
+                            ({"label": ["a", "a"]}, "lists 'a' more than once")]:
+        with pytest.raises(DataError, match=re.escape(message)):
+            SyntheticDataModule(data_dir=data_dir, text_column="sentence", control_values=values)
+
+
 def test_a_conversation_is_scored_on_every_token_after_its_control_prefix(world, tmp_path):
     from transformers import AutoTokenizer
 

@@ -42,6 +42,25 @@ def table_prompt(controls: dict[str, Any], text_column: str) -> str:
     return control_prefix(controls) + f"{text_column}:"
 
 
+def _listed_values(given: dict[str, list[Any]] | None, controls: list[str]) -> dict[str, list[str]]:
+    """``data.control_values`` checked (a control column each, distinct non-empty values) and written as strings."""
+    listed: dict[str, list[str]] = {}
+    for column, values in (given or {}).items():
+        if column not in controls:
+            raise DataError(f"data.control_values names {column!r}, which is not a control column (they are: "
+                            f"{', '.join(controls) or 'none'})")
+        if not isinstance(values, (list, tuple)) or not values:
+            raise DataError(f"data.control_values[{column!r}] must be a non-empty list of values, got {values!r}")
+        strings = [str(v) for v in values]
+        if any(not v.strip() for v in strings):
+            raise DataError(f"data.control_values[{column!r}] lists an empty value")
+        repeated = [v for v in strings if strings.count(v) > 1]
+        if repeated:
+            raise DataError(f"data.control_values[{column!r}] lists {repeated[0]!r} more than once")
+        listed[column] = strings
+    return listed
+
+
 def _template(control_columns: list[str], text_column: str) -> str:
     """:func:`table_prompt` as a ``str.format`` template over the record's fields."""
     escape = str.maketrans({"{": "{{", "}": "}}"})
@@ -60,6 +79,10 @@ class SyntheticDataModule(GenerationDataModule):
             (uniform, given, or a DP histogram); ``null`` for none.
         control_columns: other public attributes to condition on (their values seen in training are the run's
             public schema, as label names are: name only columns whose values are public).
+        control_values: the values of control columns, by column (``{label: ["0", "1"]}``): the schema then holds
+            these instead of the values seen in the training file, which stay private (a value only some records
+            have is not revealed); a training record with a value not listed is an error. Set it where the set of
+            values is itself sensitive, as classification's ``labels``.
         format: ``table`` (CSV/TSV/JSON/Parquet rows), ``messages`` (conversations in ``messages_field``), or
             ``auto`` (``messages`` when a JSON-lines file's first line has ``messages_field``).
         messages_field: key of a conversation's list of turns.
@@ -74,7 +97,7 @@ class SyntheticDataModule(GenerationDataModule):
     FILE_PATTERNS = {"train": ("train*.tsv", "train*.csv", "train*.jsonl", "train*.json", "train*.parquet")}
 
     def __init__(self, data_dir: str | None = None, text_column: str = "text", label_column: str | None = "label",
-                 control_columns: list[str] | None = None,
+                 control_columns: list[str] | None = None, control_values: dict[str, list[Any]] | None = None,
                  format: Literal["auto", "table", "messages"] = "auto", messages_field: str = "messages",
                  chat_template: Literal["auto", "none", "always"] = "none", max_length: int = 128,
                  **kwargs: Any) -> None:
@@ -84,6 +107,7 @@ class SyntheticDataModule(GenerationDataModule):
                                                                if c != label_column]
         if text_column in controls:
             raise DataError(f"data.text_column {text_column!r} cannot also be a control column")
+        self.control_values = _listed_values(control_values, controls)
         for name in ("prompt_template", "completion_template"):
             if name in kwargs:
                 raise DataError(f"data.{name} is set by the control columns here; do not set it")
@@ -148,6 +172,12 @@ class SyntheticDataModule(GenerationDataModule):
         splits = super().read_splits()
         self._controls = {name: [[r.fields[c] for c in self.control_columns] for r in records]
                           for name, records in splits.items()}
+        for column, listed in self.control_values.items():
+            allowed = set(listed)
+            for record in splits["train"]:
+                if str(record.fields[column]) not in allowed:
+                    raise DataError(f"{record.path} {record.where}: {column} {str(record.fields[column])!r} is not "
+                                    f"in data.control_values[{column!r}]")
         return splits
 
     # ------------------------------------------------------------------------------------ schema
@@ -158,7 +188,7 @@ class SyntheticDataModule(GenerationDataModule):
         self.validate_data()
         assert self._splits is not None
         path = self._splits["train"].files[0]
-        values = {c: sorted({str(row[i]) for row in self._controls["train"]})
+        values = {c: self.control_values.get(c) or sorted({str(row[i]) for row in self._controls["train"]})
                   for i, c in enumerate(self.control_columns)}
         return {"text_column": self.text_column, "label_column": self.label_column,
                 "control_columns": list(self.control_columns), "values": values,
