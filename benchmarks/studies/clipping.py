@@ -38,7 +38,8 @@ SmolLM2-135M-Instruct + LoRA r = 32 on q/k/v/o, E2E (100 held-out mrs), Poisson 
 the denoise study's CPU runs: one micro-batch of 64 needs more than 16 GB), Adam lr 2e-4 (the paper's,
 not tuned), epsilon 5.4 planned at 400 steps and stopped at step 50, scored there by greedy generation (BLEU, ROUGE-L,
 METEOR, NIST, CIDEr); seeds 0, 1, 2. About 4,500-6,300 s a run on one thread (the denoise study's step-50 runs):
-9 runs, about 11-16 CPU-hours.
+9 runs, about 11-16 CPU-hours, so run in two parts: ``--arms flat "per-layer adaptive"`` (6 runs, the comparison the
+default depends on), then the rest (per-layer fixed) with ``--resume``.
 
 Results: ``<out>/clipping_<row>.json`` (other seeds: ``_seeds<first>`` / ``_tune<seed>`` in the name; ``--quick``:
 ``_quick``), written after every run with every tuning score and per-seed value, the seeds and the tuning seed in its
@@ -48,7 +49,9 @@ keeping what the others saved), and with ``--checkpoint-dir`` from a run's state
 
     python benchmarks/studies/clipping.py --resume                     # row sst2: the full study (CPU, one thread)
     python benchmarks/studies/clipping.py --seeds 3 4 5 --tune-seed 7 --resume   # the same with other seeds
-    python benchmarks/studies/clipping.py --row e2e --resume --checkpoint-dir ~/.cache/dpl-studies   # row e2e (step 50)
+    python benchmarks/studies/clipping.py --row e2e --arms flat "per-layer adaptive" --resume \
+        --checkpoint-dir ~/.cache/dpl-studies                          # row e2e (step 50): its first part
+    python benchmarks/studies/clipping.py --row e2e --resume --checkpoint-dir ~/.cache/dpl-studies   # then the rest
     python benchmarks/studies/clipping.py --time-steps 3               # only time 3 steps of each arm
     python benchmarks/studies/clipping.py --quick                      # a few steps on tiny data (the test)
     python benchmarks/studies/clipping.py --table benchmarks/results/studies/clipping_sst2.json
