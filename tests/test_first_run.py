@@ -288,6 +288,6 @@ def test_no_gguf_bar_off_a_terminal(monkeypatch):
 
     original = gguf_utils.tqdm
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    with _no_gguf_bar_in_logs(True):
+    with _no_gguf_bar_in_logs():
         assert gguf_utils.tqdm([1]).disable
     assert gguf_utils.tqdm is original

@@ -9,15 +9,14 @@ base as trained saved once beside the adapter in ``base/`` (:data:`BASE_FOLDER`)
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError
+from dpl.tasks.gguf import serializable
 from dpl.tasks.loading import resolve_path
 
 BASE_FOLDER = "base"
@@ -38,30 +37,6 @@ def label_config(config: Any, names: list[str]) -> None:
     """Write the label names into a transformers config (``id2label``, ``label2id``, ``num_labels``)."""
     config.id2label = dict(enumerate(names))
     config.label2id = {name: i for i, name in enumerate(names)}
-
-
-@contextlib.contextmanager
-def serializable(model: Any) -> Iterator[None]:
-    """``model`` as transformers saves it: a base read from a GGUF file is marked as GGUF-quantized (which
-    ``save_pretrained`` refuses) though its weights were dequantized when it loaded; the marks are lifted while
-    saving. Weights still in GGUF blocks (GGUF kernels on a GPU) are refused in one line."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or str(getattr(method, "value", method)) != "gguf":
-        yield
-        return
-    if any("gguf" in type(m).__name__.lower() for m in model.modules()):
-        raise ConfigError("the base model's weights are still in GGUF blocks and cannot be saved merged: export "
-                          "the adapter (dpl export RUN FOLDER --adapter)")
-    config = model.config
-    mark = config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer = None
-    try:
-        yield
-    finally:
-        model.hf_quantizer = quantizer
-        if mark is not None:
-            config.quantization_config = mark
 
 
 def save_merged(model: Any, folder: Path) -> None:

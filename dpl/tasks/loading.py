@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dpl.errors import ConfigError
+from dpl.tasks.gguf import read_once
 
 PKG_PREFIX = "pkg://"
 
@@ -72,12 +73,18 @@ def _first_line(exc: BaseException) -> str:
 
 def load_tokenizer(location: str) -> Any:
     """A tokenizer from a folder, hub id, ``.gguf`` file or ``pkg://`` location, with a pad token
-    (decoder-only tokenizers pad with EOS, or UNK)."""
+    (decoder-only tokenizers pad with EOS, or UNK). A ``.gguf`` file's is read once (:mod:`dpl.tasks.gguf`)."""
     from transformers import AutoTokenizer
 
-    folder, extra = split_gguf(model_path(location, "tokenizer"))
+    path = model_path(location, "tokenizer")
+    folder, extra = split_gguf(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+        if extra:
+            tokenizer = read_once(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(folder, **extra),
+                                  AutoTokenizer.from_pretrained)
+            tokenizer.name_or_path = folder  # as read from the file
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"cannot load tokenizer {location!r}: {_first_line(exc)}") from exc
     if tokenizer.pad_token is None:
@@ -90,21 +97,35 @@ def load_tokenizer(location: str) -> Any:
 
 def load_pretrained(auto_class: Any, location: str, **kwargs: Any) -> Any:
     """``auto_class.from_pretrained`` for a folder, hub id, ``.gguf`` file or ``pkg://`` location, with one-line
-    :class:`~dpl.errors.ConfigError` on failure. The model is returned in train mode."""
-    folder, extra = split_gguf(model_path(location))
+    :class:`~dpl.errors.ConfigError` on failure. The model is returned in train mode. A ``.gguf`` file read as a
+    causal LM is dequantized once (:mod:`dpl.tasks.gguf`)."""
+    path = model_path(location)
+    folder, extra = split_gguf(path)
     try:
-        with _no_gguf_bar_in_logs(bool(extra)):
-            model = auto_class.from_pretrained(folder, **extra, **kwargs)
+        if extra:
+            from transformers import AutoModelForCausalLM
+
+            def read_file() -> Any:
+                with _no_gguf_bar_in_logs():
+                    return auto_class.from_pretrained(folder, **extra, **kwargs)
+
+            if auto_class is AutoModelForCausalLM and not kwargs:  # the generation tasks' read: cached
+                model = read_once(path, "model", read_file, auto_class.from_pretrained)
+                model.config._name_or_path = model.name_or_path = folder  # as read from the file
+            else:
+                model = read_file()
+        else:
+            model = auto_class.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"cannot load model {location!r}: {_first_line(exc)}") from exc
     return model.train()  # from_pretrained returns eval mode
 
 
 @contextlib.contextmanager
-def _no_gguf_bar_in_logs(gguf: bool) -> Iterator[None]:
+def _no_gguf_bar_in_logs() -> Iterator[None]:
     """Off a terminal, no GGUF dequantization bar: transformers draws it with tqdm directly (not through its own
     switch), and in a log file its carriage returns join into one long line."""
-    if not gguf or sys.stderr.isatty():
+    if sys.stderr.isatty():
         yield
         return
     import functools
