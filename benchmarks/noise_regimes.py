@@ -176,25 +176,39 @@ def adambc_runs(part: str) -> Callable[[], Iterator[Run]]:
     return runs
 
 
-def finetune_runs() -> Iterator[Run]:
-    """finetune.py denoise: SmolLM2-135M, LoRA r 32 on E2E; BLEU at the last scored step (sigma planned for more)."""
-    for res in _files("finetune_denoise"):
+def _curve_runs(results: Iterator[dict[str, Any]], study: str, sigma: str) -> Iterator[Run]:
+    """The cells of a generation study written as ``finetune.py`` writes them: each cell's BLEU at its last scored
+    step, with the cell's ``sigma`` (its key: the gradient's where an arm spends a share on other releases)."""
+    for res in results:
         if "cells" not in res:
             continue  # a timing file
         s = res["settings"]
         for c in res["cells"]:
             last = max(c["curve"], key=int)
-            yield Run("finetune", f"{c['arm']}, seed {c['seed']}", res["data"]["train"], s["batch_size"], int(last),
-                      res["data"]["trainable_parameters"], c["sigma"], c["curve"][last]["bleu"], (c["seed"],))
+            yield Run(study, f"{c['arm']}, seed {c['seed']}", res["data"]["train"], s["batch_size"], int(last),
+                      res["data"]["trainable_parameters"], c[sigma], c["curve"][last]["bleu"], (c["seed"],))
 
 
-def _cells(files: str, study: str, sigma_of: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], float]
-           ) -> Iterator[Run]:
-    """The finished cells of a fine-tuning study written by ``common.save`` (timing files left out): each cell's arm
-    and epsilon, the data's rows and trainable parameters, and its sigma per step ``sigma_of(cell, settings, data)``."""
+def finetune_runs() -> Iterator[Run]:
+    """finetune.py denoise: SmolLM2-135M, LoRA r 32 on E2E; BLEU at the last scored step (sigma planned for more)."""
+    return _curve_runs(_files("finetune_denoise"), "finetune", "sigma")
+
+
+def clipping_e2e_runs() -> Iterator[Run]:
+    """clipping.py --row e2e: the denoise study's setting (flat and group-wise clipping); BLEU at step 50 and the
+    gradient's sigma."""
+    return _curve_runs((r for r in _files("clipping") if r["settings"].get("row") == "e2e"), "clipping e2e",
+                       "gradient_sigma")
+
+
+def _cells(files: str, study: str, sigma_of: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], float],
+           rows: set[str] | None = None) -> Iterator[Run]:
+    """The finished cells of a fine-tuning study written by ``common.save`` (timing files left out; with ``rows``,
+    only the files of those rows): each cell's arm and epsilon, the data's rows and trainable parameters, and its
+    sigma per step ``sigma_of(cell, settings, data)``."""
     for res in _files(files):
-        if "cells" not in res:
-            continue  # a timing file
+        if "cells" not in res or (rows is not None and res["settings"].get("row", "sst2") not in rows):
+            continue  # a timing file, or another row
         s, data = res["settings"], res["data"]
         for c in res["cells"]:
             if c["acc"]:
@@ -211,7 +225,7 @@ def finetune_ftrl_runs() -> Iterator[Run]:
 def clipping_runs() -> Iterator[Run]:
     """clipping.py: MiniLM full fine-tuning on SST-2 (flat and group-wise clipping); the gradient's sigma (an
     adaptive arm spends a share of the budget on its counts)."""
-    return _cells("clipping", "clipping", lambda c, s, data: c["gradient_sigma"])
+    return _cells("clipping", "clipping", lambda c, s, data: c["gradient_sigma"], rows={"sst2"})
 
 
 #: study -> (its runs, what its outcome is, the results files it reads)
@@ -226,7 +240,8 @@ STUDIES: dict[str, tuple[Callable[[], Iterator[Run]], str, str]] = {
     "adambc synthetic": (adambc_runs("synthetic"), "training accuracy (13 classes)", "adambc_synthetic*.json"),
     "finetune": (finetune_runs, "E2E BLEU (generation)", "finetune_denoise.json"),
     "finetune ftrl": (finetune_ftrl_runs, "SST-2 validation accuracy", "finetune_ftrl.json"),
-    "clipping": (clipping_runs, "SST-2 validation accuracy", "clipping*.json"),
+    "clipping": (clipping_runs, "SST-2 validation accuracy", "clipping_sst2.json"),
+    "clipping e2e": (clipping_e2e_runs, "E2E BLEU (generation)", "clipping_e2e.json"),
 }
 
 
