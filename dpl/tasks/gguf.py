@@ -86,28 +86,23 @@ def serializable(model: Any) -> Iterator[None]:
             config.quantization_config = mark
 
 
-def _save_model(model: Any, folder: Path) -> bool:
-    with serializable(model):
-        model.save_pretrained(folder)
-    return True
+def _save(obj: Any, folder: Path) -> None:
+    """A model (its GGUF marks lifted while saving) or a tokenizer, with ``save_pretrained``."""
+    with serializable(obj):
+        obj.save_pretrained(folder)
 
 
-def _save_tokenizer(tokenizer: Any, folder: Path) -> bool:
-    tokenizer.save_pretrained(folder)
-    return True
-
-
-def _write(folder: Path, save: Callable[[Path], bool]) -> None:
+def _write(folder: Path, save: Callable[[Path], None]) -> None:
     """``save`` into a temporary folder beside ``folder``, renamed into place whole (a folder already there, written
     by another process meanwhile, is kept); a failure is one warning and no folder."""
     scratch = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        if save(scratch):
-            scratch.chmod(0o755)  # mkdtemp's is 0o700: a shared cache is read by others
-            os.rename(scratch, folder)
-            scratch = None
+        save(scratch)
+        scratch.chmod(0o755)  # mkdtemp's is 0o700: a shared cache is read by others
+        os.rename(scratch, folder)
+        scratch = None
     except OSError as exc:
         if not folder.is_dir():
             warnings.warn(f"dpl could not cache the dequantized GGUF base in {folder} ({exc}); it is read from the "
@@ -131,7 +126,7 @@ def read_once(gguf_file: str, part: str, read_file: Callable[[], Any], read_fold
             real = part != "model" or not any(p.is_meta for p in obj.parameters())  # dpl plan's skeleton: no weights
             if not real:
                 return obj
-            _write(folder, functools.partial(_save_model if part == "model" else _save_tokenizer, obj))
+            _write(folder, functools.partial(_save, obj))
         if not folder.is_dir():
             return obj  # the cache could not be written (one warning): the file's read, as without a cache
         del obj
