@@ -191,6 +191,7 @@ def test_synthetic_studies_are_sized_to_8_cpu_hours():
 
     for data, s in synthetic.SETTINGS.items():
         assert {d for d, _ in s["cells"]} == {data} and [e for _, e in s["cells"]] == synthetic.EPSILONS
+        assert sorted(synthetic.FIRST) == synthetic.EPSILONS and synthetic.FIRST[:2] == [8.0, math.inf]
         cell = s["steps"] * s["batch_size"] / 2 + s["rows"][data] / 1.2 + 30 * s["rows"][data] / 200
         assert 12 * cell <= 8 * 3600, (data, cell)
 

@@ -25,8 +25,9 @@ thousands) reach, nor resolve TSTR differences below the seeds' spread (a few po
 Banking77 validation rows).
 
 Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/synthetic_<data>.json`` (other seeds:
-``_seeds<first>``) after every cell; ``--resume`` keeps the cells of a file with the same settings; ``--table``
-prints the docs' table of a results file without training.
+``_seeds<first>``) after every cell; the cells run in the order epsilon 8, inf, 4, 1 (every seed of one before the
+next, so a partial run already compares epsilon 8 with the non-private copy); ``--resume`` keeps the cells of a file
+with the same settings; ``--table`` prints the docs' table of a results file without training.
 
     python benchmarks/studies/synthetic.py --data sst2 --resume         # SST-2: 12 cells, about 6 CPU-hours
     python benchmarks/studies/synthetic.py --data banking77 --resume    # Banking77: 12 cells, about 8 CPU-hours
@@ -56,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DATASETS = {"sst2": {"config": "configs/synthetic/sst2.yaml", "text": "sentence", "validation": "validation.tsv"},
             "banking77": {"config": "configs/synthetic/banking77.yaml", "text": "text", "validation": "dev.tsv"}}
 EPSILONS = [1.0, 4.0, 8.0, math.inf]
+FIRST = [8.0, math.inf, 4.0, 1.0]   # the run order: the comparison a partial run can already make (epsilon 8 vs inf)
 SIZE = {"train_rows": None, "validation_rows": None, "steps": 50, "batch_size": 64, "max_new_tokens": 48,
         "canaries": 10}
 SETTINGS = {"sst2": {**SIZE, "cells": [("sst2", e) for e in EPSILONS], "rows": {"sst2": 500}},
@@ -158,7 +160,7 @@ def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = ("tstr_accuracy", "real_accuracy", "mauve", "mauve_real", "exact_duplicates", "near_duplicates",
             "canaries_reproduced")
     out = []
-    for (name, epsilon), group in groups.items():
+    for (name, epsilon), group in sorted(groups.items(), key=lambda item: item[0][1]):  # by epsilon, inf last
         row: dict[str, Any] = {"data": name, "epsilon": epsilon, "seeds": len(group)}
         for key in keys:
             values = [g[key] for g in group if g[key] is not None]
@@ -210,7 +212,7 @@ def main() -> None:
         old = json.loads(path.read_text())
         if old.get("settings") == settings:
             done = old["cells"]
-    todo = [(d, e, seed) for d, e in s["cells"] for seed in seeds
+    todo = [(d, e, seed) for d, e in sorted(s["cells"], key=lambda c: FIRST.index(c[1])) for seed in seeds
             if not any(c["data"] == d and c["epsilon"] == e and c["seed"] == seed for c in done)]
     print(f"[synthetic] {name}: {len(todo)} of {len(s['cells']) * len(seeds)} cells to run "
           f"({s['steps']} steps of B = {s['batch_size']}, then "
