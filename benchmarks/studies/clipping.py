@@ -196,13 +196,18 @@ def sst2_table(results: dict[str, Any]) -> str:
 
 
 def time_table(results: dict[str, Any], runs: list[dict[str, Any]]) -> str:
-    """Each arm's wall time per run (mean +- sd over its runs), and relative to flat's."""
-    lines = ["| arm | runs | wall s per run (mean ± sd) | × flat |", "|---|---|---|---|"]
-    by = {a["name"]: spread([r["seconds"] for r in runs if r["arm"] == a["name"]]) for a in ARMS}
-    for name, t in by.items():
-        if t["n"]:
-            ratio = t["mean"] / by[ARMS[0]["name"]]["mean"] if by[ARMS[0]["name"]]["n"] else float("nan")
-            lines.append(f"| {name} | {t['n']} | {fmt(t, 1.0, 0)} | {ratio:.2f} |")
+    """Each arm's wall time per run (mean +- sd over its runs) on each machine, and relative to flat's on the same
+    machine (wall seconds compare only there; a run from before machines were recorded is its own group)."""
+    lines = ["| machine | arm | runs | wall s per run (mean ± sd) | × flat |", "|---|---|---|---|---|"]
+    where = [r.get("machine", "not recorded") for r in runs]
+    for place in dict.fromkeys(where):
+        on = [r for r, w in zip(runs, where) if w == place]
+        by = {a["name"]: spread([r["seconds"] for r in on if r["arm"] == a["name"]]) for a in ARMS}
+        flat = by[ARMS[0]["name"]]
+        for name, t in by.items():
+            if t["n"]:
+                ratio = f"{t['mean'] / flat['mean']:.2f}" if flat["n"] else "-"
+                lines.append(f"| {place} | {name} | {t['n']} | {fmt(t, 1.0, 0)} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -479,6 +479,20 @@ def result_name(base: str, args: Any) -> str:
     return name
 
 
+def machine() -> str:
+    """The CPU a run was timed on: its model name and the kernels torch chose for it (wall seconds compare only
+    between runs on one machine)."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def save(name: str, results: dict[str, Any], folder: Path | None = None) -> Path:
     """Write ``results`` as ``<folder>/<name>.json`` (default: benchmarks/results/studies)."""
     folder = Path(folder) if folder is not None else RESULTS

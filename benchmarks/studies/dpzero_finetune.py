@@ -78,7 +78,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from common import (DATA, ENCODER, choose, fmt, read_tsv, result_name, save, spread, study_parser, tune)
+from common import (DATA, ENCODER, choose, fmt, machine, read_tsv, result_name, save, spread, study_parser, tune)
 from finetune import Encoded, Model, classify
 
 ZEROTH = "dpzero"
@@ -366,7 +366,7 @@ def study(args: Any, s: dict[str, Any], results: dict[str, Any], name: str, arms
         record = {"arm": arm["name"], "lr": lr, "seed": seed, "purpose": purpose, "diverged": r["diverged"],
                   "acc": r["final"].get("acc"), "loss": r["final"].get("loss"),
                   **{k: r[k] for k in ("steps", "sigma", "delta", "seconds", "logged")},
-                  "epsilon_spent": r["epsilon"]}
+                  "epsilon_spent": r["epsilon"], "machine": machine()}
         results["runs"].append(record)
         save(name, results, args.out)  # after every run
         return record

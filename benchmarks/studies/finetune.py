@@ -65,8 +65,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from common import (DATA, ENCODER, choose, fmt, private_training, pyplot, read_tsv, result_name, save, save_figure,
-                    spread, study_parser, tune)
+from common import (DATA, ENCODER, choose, fmt, machine, private_training, pyplot, read_tsv, result_name, save,
+                    save_figure, spread, study_parser, tune)
 
 FTRL_ARMS = [
     {"name": "DP-SGD (amplified)", "plugins": None},
@@ -297,7 +297,7 @@ def run_tuned(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, s
                   "diverged": r["diverged"], "acc": r["final"].get("acc"), "loss": r["final"].get("loss"),
                   **{k: r[k] for k in ("steps", "sigma", "gradient_sigma", "thresholds", "delta", "mechanism", "bands",
                                        "seconds", "logged")},
-                  "epsilon_spent": r["epsilon"]}
+                  "epsilon_spent": r["epsilon"], "machine": machine()}
         results["runs"].append(record)
         fresh += 1
         save(out, results_on_disk(args, out, results), args.out)  # after every run
@@ -460,7 +460,7 @@ def run_seeds(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, s
                 "sigma": r["sigma"], "gradient_sigma": r["gradient_sigma"], "thresholds": r["thresholds"],
                 "epsilon_planned": r["epsilon"], "epsilon_spent": r["epsilon_spent"], "delta": r["delta"],
                 "diverged": r["diverged"], "fraction_denoised": r["logged"].get("denoise/fraction_denoised"),
-                "logged": r["logged"], "seconds": r["seconds"],
+                "logged": r["logged"], "seconds": r["seconds"], "machine": machine(),
                 "physical_batch_size": setup.settings["physical_batch_size"], "threads": torch.get_num_threads(),
                 "curve": {str(p["step"]): {m: p[m] for m in s["metrics"]} for p in r["curve"]},
                 "predictions": {str(p["step"]): p["predictions"] for p in r["curve"]}}
