@@ -1,7 +1,8 @@
 """sigma sqrt(d) / B of this project's training runs next to their outcome: the evidence behind dpl's noise warning
 (``dpl.core.regime.HOPELESS``) and ``dpl plan``'s regime line.
 
-    python benchmarks/noise_regimes.py
+    python benchmarks/noise_regimes.py            # the table, and every run to benchmarks/results/noise_regimes.json
+    python benchmarks/noise_regimes.py --table    # the table only
 
 Nothing is trained: the runs are those of the current study scripts, read from their committed results
 (``benchmarks/results/studies/<study>*.json``, written by ``benchmarks/studies/<study>.py``). For each run: d, the
@@ -274,7 +275,14 @@ def table(all_runs: list[Run]) -> str:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table", action="store_true", help="print the table only (write nothing)")
     all_runs = runs()
+    if parser.parse_args().table:
+        print(table(all_runs))
+        return
     out = ROOT / "benchmarks" / "results" / "noise_regimes.json"
     rows = [{**asdict(r), "relative_noise": r.relative_noise} for r in sorted(all_runs, key=lambda r: r.relative_noise)]
     out.write_text("[\n" + ",\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n]\n")  # a run a line
