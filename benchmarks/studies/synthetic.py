@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import DATA, PUBLISHED_TUNE_SEED, RESULTS, read_tsv, result_name, save, study_parser
+from common import DATA, PUBLISHED_TUNE_SEED, RESULTS, machine, read_tsv, result_name, save, study_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASETS = {"sst2": {"config": "configs/synthetic/sst2.yaml", "text": "sentence", "validation": "validation.tsv"},
@@ -149,7 +149,7 @@ def cell(name: str, epsilon: float, seed: int, s: dict[str, Any], folder: Path) 
             "validation_exact_duplicates": page["leakage"]["validation"]["exact_fraction"],
             "canaries_reproduced": page["canaries"]["reproduced"],
             "canary_secrets_reproduced": page["canaries"]["secrets_reproduced"],
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "machine": machine()}
 
 
 def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
