@@ -636,6 +636,19 @@ def dpzero_finetune_quick(tmp_path_factory):
     return {"out": out, "proc": proc, "res": json.loads((out / "dpzero_finetune_quick.json").read_text())}
 
 
+def test_methods_quotes_the_dpzero_finetune_results():
+    """docs/methods.md's full-model DPZero table holds each arm's accuracy as the committed results give it."""
+    import dpzero_finetune
+
+    res = json.loads((ROOT / "benchmarks" / "results" / "studies" / "dpzero_finetune.json").read_text())
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    row = methods[methods.index("| zero-shot | MeZO | DPZero ε = 2 |"):].splitlines()[2]
+    cells = {c["arm"]: c for c in res["cells"]}
+    want = [f"{100 * cells['zero-shot']['acc']['mean']:.1f}"] + [dpzero_finetune.fmt(cells[a]["acc"]) for a in (
+        "MeZO", "DPZero ε=2", "DPZero ε=6", "DP-SGD ε=2", "DP-SGD ε=6")]
+    assert [c.strip() for c in row.strip().strip("|").split("|")] == want
+
+
 def test_dpzero_finetune_quick(dpzero_finetune_quick):
     import dpzero_finetune
 
