@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- generated: (?P<command>[^\n]*?) -->\n)(?P<body>.*?)(\n<!-- end generated -->)", re.S)
+BLOCK = re.compile(r"(<!-- generated: (?P<command>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,14 @@ def printed(command: str) -> str:
 
 def blocks(pages: list[Path]) -> list[Block]:
     """Every generated block of ``pages``, with what its command prints now."""
-    return [Block(page, m["command"], m["body"], printed(m["command"]))
+    return [Block(page, m["command"], m["body"], printed(m["command"]) + "\n")
             for page in pages for m in BLOCK.finditer(page.read_text())]
 
 
 def rewrite(page: Path) -> bool:
     """Put each block's output in ``page``; True if the page changed."""
     text = page.read_text()
-    new = BLOCK.sub(lambda m: m[1] + printed(m["command"]) + m[4], text)
+    new = BLOCK.sub(lambda m: m[1] + printed(m["command"]) + "\n" + m[4], text)
     if new != text:
         page.write_text(new)
     return new != text
