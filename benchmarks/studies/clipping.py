@@ -196,18 +196,24 @@ def sst2_table(results: dict[str, Any]) -> str:
 
 
 def time_table(results: dict[str, Any], runs: list[dict[str, Any]]) -> str:
-    """Each arm's wall time per run (mean +- sd over its runs) on each machine, and relative to flat's on the same
-    machine (wall seconds compare only there; a run from before machines were recorded is its own group)."""
-    lines = ["| machine | arm | runs | wall s per run (mean ± sd) | × flat |", "|---|---|---|---|---|"]
+    """Each arm's wall and CPU seconds per run (mean +- sd over its runs) on each machine, and its CPU time relative
+    to flat's on the same machine (seconds compare only there; a run from before machines were recorded is its own
+    group; CPU seconds, recorded since, are less moved by other jobs than wall seconds)."""
+    lines = ["| machine | arm | runs | wall s per run (mean ± sd) | CPU s per run | × flat (CPU s) |",
+             "|---|---|---|---|---|---|"]
     where = [r.get("machine", "not recorded") for r in runs]
     for place in dict.fromkeys(where):
         on = [r for r, w in zip(runs, where) if w == place]
-        by = {a["name"]: spread([r["seconds"] for r in on if r["arm"] == a["name"]]) for a in ARMS}
-        flat = by[ARMS[0]["name"]]
-        for name, t in by.items():
+        wall = {a["name"]: spread([r["seconds"] for r in on if r["arm"] == a["name"]]) for a in ARMS}
+        cpu = {a["name"]: spread([r["cpu_seconds"] for r in on if r["arm"] == a["name"] and "cpu_seconds" in r])
+               for a in ARMS}
+        flat = cpu[ARMS[0]["name"]]
+        for name, t in wall.items():
             if t["n"]:
-                ratio = f"{t['mean'] / flat['mean']:.2f}" if flat["n"] else "-"
-                lines.append(f"| {place} | {name} | {t['n']} | {fmt(t, 1.0, 0)} | {ratio} |")
+                c = cpu[name]
+                ratio = f"{c['mean'] / flat['mean']:.2f}" if c["n"] and flat["n"] else "-"
+                lines.append(f"| {place} | {name} | {t['n']} | {fmt(t, 1.0, 0)} | "
+                             f"{fmt(c, 1.0, 0) if c['n'] else '-'} | {ratio} |")
     return "\n".join(lines)
 
 

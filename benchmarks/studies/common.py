@@ -234,7 +234,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     dpl's default, flat). Returns sigma, epsilon (planned) and ``epsilon_spent`` (at the stop), the mechanism (and
     ftrl's bands), the gradient's noise multiplier (sigma times the mechanism's noise scale), the public per-group
     clipping thresholds at the end (adaptive ``per_layer``: the released ones; else None), the plugins' logged values
-    (means over the steps taken) and the wall time. A run whose parameters become non-finite stops early with
+    (means over the steps taken), the wall time and this process's CPU time (``cpu_seconds``: all its threads; less
+    moved by other jobs on the machine than the wall time). A run whose parameters become non-finite stops early with
     ``diverged: True``. ``progress``: a line on stderr after every step (and the scores of every evaluation), for runs
     of minutes a step. ``checkpoint_dir``: a folder where the run saves its state (:meth:`dpl.PrivateTraining.state_dict`,
     its secret part, torch's generator, the curve so far) after a step, at most every ``checkpoint_seconds``, in a
@@ -248,7 +249,7 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     from dpl.core.privacy import PrivacyConfig
     from dpl.errors import PrivacyWarning
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     n = num_examples
     delta = delta if delta is not None else 1.0 / (10 * (n if user_keys is None else len(set(user_keys))))
     torch.manual_seed(seed)
@@ -303,6 +304,7 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     if saved:
         torch.set_rng_state(saved["torch_rng"])
         curve, start = saved["curve"], start - saved["seconds"]
+        cpu_start -= saved.get("cpu_seconds", 0.0)
         logged.update(saved["logged"])
         if progress:
             print(f"  continued at step {engine.steps_done} from {checkpoint}", file=sys.stderr, flush=True)
@@ -323,7 +325,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
         if checkpoint is not None and time.perf_counter() - saved_at >= checkpoint_seconds:
             _save_in_flight(checkpoint, {"key": key, "state": training.state_dict(),
                                          "secret": training.secret_state_dict(), "torch_rng": torch.get_rng_state(),
-                                         "curve": curve, "logged": logged, "seconds": time.perf_counter() - start})
+                                         "curve": curve, "logged": logged, "seconds": time.perf_counter() - start,
+                                         "cpu_seconds": time.process_time() - cpu_start})
             saved_at = time.perf_counter()
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)
@@ -340,7 +343,7 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
             "bands": getattr(engine.mechanism, "bands", None), "gradient_sigma": sigma * engine.mechanism.noise_scale,
             "thresholds": thresholds[0] if thresholds else None, "diverged": diverged, "final": final, "curve": curve,
             "logged": {k: float(np.mean(v)) for k, v in logged.items()},
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start}
 
 
 def _in_flight(path: Path | None, key: str) -> dict[str, Any] | None:

@@ -296,7 +296,7 @@ def run_tuned(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, s
         record = {"arm": arm["name"], "epsilon": eps, "lr": lr, "seed": seed, "purpose": purpose,
                   "diverged": r["diverged"], "acc": r["final"].get("acc"), "loss": r["final"].get("loss"),
                   **{k: r[k] for k in ("steps", "sigma", "gradient_sigma", "thresholds", "delta", "mechanism", "bands",
-                                       "seconds", "logged")},
+                                       "seconds", "cpu_seconds", "logged")},
                   "epsilon_spent": r["epsilon"], "machine": machine()}
         results["runs"].append(record)
         fresh += 1
@@ -460,7 +460,7 @@ def run_seeds(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, s
                 "sigma": r["sigma"], "gradient_sigma": r["gradient_sigma"], "thresholds": r["thresholds"],
                 "epsilon_planned": r["epsilon"], "epsilon_spent": r["epsilon_spent"], "delta": r["delta"],
                 "diverged": r["diverged"], "fraction_denoised": r["logged"].get("denoise/fraction_denoised"),
-                "logged": r["logged"], "seconds": r["seconds"], "machine": machine(),
+                "logged": r["logged"], "seconds": r["seconds"], "cpu_seconds": r["cpu_seconds"], "machine": machine(),
                 "physical_batch_size": setup.settings["physical_batch_size"], "threads": torch.get_num_threads(),
                 "curve": {str(p["step"]): {m: p[m] for m in s["metrics"]} for p in r["curve"]},
                 "predictions": {str(p["step"]): p["predictions"] for p in r["curve"]}}
