@@ -556,6 +556,14 @@ def test_an_interrupted_run_continues_from_its_checkpoint_bit_for_bit(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, expected[k]), k
     assert not list(tmp_path.iterdir())
+    assert whole["cpu_seconds"] > 0 and continued["cpu_seconds"] > 0  # the CPU time before the interruption counts
+    with pytest.raises(Interrupted):  # a state saved without its CPU time: the continued run's is unknown, not less
+        run(fail_at=5)
+    (state,) = tmp_path.glob("*.pt")
+    saved = torch.load(state, weights_only=True)
+    del saved["cpu_seconds"]
+    torch.save(saved, state)
+    assert run()["cpu_seconds"] is None
 
 
 def test_finetune_plots(finetune_quick, tmp_path, monkeypatch):

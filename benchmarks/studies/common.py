@@ -304,7 +304,7 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
     if saved:
         torch.set_rng_state(saved["torch_rng"])
         curve, start = saved["curve"], start - saved["seconds"]
-        cpu_start -= saved.get("cpu_seconds", 0.0)
+        cpu_start -= saved.get("cpu_seconds", math.nan)  # unknown for a state saved without it
         logged.update(saved["logged"])
         if progress:
             print(f"  continued at step {engine.steps_done} from {checkpoint}", file=sys.stderr, flush=True)
@@ -343,7 +343,8 @@ def private_training(model: nn.Module, trainable: dict[str, Tensor], per_example
             "bands": getattr(engine.mechanism, "bands", None), "gradient_sigma": sigma * engine.mechanism.noise_scale,
             "thresholds": thresholds[0] if thresholds else None, "diverged": diverged, "final": final, "curve": curve,
             "logged": {k: float(np.mean(v)) for k, v in logged.items()},
-            "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start}
+            "seconds": time.perf_counter() - start,
+            "cpu_seconds": None if math.isnan(cpu_start) else time.process_time() - cpu_start}
 
 
 def _in_flight(path: Path | None, key: str) -> dict[str, Any] | None:
