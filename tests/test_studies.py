@@ -446,7 +446,8 @@ def test_docs_tables_rewrites_a_stale_block_and_only_the_block(tmp_path):
     assert docs_tables.main(["--check", str(page)]) == 1
     assert docs_tables.main([str(page)]) == 0
     text = page.read_text()
-    assert text.startswith("Prose before.\n\n<!-- generated: ") and text.endswith("\n<!-- end generated -->\n\nAfter.\n")
+    assert text.startswith("Prose before.\n\n<!-- generated: ")
+    assert text.endswith("\n<!-- end generated -->\n\nAfter.\n")
     assert "| stale |" not in text and docs_tables.printed(command) in text
     assert docs_tables.main(["--check", str(page)]) == 0
     page.write_text(f"<!-- generated: {command} -->\n<!-- end generated -->\n")  # a new, empty block is filled

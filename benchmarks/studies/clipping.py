@@ -205,8 +205,8 @@ def time_table(results: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     for place in dict.fromkeys(where):
         on = [r for r, w in zip(runs, where) if w == place]
         wall = {a["name"]: spread([r["seconds"] for r in on if r["arm"] == a["name"]]) for a in ARMS}
-        cpu = {a["name"]: spread([r["cpu_seconds"] for r in on if r["arm"] == a["name"] and r.get("cpu_seconds") is not None])
-               for a in ARMS}
+        timed = [r for r in on if r.get("cpu_seconds") is not None]
+        cpu = {a["name"]: spread([r["cpu_seconds"] for r in timed if r["arm"] == a["name"]]) for a in ARMS}
         flat = cpu[ARMS[0]["name"]]
         for name, t in wall.items():
             if t["n"]:
