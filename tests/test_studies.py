@@ -196,6 +196,20 @@ def test_synthetic_studies_are_sized_to_8_cpu_hours():
         assert 12 * cell <= 8 * 3600, (data, cell)
 
 
+def test_synthetic_cells_run_in_order_and_only_the_epsilons_asked():
+    """The cells left to run: epsilon 8, then inf, 4, 1, every seed of one before the next; the done ones skipped;
+    ``--epsilons`` keeps only its epsilons' cells (the others stay in the results file for a later run)."""
+    import synthetic
+
+    cells = synthetic.SETTINGS["sst2"]["cells"]
+    done = [{"data": "sst2", "epsilon": 8.0, "seed": 0}, {"data": "sst2", "epsilon": math.inf, "seed": 1}]
+    assert synthetic.cells_to_run(cells, [0, 1], done) == [
+        ("sst2", 8.0, 1), ("sst2", math.inf, 0), ("sst2", 4.0, 0), ("sst2", 4.0, 1), ("sst2", 1.0, 0),
+        ("sst2", 1.0, 1)]
+    assert synthetic.cells_to_run(cells, [0, 1], done, [math.inf, 1.0]) == [
+        ("sst2", math.inf, 0), ("sst2", 1.0, 0), ("sst2", 1.0, 1)]
+
+
 def test_synthetic_study_refuses_a_tuning_seed(monkeypatch, capsys):
     """The synthetic study tunes nothing (each cell trains with its config's lr): ``--tune-seed`` is refused in one
     line rather than accepted and ignored."""

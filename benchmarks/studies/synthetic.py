@@ -27,7 +27,8 @@ Banking77 validation rows).
 Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/synthetic_<data>.json`` (other seeds:
 ``_seeds<first>``) after every cell; the cells run in the order epsilon 8, inf, 4, 1 (every seed of one before the
 next, so a partial run already compares epsilon 8 with the non-private copy); ``--resume`` keeps the cells of a file
-with the same settings; ``--table`` prints the docs' table of a results file without training.
+with the same settings; ``--epsilons`` runs only some epsilons' cells (the headline cells of both data sets first:
+``--epsilons 8 inf``); ``--table`` prints the docs' table of a results file without training.
 
     python benchmarks/studies/synthetic.py --data sst2 --resume         # SST-2: 12 cells, about 6 CPU-hours
     python benchmarks/studies/synthetic.py --data banking77 --resume    # Banking77: 12 cells, about 8 CPU-hours
@@ -188,11 +189,22 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cells_to_run(cells: list[tuple[str, float]], seeds: list[int], done: list[dict[str, Any]],
+                 epsilons: list[float] | None = None) -> list[tuple[str, float, int]]:
+    """The (data, epsilon, seed) cells not in ``done``, in the run order (:data:`FIRST`, every seed of one epsilon
+    before the next); only those of ``epsilons`` when given."""
+    return [(d, e, seed) for d, e in sorted(cells, key=lambda c: FIRST.index(c[1])) for seed in seeds
+            if (epsilons is None or e in epsilons)
+            and not any(c["data"] == d and c["epsilon"] == e and c["seed"] == seed for c in done)]
+
+
 def main() -> None:
     parser = study_parser(__doc__)
     parser.add_argument("--data", choices=tuple(DATASETS), default="sst2", help="the data set of the study")
     parser.add_argument("--resume", action="store_true", help="keep the cells of a results file with the same "
                                                                "settings")
+    parser.add_argument("--epsilons", type=float, nargs="+", choices=EPSILONS, metavar="EPS",
+                        help="run only the cells of these epsilons (of 1 4 8 inf; the results file keeps the others)")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="print the table of a results file and exit")
     parser.set_defaults(tune_seed=None)
     args = parser.parse_args()
@@ -212,8 +224,7 @@ def main() -> None:
         old = json.loads(path.read_text())
         if old.get("settings") == settings:
             done = old["cells"]
-    todo = [(d, e, seed) for d, e in sorted(s["cells"], key=lambda c: FIRST.index(c[1])) for seed in seeds
-            if not any(c["data"] == d and c["epsilon"] == e and c["seed"] == seed for c in done)]
+    todo = cells_to_run(s["cells"], seeds, done, args.epsilons)
     print(f"[synthetic] {name}: {len(todo)} of {len(s['cells']) * len(seeds)} cells to run "
           f"({s['steps']} steps of B = {s['batch_size']}, then "
           f"{' / '.join(str(n) for n in s['rows'].values())} records each)", file=sys.stderr, flush=True)
