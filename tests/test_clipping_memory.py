@@ -4,6 +4,7 @@ checkpointing drops; auto holds no more per-example gradients than its budget; p
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -121,6 +122,27 @@ def test_auto_with_room_keeps_every_layer_and_needs_no_second_pass(monkeypatch):
     assert len(calls) == 1  # the norms' pass only
     embedding = 0  # LoRA: the embedding is frozen, every trainable layer is kept
     assert clipper.peak_held_bytes == 4 * 5 * (trainable - embedding)
+
+
+def test_auto_says_once_when_layers_take_the_second_pass(caplog):
+    """A budget that keeps no layer sends them all to the second backward pass: one line says how many and names
+    per-layer clipping (one pass); a second step says nothing more, and a budget with room says nothing."""
+    model, batch = _build("llama-full", False), random_batch(batch_size=5, length=12)
+    clipper = PerExampleClipper(model, memory="auto", budget_mib=0.0)
+    with caplog.at_level(logging.INFO, logger="dpl"):
+        for _ in range(2):
+            with clipper.record(5):
+                losses = _loss_fn(model)(batch)
+            clipper.clipped_sum(losses, 0.05)
+    told = [r.getMessage() for r in caplog.records if "take a second backward pass" in r.getMessage()]
+    layers = len({rec.module for rec in clipper.records})
+    assert told == [f"dpl: clipping_memory auto: {layers} of {layers} layers do not fit its budget and take a second "
+                    "backward pass every step; privacy.clipping: per_layer clips every layer in the one pass at the "
+                    "non-private step's memory (docs/methods.md: which clipping when)"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpl"):
+        _clipped(model, batch, "auto", 64.0, 0.05)
+    assert not any("second backward pass" in r.getMessage() for r in caplog.records)
 
 
 def test_low_keeps_no_checkpointed_input_after_the_forward_pass():

@@ -133,6 +133,7 @@ class PerExampleClipper:
         self.stream: StreamingNorms | None = None
         self.peak_held_bytes = 0  # ``auto``: the most bytes of per-example gradients and books held in the last step
         self.one_pass = False  # ``auto``: whether the last step held them all (no second backward pass)
+        self.second_pass_told = False  # ``auto``: the one line saying that some layers take the second pass
         self.records: list[LayerRecord] = []
         owners: dict[int, str] = {}
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -388,7 +389,14 @@ class PerExampleClipper:
             for rec, prepared in stream.booked:
                 for local, t in prepared.weighted_sum(factors, keep).items():
                     sums[rec.full_names[local]] = t
-        low = [(rec.full_names[local], p) for rec in stream.low_records() for local, p in rec.params.items()]
+        low_records = stream.low_records()
+        low = [(rec.full_names[local], p) for rec in low_records for local, p in rec.params.items()]
+        if low_records and self.memory == "auto" and not self.second_pass_told:
+            self.second_pass_told = True
+            log.info("dpl: clipping_memory auto: %d of %d layers do not fit its budget and take a second backward "
+                     "pass every step; privacy.clipping: per_layer clips every layer in the one pass at the "
+                     "non-private step's memory (docs/methods.md: which clipping when)", len(low_records),
+                     len(stream.layers))
         stream.finish()
         if low:
             weights = factors if grouping is None else factors[grouping.inverse.to(factors.device)]
