@@ -126,6 +126,19 @@ def describe_budget(budget_bytes: int, configured: bool, device: str) -> str:
     return f"{budget_bytes / MIB:,.0f} MiB ({source})"
 
 
+def auto_notes(budget_bytes: int, configured: bool, device: str) -> str:
+    """The one line ``auto`` logs at its first step: its budget and what it does with it."""
+    return (f"dpl: clipping_memory auto: budget {describe_budget(budget_bytes, configured, device)}; each layer keeps "
+            "its per-example gradients or book within it, and with all of them kept one backward pass (fast's time)")
+
+
+def second_pass_note(low: int, layers: int) -> str:
+    """The one line ``auto`` logs the first time some layers take the second backward pass (public counts)."""
+    return (f"dpl: clipping_memory auto: {low} of {layers} layers do not fit its budget and take a second backward pass "
+            "every step; privacy.clipping: per_layer clips every layer in the one pass at the non-private step's memory "
+            "(docs/methods.md: which clipping when)")
+
+
 # ------------------------------------------------------------------------------- group-wise clipping (per_layer)
 
 

@@ -132,8 +132,7 @@ class PerExampleClipper:
         self.budget: int | None = None  # auto's budget in bytes: fixed at the first step, or set by the probe
         self.stream: StreamingNorms | None = None
         self.peak_held_bytes = 0  # ``auto``: the most bytes of per-example gradients and books held in the last step
-        self.one_pass = False  # ``auto``: whether the last step held them all (no second backward pass)
-        self.second_pass_told = False  # ``auto``: the one line saying that some layers take the second pass
+        self.one_pass = self.second_pass_told = False  # ``auto``: the last step held them all; a second pass logged
         self.records: list[LayerRecord] = []
         owners: dict[int, str] = {}
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -243,14 +242,10 @@ class PerExampleClipper:
         if self.memory == "low":
             return None
         if self.budget is None:
-            if self.budget_mib is not None:
-                self.budget = int(self.budget_mib * policy.MIB)
-            else:
-                free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
-                self.budget = policy.default_budget_bytes(free)
-            log.info("dpl: clipping_memory auto: budget %s; each layer keeps its per-example gradients or book within "
-                     "it, and with all of them kept one backward pass (fast's time)",
-                     policy.describe_budget(self.budget, self.budget_mib is not None, device.type))
+            free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+            self.budget = (policy.default_budget_bytes(free) if self.budget_mib is None
+                           else int(self.budget_mib * policy.MIB))
+            log.info(policy.auto_notes(self.budget, self.budget_mib is not None, device.type))
         return self.budget
 
     def _clear(self) -> None:
@@ -389,14 +384,10 @@ class PerExampleClipper:
             for rec, prepared in stream.booked:
                 for local, t in prepared.weighted_sum(factors, keep).items():
                     sums[rec.full_names[local]] = t
-        low_records = stream.low_records()
-        low = [(rec.full_names[local], p) for rec in low_records for local, p in rec.params.items()]
-        if low_records and self.memory == "auto" and not self.second_pass_told:
+        low = [(rec.full_names[local], p) for rec in stream.low_records() for local, p in rec.params.items()]
+        if low and self.memory == "auto" and not self.second_pass_told:
             self.second_pass_told = True
-            log.info("dpl: clipping_memory auto: %d of %d layers do not fit its budget and take a second backward "
-                     "pass every step; privacy.clipping: per_layer clips every layer in the one pass at the "
-                     "non-private step's memory (docs/methods.md: which clipping when)", len(low_records),
-                     len(stream.layers))
+            log.info(policy.second_pass_note(len(stream.low_records()), len(stream.layers)))
         stream.finish()
         if low:
             weights = factors if grouping is None else factors[grouping.inverse.to(factors.device)]
