@@ -18,10 +18,10 @@ the evaluation in about 30 s per 200 records. So each fit takes 50 steps of B = 
 minutes), and a cell about 30 (SST-2: 500 records) to 40 minutes (Banking77: 770 records, 10 per label).
 
 What that size can show, and what it cannot: 50 steps see 3,200 of SST-2's 67,349 training rows (q = 0.001) and
-3,200 of Banking77's 10,003 (q = 0.006): a third of an epoch at most, so sigma stays small at every epsilon and the
+3,200 of Banking77's 9,003 (q = 0.007): a third of an epoch at most, so sigma stays small at every epsilon and the
 comparison across epsilon is of the same short fine-tuning under more or less noise, beside the non-private one (inf)
 and a classifier trained on as many real rows. It cannot show what Yue et al.'s long runs (many epochs, batches of
-thousands) reach, nor resolve TSTR differences below the seeds' spread (a few points on 872 SST-2 and 3,080
+thousands) reach, nor resolve TSTR differences below the seeds' spread (a few points on 872 SST-2 and 1,000
 Banking77 validation rows).
 
 Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/synthetic_<data>.json`` (other seeds:
