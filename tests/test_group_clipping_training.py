@@ -4,6 +4,7 @@ epsilon dp-accounting confirms, move each step from the release only, and keep s
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -80,6 +81,25 @@ def test_adaptive_thresholds_move_from_the_release_and_keep_c(monkeypatch):
     assert clip.state_dict() == {"thresholds": expected}
     scope = training.engine.summary()["scope"]
     assert "per_layer adaptive over" in scope["clipping"] and "0.1 of 1/sigma^2" in scope["clipping"]
+
+
+def test_adaptive_thresholds_on_lora_warn_where_an_a_matrix_is_apart_from_its_b(caplog):
+    """Each LoRA matrix its own group: one warning line counting the A matrices alone (the study's LoRA row ran behind
+    flat there); A and B of each adapted layer in one group, or fixed thresholds: no warning."""
+    model = _build("llama-lora", False, torch.float32)
+    adapted = sorted({n.split(".lora_A.")[0] for n, p in model.named_parameters() if ".lora_A." in n})
+    with caplog.at_level(logging.WARNING, logger="dpl"):
+        _training(model=model, clipping="per_layer", clipping_thresholds="adaptive")
+    told = [r.getMessage() for r in caplog.records if "LoRA A matrices" in r.getMessage()]
+    assert len(told) == 1 and told[0].startswith(f"dpl: privacy.clipping_thresholds adaptive with {len(adapted)} LoRA A")
+    assert policy.lora_a_alone([["x.lora_A.default.weight"], ["x.lora_B.default.weight"], ["head.weight"]]) == 1
+    caplog.clear()
+    paired = [f"{name}.*" for name in adapted] + ["*"]
+    with caplog.at_level(logging.WARNING, logger="dpl"):
+        _training(model=_build("llama-lora", False, torch.float32), clipping="per_layer",
+                  clipping_thresholds="adaptive", clipping_groups=paired)
+        _training(model=_build("llama-lora", False, torch.float32), clipping="per_layer")
+    assert not any("LoRA A matrices" in r.getMessage() for r in caplog.records)
 
 
 def test_adaptive_epsilon_composes_both_parts_as_dp_accounting_does():

@@ -174,6 +174,12 @@ def clipping_groups(names: list[str], patterns: list[str] | None = None) -> list
     return groups
 
 
+def lora_a_alone(groups: list[list[str]]) -> int:
+    """How many groups hold a LoRA A matrix without its B (peft's ``.lora_A.`` / ``.lora_B.`` names): adaptive
+    thresholds follow such an A's near-zero gradients down while B is near zero (docs/methods.md)."""
+    return sum(any(".lora_A." in n for n in g) and not any(".lora_B." in n for n in g) for g in groups)
+
+
 def group_thresholds(max_norm: float, sizes: list[int], split: list[float] | None = None) -> list[float]:
     """Each group's threshold C_g with sum_g C_g^2 = C^2: proportional to the square root of its parameters
     (``sizes``), or the stated ``split`` (``privacy.clipping_split``), refused in one line unless its squares add up
