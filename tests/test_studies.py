@@ -171,7 +171,8 @@ def test_synthetic_quick(quick_results):
         _accs([c["tstr_accuracy"], c["real_accuracy"], c["majority_accuracy"], c["exact_duplicates"],
                c["near_duplicates"]])
         assert c["mauve"] is None or 0.0 < c["mauve"] <= 1.0
-        assert 0 <= c["canaries_reproduced"] <= s["canaries"]
+        assert 0 <= c["canaries_reproduced"] <= c["canary_secrets_reproduced"] <= s["canaries"]
+        assert 0 <= c["canary_longest_match"] <= 8  # words of a canary
         if math.isinf(c["epsilon"]):
             assert c["sigma"] == 0 and math.isinf(c["epsilon_spent"])
         else:
@@ -208,6 +209,31 @@ def test_synthetic_cells_run_in_order_and_only_the_epsilons_asked():
         ("sst2", 1.0, 1)]
     assert synthetic.cells_to_run(cells, [0, 1], done, [math.inf, 1.0]) == [
         ("sst2", math.inf, 0), ("sst2", 1.0, 0), ("sst2", 1.0, 1)]
+
+
+def test_synthetic_canary_control_sees_each_canary_in_several_batches():
+    """``--control``: epsilon 8 and inf on 500 training rows (the rest of the data set's size), where each canary is
+    expected in about 6 of the 50 Poisson batches; the full study's SST-2 fit draws a canary into 0.05 of one."""
+    import synthetic
+
+    for data in synthetic.DATASETS:
+        s, full = synthetic.settings_for(data, control=True), synthetic.settings_for(data)
+        assert s["cells"] == [(data, 8.0), (data, math.inf)] and s["train_rows"] == synthetic.CONTROL_ROWS
+        assert {k: v for k, v in s.items() if k not in ("cells", "train_rows")} == \
+            {k: v for k, v in full.items() if k not in ("cells", "train_rows")}
+        q = s["batch_size"] / (s["train_rows"] + s["canaries"])
+        assert 5 < q * s["steps"] < 7
+    assert synthetic.settings_for("sst2", quick=True, control=True) is synthetic.QUICK
+    assert 0.04 < 64 / 67_359 * 50 < 0.05
+
+
+def test_synthetic_canary_column_shows_secrets_and_the_longest_run_where_recorded():
+    import synthetic
+
+    row = {"canaries_reproduced": 0.0}
+    assert synthetic.canary_cell(row, 10) == "0 of 10"
+    row.update(canary_secrets_reproduced=1.0, canary_longest_match=4.5)
+    assert synthetic.canary_cell(row, 10) == "0 of 10 (secrets 1, longest run 4.5 words)"
 
 
 def test_synthetic_study_refuses_a_tuning_seed(monkeypatch, capsys):

@@ -24,6 +24,11 @@ and a classifier trained on as many real rows. It cannot show what Yue et al.'s 
 thousands) reach, nor resolve TSTR differences below the seeds' spread (a few points on 872 SST-2 and 1,000
 Banking77 validation rows).
 
+The canary arm's positive control (``--control``): the same fit at epsilon 8 and inf on 500 training rows plus the
+10 canaries, where q = 64/510 puts each canary in about 6 of the 50 batches. It shows whether this fit and sampler
+reproduce a canary the fit has seen (so that the full study's "0 of 10" means something), and what epsilon 8 changes
+at that sampling rate; its TSTR figures are of a 500-row training set, not comparable with the full study's.
+
 Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/synthetic_<data>.json`` (other seeds:
 ``_seeds<first>``) after every cell; the cells run in the order epsilon 8, inf, 4, 1 (every seed of one before the
 next, so a partial run already compares epsilon 8 with the non-private copy); ``--resume`` keeps the cells of a file
@@ -32,6 +37,7 @@ with the same settings; ``--epsilons`` runs only some epsilons' cells (the headl
 
     python benchmarks/studies/synthetic.py --data sst2 --resume         # SST-2: 12 cells, about 6 CPU-hours
     python benchmarks/studies/synthetic.py --data banking77 --resume    # Banking77: 12 cells, about 8 CPU-hours
+    python benchmarks/studies/synthetic.py --data sst2 --control --resume   # the canary control: 6 cells
     python benchmarks/studies/synthetic.py --quick     # SST-2 at 8 and Banking77 at inf: 2 steps on 200 rows (the test)
     python benchmarks/studies/synthetic.py --table benchmarks/results/studies/synthetic_sst2.json
 """
@@ -63,6 +69,7 @@ SIZE = {"train_rows": None, "validation_rows": None, "steps": 50, "batch_size": 
         "canaries": 10}
 SETTINGS = {"sst2": {**SIZE, "cells": [("sst2", e) for e in EPSILONS], "rows": {"sst2": 500}},
             "banking77": {**SIZE, "cells": [("banking77", e) for e in EPSILONS], "rows": {"banking77": 770}}}
+CONTROL_ROWS = 500  # --control: so few training rows that each (canary) record is drawn about 6 times in 50 steps
 QUICK = {"cells": [("sst2", 8.0), ("banking77", math.inf)], "train_rows": 200, "validation_rows": 60,
          "steps": 2, "batch_size": 16, "rows": {"sst2": 20, "banking77": 20}, "max_new_tokens": 12, "canaries": 2}
 
@@ -150,6 +157,7 @@ def cell(name: str, epsilon: float, seed: int, s: dict[str, Any], folder: Path) 
             "validation_exact_duplicates": page["leakage"]["validation"]["exact_fraction"],
             "canaries_reproduced": page["canaries"]["reproduced"],
             "canary_secrets_reproduced": page["canaries"]["secrets_reproduced"],
+            "canary_longest_match": max((f["longest_match"] for f in page["canaries"]["each"]), default=0),
             "seconds": time.perf_counter() - start, "machine": machine()}
 
 
@@ -159,16 +167,26 @@ def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for c in cells:
         groups.setdefault((c["data"], c["epsilon"]), []).append(c)
     keys = ("tstr_accuracy", "real_accuracy", "mauve", "mauve_real", "exact_duplicates", "near_duplicates",
-            "canaries_reproduced")
+            "canaries_reproduced", "canary_secrets_reproduced", "canary_longest_match")
     out = []
     for (name, epsilon), group in sorted(groups.items(), key=lambda item: item[0][1]):  # by epsilon, inf last
         row: dict[str, Any] = {"data": name, "epsilon": epsilon, "seeds": len(group)}
         for key in keys:
-            values = [g[key] for g in group if g[key] is not None]
+            values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
             row[f"{key}_spread"] = statistics.pstdev(values) if len(values) > 1 else 0.0 if values else None
         out.append(row)
     return out
+
+
+def canary_cell(row: dict[str, Any], inserted: int) -> str:
+    """How many canaries came back whole; with the cells that recorded them, how many secrets (the 6-digit number)
+    and the longest run of a canary's words in one synthetic record (mean over the seeds; a canary has 8 words)."""
+    text = f"{row['canaries_reproduced']:g} of {inserted}"
+    if row.get("canary_longest_match") is not None:
+        text += (f" (secrets {row['canary_secrets_reproduced']:g}, longest run "
+                 f"{row['canary_longest_match']:.3g} words)")
+    return text
 
 
 def table(results: dict[str, Any]) -> str:
@@ -185,8 +203,20 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {row['data']} | {eps} | {row['seeds']} | {pm(row, 'tstr_accuracy')} | "
                      f"{pm(row, 'real_accuracy')} | {pm(row, 'mauve', 1.0, 3)} | {pm(row, 'mauve_real', 1.0, 3)} | "
                      f"{100 * row['exact_duplicates']:.1f} / {100 * row['near_duplicates']:.1f} | "
-                     f"{row['canaries_reproduced']:g} of {results['settings']['canaries']} |")
+                     f"{canary_cell(row, results['settings']['canaries'])} |")
     return "\n".join(lines)
+
+
+def settings_for(data: str, quick: bool = False, control: bool = False) -> dict[str, Any]:
+    """The study's size: the data set's 12 cells; ``quick``: the test's 2 tiny cells; ``control``: the canary arm's
+    positive control, epsilon 8 and inf on :data:`CONTROL_ROWS` training rows, where q = B / (rows + canaries) is
+    about 0.13 and each canary is expected in 6 of the 50 batches (in the full study: 0.05 of a batch for SST-2)."""
+    if quick:
+        return QUICK
+    s = SETTINGS[data]
+    if control:
+        return {**s, "train_rows": CONTROL_ROWS, "cells": [(data, 8.0), (data, math.inf)]}
+    return s
 
 
 def cells_to_run(cells: list[tuple[str, float]], seeds: list[int], done: list[dict[str, Any]],
@@ -205,6 +235,9 @@ def main() -> None:
                                                                "settings")
     parser.add_argument("--epsilons", type=float, nargs="+", choices=EPSILONS, metavar="EPS",
                         help="run only the cells of these epsilons (of 1 4 8 inf; the results file keeps the others)")
+    parser.add_argument("--control", action="store_true",
+                        help="the canary arm's positive control: epsilon 8 and inf on 500 training rows, where each "
+                             "canary is drawn into about 6 batches (results: synthetic_<data>_control)")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="print the table of a results file and exit")
     parser.set_defaults(tune_seed=None)
     args = parser.parse_args()
@@ -214,9 +247,10 @@ def main() -> None:
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return
-    s = QUICK if args.quick else SETTINGS[args.data]
+    s = settings_for(args.data, args.quick, args.control)
     seeds = [args.seeds[0]] if args.quick else args.seeds
-    name = "synthetic_quick" if args.quick else result_name(f"synthetic_{args.data}", args)
+    base = f"synthetic_{args.data}" + ("_control" if args.control else "")
+    name = "synthetic_quick" if args.quick else result_name(base, args)
     path = Path(args.out) / f"{name}.json"
     settings = {**s, "cells": [[d, str(e)] for d, e in s["cells"]], "seeds": seeds}
     done: list[dict[str, Any]] = []
