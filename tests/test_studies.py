@@ -835,16 +835,19 @@ def _calibration_tolerance():
     return inspect.signature(smallest_noise_multiplier).parameters["tol"].default
 
 
-def _check_arms_and_noise(cells, epsilon, share):
-    """The three arms at one epsilon: the same calibrated sigma and epsilon (within the calibration's tolerance); the
+def _check_arms_and_noise(cells, epsilon, share, row="sst2"):
+    """The row's arms at one epsilon: the same calibrated sigma and epsilon (within the calibration's tolerance); the
     gradient's noise multiplier of adaptive thresholds sigma / sqrt(1 - share), the others' sigma itself."""
     import clipping
 
-    assert [c["arm"] for c in cells] == [a["name"] for a in clipping.ARMS]
-    assert [c["clipping"] for c in cells] == [None, {"clipping": "per_layer"},
-                                              {"clipping": "per_layer", "clipping_thresholds": "adaptive",
-                                               "clipping_quantile": 0.5, "clipping_rate": 0.2,
-                                               "clipping_count_share": share}]
+    adaptive = {"clipping": "per_layer", "clipping_thresholds": "adaptive", "clipping_quantile": 0.5,
+                "clipping_rate": 0.2, "clipping_count_share": share}
+    arms = [None, {"clipping": "per_layer"}, adaptive]
+    if row == "e2e":  # and each adapter's A and B in one group: 30 layers x q/k/v/o
+        arms.append({**adaptive, "clipping_groups": [f"*.layers.{i}.self_attn.{m}_proj.*" for i in range(30)
+                                                     for m in "qkvo"]})
+    assert [c["arm"] for c in cells] == [a["name"] for a in clipping.ROW_ARMS[row]]
+    assert [c["clipping"] for c in cells] == arms
     tol = _calibration_tolerance()
     spent = [c["epsilon_spent"] for c in cells]
     assert all(epsilon * (1 - tol) <= e <= epsilon + 1e-9 for e in spent), spent
@@ -852,8 +855,8 @@ def _check_arms_and_noise(cells, epsilon, share):
     sigma = cells[0]["sigma"]
     assert sigma > 0 and all(c["sigma"] == pytest.approx(sigma, rel=tol) for c in cells)
     assert cells[0]["gradient_sigma"] == sigma and cells[1]["gradient_sigma"] == cells[1]["sigma"]  # x 1.0: exact
-    # a square root, a power, a division and a product apart: a few ulps
-    assert cells[2]["gradient_sigma"] == pytest.approx(cells[2]["sigma"] / math.sqrt(1 - share), rel=1e-15)
+    for c in cells[2:]:  # a square root, a power, a division and a product apart: a few ulps
+        assert c["gradient_sigma"] == pytest.approx(c["sigma"] / math.sqrt(1 - share), rel=1e-15)
 
 
 def test_clipping_sst2_quick(clipping_quick):
@@ -901,7 +904,7 @@ def test_clipping_e2e_quick(clipping_quick):
         mine = [c for c in cells if c["seed"] == seed]
         # sigma is calibrated for the planned steps; the runs stop at the scored step, having spent the same
         _check_arms_and_noise([{**c, "epsilon_spent": c["epsilon_planned"]} for c in mine], s["epsilon"],
-                              clipping.ARMS[2]["clipping"]["clipping_count_share"])
+                              clipping.ARMS[2]["clipping"]["clipping_count_share"], row="e2e")
         spent = [c["epsilon_spent"] for c in mine]
         assert 0 < min(spent) and max(spent) - min(spent) <= _calibration_tolerance() * max(spent)
         for c in mine:
@@ -909,6 +912,22 @@ def test_clipping_e2e_quick(clipping_quick):
             assert all(_finite(c["curve"][step][m]) for m in s["metrics"]) and not c["diverged"]
     printed = clipping.tables(res)
     assert "| per-layer adaptive | 1 | 2 |" in printed and "× flat" in printed
+    assert "| per-layer adaptive (A+B) | 1 | 2 |" in printed
+    # the released thresholds: one per group, 240 LoRA matrices apart, 120 adapters with A and B together
+    released = {c["arm"]: c for c in cells}
+    assert [len(released[a]["thresholds"]) for a in ("per-layer adaptive", "per-layer adaptive (A+B)")] == [240, 120]
+
+
+def test_clipping_resume_keeps_the_runs_of_a_file_written_before_an_arm_was_added(clipping_quick, tmp_path):
+    """A results file of the e2e row's three first arms resumes under the four (only the new arm's runs left to
+    train); one with another setting or another arm's settings changed does not."""
+    import clipping
+
+    new = clipping_quick["e2e"]["settings"]
+    old = {**new, "arms": {k: v for k, v in new["arms"].items() if k != "per-layer adaptive (A+B)"}}
+    assert clipping.arms_added(old, new) and not clipping.arms_added(new, old)
+    assert not clipping.arms_added({**old, "seeds": [5]}, new)
+    assert not clipping.arms_added({**old, "arms": {**old["arms"], "per-layer fixed": {"clipping": "flat"}}}, new)
 
 
 def test_clipping_resume_runs_only_what_is_missing(clipping_quick, tmp_path):

@@ -39,7 +39,11 @@ the denoise study's CPU runs: one micro-batch of 64 needs more than 16 GB), Adam
 not tuned), epsilon 5.4 planned at 400 steps and stopped at step 50, scored there by greedy generation (BLEU, ROUGE-L,
 METEOR, NIST, CIDEr); seeds 0, 1, 2. About 4,500-6,300 s a run on one thread (the denoise study's step-50 runs):
 9 runs, about 11-16 CPU-hours, so run in two parts: ``--arms flat "per-layer adaptive"`` (6 runs, the comparison the
-default depends on), then the rest (per-layer fixed) with ``--resume``.
+default depends on), then the rest (per-layer fixed) with ``--resume``. A fourth arm, ``per-layer adaptive (A+B)``,
+tests a reading of the first three: adaptive thresholds with each adapter's A and B in one group
+(``privacy.clipping_groups``, one pattern per adapted module: 120 groups where the default has 240), so that no
+threshold follows an A matrix's near-zero gradients alone; a results file of the first three arms resumes under it
+(``arms_added``), running only its 3 runs.
 
 Results: ``<out>/clipping_<row>.json`` (other seeds: ``_seeds<first>`` / ``_tune<seed>`` in the name; ``--quick``:
 ``_quick``), written after every run with every tuning score and per-seed value, the seeds and the tuning seed in its
@@ -52,6 +56,8 @@ keeping what the others saved), and with ``--checkpoint-dir`` from a run's state
     python benchmarks/studies/clipping.py --row e2e --arms flat "per-layer adaptive" --resume \
         --checkpoint-dir ~/.cache/dpl-studies                          # row e2e (step 50): its first part
     python benchmarks/studies/clipping.py --row e2e --resume --checkpoint-dir ~/.cache/dpl-studies   # then the rest
+    python benchmarks/studies/clipping.py --row e2e --arms "per-layer adaptive (A+B)" --resume \
+        --checkpoint-dir ~/.cache/dpl-studies                          # row e2e: adapters' A and B grouped
     python benchmarks/studies/clipping.py --time-steps 3               # only time 3 steps of each arm
     python benchmarks/studies/clipping.py --quick                      # a few steps on tiny data (the test)
     python benchmarks/studies/clipping.py --table benchmarks/results/studies/clipping_sst2.json
@@ -86,6 +92,21 @@ ARMS = [
     {"name": "per-layer fixed", "plugins": None, "clipping": config_privacy("per-layer.yaml")},
     {"name": "per-layer adaptive", "plugins": None, "clipping": config_privacy("per-layer-adaptive.yaml")},
 ]
+SMOLLM2_LAYERS = 30  # SmolLM2-135M's decoder layers (a pattern matching no trainable parameter is refused)
+
+
+def adapter_groups(layers: int, modules: list[str]) -> list[str]:
+    """``privacy.clipping_groups`` with one group per adapted module: its LoRA A and B together (the default groups
+    each apart), so that an adaptive threshold follows the adapter's norm, not A's alone (near zero while B is)."""
+    return [f"*.layers.{i}.self_attn.{m}.*" for i in range(layers) for m in modules]
+
+
+#: each row's arms (the e2e row adds per-layer adaptive with each adapter's A and B in one group)
+ROW_ARMS = {"sst2": ARMS, "e2e": [*ARMS, {
+    "name": "per-layer adaptive (A+B)", "plugins": None,
+    "clipping": {**config_privacy("per-layer-adaptive.yaml"),
+                 "clipping_groups": adapter_groups(SMOLLM2_LAYERS, finetune.DEFAULTS["denoise"]["lora"]
+                                                   ["target_modules"])}}]}
 
 #: full and --quick settings of each row (command-line options override them)
 DEFAULTS = {
@@ -111,6 +132,13 @@ SCOPE = {
 }
 
 
+def arms_added(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a results file's settings ``old`` resume as ``new``: the same but for arms added since (the runs of
+    the arms it has keep their settings)."""
+    rest = [{k: v for k, v in x.items() if k != "arms"} for x in (old, new)]
+    return rest[0] == rest[1] and all(new["arms"].get(name, ...) == value for name, value in old["arms"].items())
+
+
 def settings_of(args: Any) -> dict[str, Any]:
     """The row's settings: its defaults (``--quick``: the tiny ones), the command line's overrides, the seeds and the
     tuning seed."""
@@ -121,7 +149,7 @@ def settings_of(args: Any) -> dict[str, Any]:
     if args.seeds is not None:
         s["seeds"] = list(args.seeds)
     s.update(row=args.row, quick=args.quick, tune_seed=args.tune_seed, autocast=False,
-             arms={a["name"]: a["clipping"] for a in ARMS})
+             arms={a["name"]: a["clipping"] for a in ROW_ARMS[args.row]})
     if args.row == "e2e":
         s["meteor_backend"] = "python"
     return s
@@ -178,7 +206,7 @@ def versus_flat(d: dict[str, Any] | None, scale: float = 100.0, digits: int = 1)
 def sst2_table(results: dict[str, Any]) -> str:
     """Per epsilon and arm: sigma, the tuned lr, validation accuracy (mean +- sd, each seed, the paired difference to
     flat) and loss, and the wall time of a report run; then each arm's wall time over every epsilon."""
-    s, order = results["settings"], [a["name"] for a in ARMS]
+    s, order = results["settings"], list(results["settings"]["arms"])
     cells = sorted(results["cells"], key=lambda c: (c["epsilon"], order.index(c["arm"])))
     lines = [f"| ε | arm | mechanism | σ (gradient's) | lr (tuned) | val acc % (mean ± sd, {len(s['seeds'])} seeds) | "
              "val loss | acc % by seed | Δ acc vs flat (paired: mean ± sd, wins) | s per run |",
@@ -190,7 +218,7 @@ def sst2_table(results: dict[str, Any]) -> str:
                      f"({c['gradient_sigma']:.3f}) | {c['lr']:.3g}{edge} | "
                      f"{fmt(c['acc']) if c['acc'] else 'diverged'} | {fmt(c['loss'], 1.0, 3) if c['loss'] else '-'} | "
                      f"{seeds} | {versus_flat(paired(cells, c, 'acc'))} | {c['seconds_per_run']:.0f} |")
-    lines += finetune.partial_rows(results, ARMS)
+    lines += finetune.partial_rows(results, [{"name": name} for name in order])
     return "\n".join(lines) + "\n\n" + time_table(results, [r for r in results.get("runs", [])
                                                              if r["purpose"] == "report"])
 
@@ -204,9 +232,9 @@ def time_table(results: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     where = [r.get("machine", "not recorded") for r in runs]
     for place in dict.fromkeys(where):
         on = [r for r, w in zip(runs, where) if w == place]
-        wall = {a["name"]: spread([r["seconds"] for r in on if r["arm"] == a["name"]]) for a in ARMS}
+        wall = {a: spread([r["seconds"] for r in on if r["arm"] == a]) for a in results["settings"]["arms"]}
         timed = [r for r in on if r.get("cpu_seconds") is not None]
-        cpu = {a["name"]: spread([r["cpu_seconds"] for r in timed if r["arm"] == a["name"]]) for a in ARMS}
+        cpu = {a: spread([r["cpu_seconds"] for r in timed if r["arm"] == a]) for a in results["settings"]["arms"]}
         flat = cpu[ARMS[0]["name"]]
         for name, t in wall.items():
             if t["n"]:
@@ -223,7 +251,7 @@ E2E_NAMES = {"bleu": "BLEU", "rouge_l": "ROUGE-L", "meteor": "METEOR", "nist": "
 def e2e_table(results: dict[str, Any]) -> str:
     """Run by run, then per arm and scored step: each metric (mean +- sd over the seeds) and BLEU's paired difference
     to flat; then each arm's wall time per run."""
-    s, order = results["settings"], [a["name"] for a in ARMS]
+    s, order = results["settings"], list(results["settings"]["arms"])
     metrics = s["metrics"]
     scale = {m: (1.0, 2) if m in ("nist", "cider") else (100.0, 1) for m in metrics}
     cells = sorted((c for c in results["cells"] if not c["diverged"]), key=lambda c: (c["seed"], order.index(c["arm"])))
@@ -313,8 +341,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return results
     torch.set_num_threads(args.threads)
     args.device = "cpu"
-    choose(args.arms, [a["name"] for a in ARMS])
-    arms = [a for a in ARMS if not args.arms or a["name"] in args.arms]
+    choose(args.arms, [a["name"] for a in ROW_ARMS[args.row]])
+    arms = [a for a in ROW_ARMS[args.row] if not args.arms or a["name"] in args.arms]
     s = settings_of(args)
     # what a resumed file must share: all but the epsilons (sst2's cells are epsilons, so a part run with other
     # epsilons adds to the same file)
@@ -331,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         measured = {"settings": settings, "data": setup.data, "threads": args.threads, **timing(args, s, setup, arms)}
         save(f"{name}_timing", measured, args.out)
         return measured
-    old = finetune.resumed(args.out / f"{name}.json", settings) if args.resume else {"cells": [], "runs": []}
+    old = (finetune.resumed(args.out / f"{name}.json", settings, same=arms_added) if args.resume
+           else {"cells": [], "runs": []})
     results = {"settings": settings, "size": plan, "data": setup.data, "threads": args.threads, "cells": old["cells"],
                "runs": old["runs"]}
     start = time.perf_counter()
@@ -340,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     else:
         finetune.run_tuned(args, s, results, name, setup, arms)
     results["seconds"] = time.perf_counter() - start
-    results = finetune.results_on_disk(args, name, results)
+    results = finetune.results_on_disk(args, name, results, same=arms_added)
     save(name, results, args.out)
     print(tables(results))
     return results

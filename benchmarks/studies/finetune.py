@@ -563,12 +563,15 @@ def denoise_plot(results: dict[str, Any]) -> None:
 # Command line
 
 
-def resumed(path: Path, settings: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """The cells (and ftrl's runs) of ``path`` if it holds results of the same settings (else none)."""
+def resumed(path: Path, settings: dict[str, Any],
+            same: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The cells (and ftrl's runs) of ``path`` if it holds results of the same settings (``same(old, new)``:
+    whether other settings resume too), else none."""
     if not path.is_file():
         return {"cells": [], "runs": []}
     old = json.loads(path.read_text())
-    if old.get("settings") != json.loads(json.dumps(settings)):
+    new = json.loads(json.dumps(settings))
+    if old.get("settings") != new and not (same and "settings" in old and same(old["settings"], new)):
         print(f"{path}: other settings, not resumed", flush=True)
         return {"cells": [], "runs": []}
     return {"cells": old["cells"], "runs": old.get("runs", [])}
@@ -579,11 +582,12 @@ def cell_key(cell: dict[str, Any]) -> tuple[str, float]:
     return cell["arm"], cell["seed"] if "seed" in cell else cell["epsilon"]
 
 
-def results_on_disk(args: Any, name: str, results: dict[str, Any]) -> dict[str, Any]:
+def results_on_disk(args: Any, name: str, results: dict[str, Any],
+                    same: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """``results`` with, under ``--resume``, the cells (and runs) another part run of the same study has saved to
     the file since this one started (so part runs in parallel processes share one file)."""
     if args.resume:
-        old = resumed(args.out / f"{name}.json", results["settings"])
+        old = resumed(args.out / f"{name}.json", results["settings"], same)
         for part, key in (("cells", cell_key), ("runs", run_key)):
             if part in results:
                 mine = {key(c) for c in results[part]}
