@@ -230,10 +230,19 @@ def test_synthetic_canary_control_sees_each_canary_in_several_batches():
 def test_synthetic_canary_column_shows_secrets_and_the_longest_run_where_recorded():
     import synthetic
 
+    from dpl.synthetic.leakage import SHINGLE
+
+    assert synthetic.SHINGLE == SHINGLE
     row = {"canaries_reproduced": 0.0}
     assert synthetic.canary_cell(row, 10) == "0 of 10"
-    row.update(canary_secrets_reproduced=1.0, canary_longest_match=4.5)
-    assert synthetic.canary_cell(row, 10) == "0 of 10 (secrets 1, longest run 4.5 words)"
+    row.update(canary_secrets_reproduced=1.0, canary_longest_match_max=5)
+    assert synthetic.canary_cell(row, 10) == "0 of 10 (secrets 1, longest run 5 words)"
+    row.update(canary_longest_match_max=0)  # no 4-gram of a canary in any record
+    assert synthetic.canary_cell(row, 10) == "0 of 10 (secrets 1, longest run < 4 words)"
+    cells = [{"data": "sst2", "epsilon": 8.0, "canary_longest_match": n, "tstr_accuracy": 0.5, "real_accuracy": 0.5,
+              "mauve": None, "mauve_real": None, "exact_duplicates": 0.0, "near_duplicates": 0.0,
+              "canaries_reproduced": 0, "canary_secrets_reproduced": 0} for n in (0, 6)]
+    assert synthetic.summary(cells)[0]["canary_longest_match_max"] == 6
 
 
 def test_synthetic_study_refuses_a_tuning_seed(monkeypatch, capsys):
@@ -469,7 +478,7 @@ def test_the_docs_generated_tables_are_what_their_commands_print():
     commands = " ".join(b.command for b in found)
     committed = {p.name for p in (ROOT / "benchmarks" / "results" / "studies").glob("*.json")}
     for results in ("clipping_sst2.json", "clipping_e2e.json", "dpzero_finetune.json", "synthetic_sst2.json",
-                    "synthetic_banking77.json"):
+                    "synthetic_banking77.json", "synthetic_sst2_control.json"):
         assert results not in committed or f"benchmarks/results/studies/{results}" in commands, results
     assert "benchmarks/noise_regimes.py --table" in commands
 

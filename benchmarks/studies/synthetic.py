@@ -61,6 +61,7 @@ from typing import Any
 from common import DATA, PUBLISHED_TUNE_SEED, RESULTS, machine, read_tsv, result_name, save, study_parser
 
 ROOT = Path(__file__).resolve().parents[2]
+SHINGLE = 4  # dpl.synthetic.leakage.SHINGLE: shorter shared runs are not found (reported as 0)
 DATASETS = {"sst2": {"config": "configs/synthetic/sst2.yaml", "text": "sentence", "validation": "validation.tsv"},
             "banking77": {"config": "configs/synthetic/banking77.yaml", "text": "text", "validation": "dev.tsv"}}
 EPSILONS = [1.0, 4.0, 8.0, math.inf]
@@ -175,17 +176,21 @@ def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
             row[f"{key}_spread"] = statistics.pstdev(values) if len(values) > 1 else 0.0 if values else None
+        longest = [g["canary_longest_match"] for g in group if g.get("canary_longest_match") is not None]
+        row["canary_longest_match_max"] = max(longest) if longest else None
         out.append(row)
     return out
 
 
 def canary_cell(row: dict[str, Any], inserted: int) -> str:
-    """How many canaries came back whole; with the cells that recorded them, how many secrets (the 6-digit number)
-    and the longest run of a canary's words in one synthetic record (mean over the seeds; a canary has 8 words)."""
+    """How many canaries came back whole (mean over the seeds); with the cells that recorded them, how many secrets
+    (the 6-digit number) and the longest run of a canary's words in one synthetic record over the seeds (of its 8;
+    below the leakage index's 4-grams: "< 4")."""
     text = f"{row['canaries_reproduced']:g} of {inserted}"
-    if row.get("canary_longest_match") is not None:
-        text += (f" (secrets {row['canary_secrets_reproduced']:g}, longest run "
-                 f"{row['canary_longest_match']:.3g} words)")
+    longest = row.get("canary_longest_match_max")
+    if longest is not None:
+        run = f"< {SHINGLE}" if longest < SHINGLE else f"{longest:g}"
+        text += f" (secrets {row['canary_secrets_reproduced']:g}, longest run {run} words)"
     return text
 
 
