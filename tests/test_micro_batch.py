@@ -161,8 +161,8 @@ def test_the_probe_measures_what_a_step_holds_resident():
     buffers, the heap's freed blocks): a real step of the chosen size holds what its probe measured. Tolerance: a
     step measured from a trimmed heap varies with the heap's layout: 0.89-1.30 of its probe's figure (beyond the
     reserve) in 12 measurements, 6 fresh processes, on an Intel Xeon (the same step twice: 14% apart where this was
-    first measured). 50% stated, plus the reserve (the clipped sum, the noise and the optimizer, which the probe does not
-    run)."""
+    first measured). 50% stated, plus the reserve (the clipped sum, the noise and the optimizer, which the probe
+    does not run)."""
     if resident_bytes() is None or not reset_resident_peak():
         pytest.skip("no resident memory to read (/proc/self) on this platform")
     from transformers import LlamaConfig, LlamaForCausalLM
