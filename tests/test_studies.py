@@ -213,7 +213,7 @@ def test_synthetic_cells_run_in_order_and_only_the_epsilons_asked():
 
 def test_synthetic_canary_control_sees_each_canary_in_several_batches():
     """``--control``: epsilon 8 and inf on 500 training rows (the rest of the data set's size), where each canary is
-    expected in about 6 of the 50 Poisson batches; the full study's SST-2 fit draws a canary into 0.05 of one."""
+    expected in about 6 of the 50 Poisson batches."""
     import synthetic
 
     for data in synthetic.DATASETS:
@@ -224,15 +224,11 @@ def test_synthetic_canary_control_sees_each_canary_in_several_batches():
         q = s["batch_size"] / (s["train_rows"] + s["canaries"])
         assert 5 < q * s["steps"] < 7
     assert synthetic.settings_for("sst2", quick=True, control=True) is synthetic.QUICK
-    assert 0.04 < 64 / 67_359 * 50 < 0.05
 
 
 def test_synthetic_canary_column_shows_secrets_and_the_longest_run_where_recorded():
     import synthetic
 
-    from dpl.synthetic.leakage import SHINGLE
-
-    assert synthetic.SHINGLE == SHINGLE
     row = {"canaries_reproduced": 0.0}
     assert synthetic.canary_cell(row, 10) == "0 of 10"
     row.update(canary_secrets_reproduced=1.0, canary_longest_match_max=5)
@@ -928,8 +924,8 @@ def test_clipping_e2e_quick(clipping_quick):
 
 
 def test_clipping_resume_keeps_the_runs_of_a_file_written_before_an_arm_was_added(clipping_quick, tmp_path):
-    """A results file of the e2e row's three first arms resumes under the four (only the new arm's runs left to
-    train); one with another setting or another arm's settings changed does not."""
+    """A results file's settings with the e2e row's three first arms resume under the four (``arms_added``: the
+    runs it has keep theirs); with another setting, or another arm's settings changed, they do not."""
     import clipping
 
     new = clipping_quick["e2e"]["settings"]

@@ -61,7 +61,6 @@ from typing import Any
 from common import DATA, PUBLISHED_TUNE_SEED, RESULTS, machine, read_tsv, result_name, save, study_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-SHINGLE = 4  # dpl.synthetic.leakage.SHINGLE: shorter shared runs are not found (reported as 0)
 DATASETS = {"sst2": {"config": "configs/synthetic/sst2.yaml", "text": "sentence", "validation": "validation.tsv"},
             "banking77": {"config": "configs/synthetic/banking77.yaml", "text": "text", "validation": "dev.tsv"}}
 EPSILONS = [1.0, 4.0, 8.0, math.inf]
@@ -186,6 +185,8 @@ def canary_cell(row: dict[str, Any], inserted: int) -> str:
     """How many canaries came back whole (mean over the seeds); with the cells that recorded them, how many secrets
     (the 6-digit number) and the longest run of a canary's words in one synthetic record over the seeds (of its 8;
     below the leakage index's 4-grams: "< 4")."""
+    from dpl.synthetic.leakage import SHINGLE
+
     text = f"{row['canaries_reproduced']:g} of {inserted}"
     longest = row.get("canary_longest_match_max")
     if longest is not None:
