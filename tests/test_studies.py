@@ -211,6 +211,24 @@ def test_synthetic_cells_run_in_order_and_only_the_epsilons_asked():
         ("sst2", math.inf, 0), ("sst2", 1.0, 0), ("sst2", 1.0, 1)]
 
 
+def test_synthetic_study_processes_add_their_cells_to_one_file(tmp_path):
+    """Two processes of one study (``--epsilons`` apart) each keep their own cells and add the other's from the
+    file; a file written with other settings contributes nothing."""
+    import synthetic
+
+    path, settings = tmp_path / "synthetic_sst2.json", {"steps": 50}
+    theirs = [{"data": "sst2", "epsilon": math.inf, "seed": 0, "tstr_accuracy": 0.7}]
+    assert synthetic.cells_on_disk(path, settings) == []
+    path.write_text(json.dumps({"settings": settings, "cells": theirs}))
+    mine = [{"data": "sst2", "epsilon": 1.0, "seed": 0, "tstr_accuracy": 0.5},
+            {"data": "sst2", "epsilon": math.inf, "seed": 0, "tstr_accuracy": 0.6}]
+    assert synthetic.merge_cells(mine[:1], synthetic.cells_on_disk(path, settings)) == mine[:1] + theirs
+    assert synthetic.merge_cells(mine, synthetic.cells_on_disk(path, settings)) == mine  # its own cell stays
+    assert synthetic.cells_on_disk(path, {"steps": 2}) == []
+    with synthetic.locked(path):
+        assert path.with_suffix(".lock").is_file()
+
+
 def test_synthetic_canary_control_sees_each_canary_in_several_batches():
     """``--control``: epsilon 8 and inf on 500 training rows (the rest of the data set's size), where each canary is
     expected in about 6 of the 50 Poisson batches."""

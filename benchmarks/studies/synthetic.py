@@ -33,7 +33,9 @@ Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/sy
 ``_seeds<first>``) after every cell; the cells run in the order epsilon 8, inf, 4, 1 (every seed of one before the
 next, so a partial run already compares epsilon 8 with the non-private copy); ``--resume`` keeps the cells of a file
 with the same settings; ``--epsilons`` runs only some epsilons' cells (the headline cells of both data sets first:
-``--epsilons 8 inf``); ``--table`` prints the docs' table of a results file without training.
+``--epsilons 8 inf``), and two processes of one study with ``--resume`` and different ``--epsilons`` share its
+file (each adds its cells under a lock, ``<file>.lock``); ``--table`` prints the docs' table of a results file
+without training.
 
     python benchmarks/studies/synthetic.py --data sst2 --resume         # SST-2: 12 cells, about 6 CPU-hours
     python benchmarks/studies/synthetic.py --data banking77 --resume    # Banking77: 12 cells, about 8 CPU-hours
@@ -234,6 +236,32 @@ def cells_to_run(cells: list[tuple[str, float]], seeds: list[int], done: list[di
             and not any(c["data"] == d and c["epsilon"] == e and c["seed"] == seed for c in done)]
 
 
+def merge_cells(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``mine`` and the cells of ``theirs`` that ``mine`` lacks (a cell is its data, epsilon and seed)."""
+    key = lambda c: (c["data"], c["epsilon"], c["seed"])  # noqa: E731
+    have = {key(c) for c in mine}
+    return mine + [c for c in theirs if key(c) not in have]
+
+
+def cells_on_disk(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cells of the results file ``path`` when it was written with ``settings`` (else none)."""
+    if not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    return old["cells"] if old.get("settings") == settings else []
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Any:
+    """Hold an exclusive lock on ``<path>.lock`` (POSIX) while reading and rewriting ``path``."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def main() -> None:
     parser = study_parser(__doc__)
     parser.add_argument("--data", choices=tuple(DATASETS), default="sst2", help="the data set of the study")
@@ -259,16 +287,14 @@ def main() -> None:
     name = "synthetic_quick" if args.quick else result_name(base, args)
     path = Path(args.out) / f"{name}.json"
     settings = {**s, "cells": [[d, str(e)] for d, e in s["cells"]], "seeds": seeds}
-    done: list[dict[str, Any]] = []
-    if args.resume and path.is_file():
-        old = json.loads(path.read_text())
-        if old.get("settings") == settings:
-            done = old["cells"]
+    done = cells_on_disk(path, settings) if args.resume else []
     todo = cells_to_run(s["cells"], seeds, done, args.epsilons)
     print(f"[synthetic] {name}: {len(todo)} of {len(s['cells']) * len(seeds)} cells to run "
           f"({s['steps']} steps of B = {s['batch_size']}, then "
           f"{' / '.join(str(n) for n in s['rows'].values())} records each)", file=sys.stderr, flush=True)
     for data, epsilon, seed in todo:
+        if args.resume and cells_to_run([(data, epsilon)], [seed], cells_on_disk(path, settings)) == []:
+            continue  # another process of the same study ran it meanwhile
         folder = Path(tempfile.mkdtemp(prefix=f"synthetic-{data}-"))
         try:
             result = cell(data, epsilon, seed, s, folder)
@@ -278,7 +304,9 @@ def main() -> None:
         print(f"[synthetic] {data} eps={epsilon} seed={seed}: TSTR {result['tstr_accuracy']:.3f} "
               f"(real {result['real_accuracy']:.3f}), MAUVE {result['mauve']}, {result['seconds']:.0f} s",
               file=sys.stderr, flush=True)
-        save(name, {"settings": settings, "cells": done, "summary": summary(done)}, args.out)
+        with locked(path):  # two processes of one study (``--epsilons`` apart) each add their cells to one file
+            done = merge_cells(done, cells_on_disk(path, settings) if args.resume else [])
+            save(name, {"settings": settings, "cells": done, "summary": summary(done)}, args.out)
 
 
 if __name__ == "__main__":
