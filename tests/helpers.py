@@ -131,9 +131,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def save_tiny_llama_lm(folder, tie: bool = True, chat_template: str | None = None) -> str:
-    """A tiny Llama causal LM and a word-level tokenizer (pad 0, bos 1, eos 2; with ``chat_template``, if given)
-    saved to ``folder``."""
+def save_tiny_llama_lm(folder, tie: bool = True, chat_template: str | None = None, digits: bool = False) -> str:
+    """A tiny Llama causal LM and a word-level tokenizer (pad 0, bos 1, eos 2; with ``chat_template``, if given;
+    ``digits``: a token per digit, numbers split into them) saved to ``folder``."""
     from pathlib import Path
 
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
@@ -141,11 +141,13 @@ def save_tiny_llama_lm(folder, tie: bool = True, chat_template: str | None = Non
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + sorted(set(LM_WORDS)))}
+    words = sorted(set(LM_WORDS) | (set("0123456789") if digits else set()))
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.normalizer = normalizers.Lowercase()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                     pre_tokenizers.Punctuation()])
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
+                                                    + ([pre_tokenizers.Digits(individual_digits=True)] if digits
+                                                       else []))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>")
     tokenizer.chat_template = chat_template

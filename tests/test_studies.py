@@ -173,6 +173,9 @@ def test_synthetic_quick(quick_results):
         assert c["mauve"] is None or 0.0 < c["mauve"] <= 1.0
         assert 0 <= c["canaries_reproduced"] <= c["canary_secrets_reproduced"] <= s["canaries"]
         assert 0 <= c["canary_longest_match"] <= 8  # words of a canary
+        assert len(c["canary_ranks"]) == s["canaries"] and all(1 <= r <= s["exposure_candidates"] + 1
+                                                               for r in c["canary_ranks"])
+        assert 0 <= c["canary_exposure"] <= c["canary_exposure_max"] <= math.log2(s["exposure_candidates"] + 1)
         if math.isinf(c["epsilon"]):
             assert c["sigma"] == 0 and math.isinf(c["epsilon_spent"])
         else:
@@ -230,15 +233,19 @@ def test_synthetic_study_processes_add_their_cells_to_one_file(tmp_path):
 
 
 def test_synthetic_canary_control_sees_each_canary_in_several_batches():
-    """``--control``: epsilon 8 and inf on 500 training rows (the rest of the data set's size), where each canary is
-    expected in about 6 of the 50 Poisson batches."""
+    """``--control``: epsilon inf and 8 on 500 training rows (the rest of the full study's settings), where each
+    canary is expected in about 6 of the 50 Poisson batches, both epsilons of a seed first, with the canaries'
+    exposure; the full study measures no exposure (its settings, and so its results files, stay as they were)."""
     import synthetic
 
     for data in synthetic.DATASETS:
         s, full = synthetic.settings_for(data, control=True), synthetic.settings_for(data)
-        assert s["cells"] == [(data, 8.0), (data, math.inf)] and s["train_rows"] == synthetic.CONTROL_ROWS
-        assert {k: v for k, v in s.items() if k not in ("cells", "train_rows")} == \
-            {k: v for k, v in full.items() if k not in ("cells", "train_rows")}
+        assert s["cells"] == [(data, math.inf), (data, 8.0)] and s["train_rows"] == synthetic.CONTROL_ROWS
+        changed = ("cells", "train_rows", "exposure_candidates", "order")
+        assert {k: v for k, v in s.items() if k not in changed} == {k: v for k, v in full.items() if k not in changed}
+        assert s["exposure_candidates"] == 99 and "exposure_candidates" not in full
+        assert synthetic.cells_to_run(s["cells"], [0, 1], [], by_seed=True) == [
+            (data, math.inf, 0), (data, 8.0, 0), (data, math.inf, 1), (data, 8.0, 1)]
         q = s["batch_size"] / (s["train_rows"] + s["canaries"])
         assert 5 < q * s["steps"] < 7
     assert synthetic.settings_for("sst2", quick=True, control=True) is synthetic.QUICK
@@ -257,6 +264,14 @@ def test_synthetic_canary_column_shows_secrets_and_the_longest_run_where_recorde
               "mauve": None, "mauve_real": None, "exact_duplicates": 0.0, "near_duplicates": 0.0,
               "canaries_reproduced": 0, "canary_secrets_reproduced": 0} for n in (0, 6)]
     assert synthetic.summary(cells)[0]["canary_longest_match_max"] == 6
+    assert synthetic.summary(cells)[0]["canary_exposure"] is None  # not measured: no exposure in the cell
+    row.update(canary_exposure=1.5, canary_exposure_max=6.643856)
+    assert synthetic.canary_cell(row, 10) == "0 of 10 (secrets 1, longest run < 4 words)"  # no candidates given
+    assert synthetic.canary_cell(row, 10, 99).endswith("; exposure 1.50 bits, most 6.64 of 6.64")
+    for cell, (mean, most) in zip(cells, ((1.0, 2.0), (3.0, 6.0))):
+        cell.update(synthetic.exposure_figures({"mean": mean, "max": most, "each": [{"rank": 1}]}))
+    assert (synthetic.summary(cells)[0]["canary_exposure"], synthetic.summary(cells)[0]["canary_exposure_max"]) == \
+        (2.0, 6.0)
 
 
 def test_synthetic_study_refuses_a_tuning_seed(monkeypatch, capsys):

@@ -300,6 +300,53 @@ def test_an_export_synthesizes_too(world):
     assert [r.split("\t")[1] for r in (out / "train.tsv").read_text().splitlines()[1:]] == ["positive"] * 4
 
 
+def test_exposure_ranks_a_memorized_canary_first_and_the_page_says_so(world, tmp_path):
+    """A canary repeated 10 times in the training data of a non-private full fine-tuning that memorizes it (rank 1
+    also with 5 copies or 25 steps on this tiny model): its secret ranks first among 99 random ones (the most
+    exposure); a canary the fit never saw ranks like any number; evaluate-synthetic --run reports the exposure and
+    refuses, in one line, a canary that is not a training record, or --run without --canaries and --train."""
+    from dpl.synthetic.exposure import alternatives, canary_exposure, rank_and_exposure
+
+    assert rank_and_exposure(1.0, [2.0, 3.0, 4.0]) == (1, 2.0) and rank_and_exposure(2.0, [2.0, 1.0, 3.0])[0] == 3
+    others = alternatives("004213", 99, seed=1)
+    assert len(set(others)) == 99 and "004213" not in others and all(len(o) == 6 and o.isdigit() for o in others)
+    model = save_tiny_llama_lm(tmp_path / "llama", digits=True)
+    seen, unseen = leakage.canary_texts(2, seed=5)
+    _table(tmp_path / "data" / "train.tsv", 15, 15, 0)
+    with open(tmp_path / "data" / "train.tsv", "a") as f:
+        f.write(f"{seen}\tpositive\n" * 10)
+    (tmp_path / "canaries.txt").write_text(seen + "\n")
+    world = {**world, "model": model, "tmp": tmp_path}
+    run = _fit(world, "configs/synthetic/sst2.yaml", "--data.init_args.data_dir", str(tmp_path / "data"),
+               "--model.init_args.privacy.noise_multiplier", "0", "--model.init_args.privacy.batch_size", "16",
+               "--model.init_args.privacy.physical_batch_size", "16", "--trainer.max_steps", "40",
+               "--model.init_args.finetuning.method", "full", "--model.init_args.optimizer.init_args.lr", "0.01")
+    found = canary_exposure(str(run), [{"sentence": seen, "label": "positive"},
+                                       {"sentence": unseen, "label": "positive"}], "sentence", 99, seed=0)
+    assert [e["rank"] for e in found["each"]][0] == 1 and found["max"] == found["most"] == math.log2(100)
+    assert found["each"][1]["rank"] > 1  # the never-seen canary: a uniform rank in 1..100 (this seed: not the first)
+    out = tmp_path / "synthetic"
+    assert _run(["synthesize", str(run), "--rows", "4", "--out", str(out), "--max_new_tokens", "3",
+                 "--non_private_ok"])[0] == 0
+    code, _, err = _run(["evaluate-synthetic", str(out), str(world["tmp"] / "data" / "train.tsv"), "--train",
+                         str(tmp_path / "data" / "train.tsv"), "--canaries", str(tmp_path / "canaries.txt"),
+                         "--run", str(run), "--encoder", world["bert"]])
+    assert code == 0, err[-2000:]
+    page = json.loads((out / "evaluation" / "evaluation.json").read_text())
+    assert page["canaries"]["exposure"]["each"][0]["rank"] == 1
+    assert "Exposure under the trained model" in (out / "evaluation" / "evaluation.md").read_text()
+    (tmp_path / "canaries.txt").write_text(unseen + "\n")
+    code, _, err = _run(["evaluate-synthetic", str(out), str(tmp_path / "data" / "train.tsv"), "--out",
+                         str(tmp_path / "again"), "--train", str(tmp_path / "data" / "train.tsv"), "--canaries",
+                         str(tmp_path / "canaries.txt"), "--run", str(run), "--encoder", world["bert"]])
+    errors = [line for line in err.splitlines() if line.startswith("dpl: error:")]
+    assert code == 2 and len(errors) == 1 and "is not a record of" in errors[0], err[-1500:]
+    assert not (tmp_path / "again").exists()
+    code, _, err = _run(["evaluate-synthetic", str(out), str(tmp_path / "data" / "train.tsv"), "--out",
+                         str(tmp_path / "again"), "--run", str(run)])
+    assert code == 2 and "give --canaries and --train" in err
+
+
 # ------------------------------------------------------------------------------------------------ bad inputs
 
 

@@ -24,10 +24,13 @@ and a classifier trained on as many real rows. It cannot show what Yue et al.'s 
 thousands) reach, nor resolve TSTR differences below the seeds' spread (a few points on 872 SST-2 and 1,000
 Banking77 validation rows).
 
-The canary arm's positive control (``--control``): the same fit at epsilon 8 and inf on 500 training rows plus the
-10 canaries, where q = 64/510 puts each canary in about 6 of the 50 batches. It shows whether this fit and sampler
-reproduce a canary the fit has seen (so that the full study's "0 of 10" means something), and what epsilon 8 changes
-at that sampling rate; its TSTR figures are of a 500-row training set, not comparable with the full study's.
+The canary arm's positive control (``--control``): the same fit at epsilon inf and 8 on 500 training rows plus the
+10 canaries, where q = 64/510 puts each canary in about 6 of the 50 batches, both epsilons of a seed before the next
+seed. It shows whether this fit and sampler reproduce a canary the fit has seen (so that the full study's "0 of 10"
+means something), and what epsilon 8 changes at that sampling rate; it also measures each canary's exposure under
+the trained model (``dpl evaluate-synthetic --run``: its secret ranked among 99 random ones, at most 6.6 bits; about
+1.44 expected of a model that learnt nothing of it), which detects memorization long before a sampled record
+repeats a secret. Its TSTR figures are of a 500-row training set, not comparable with the full study's.
 
 Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/synthetic_<data>.json`` (other seeds:
 ``_seeds<first>``) after every cell; the cells run in the order epsilon 8, inf, 4, 1 (every seed of one before the
@@ -72,8 +75,10 @@ SIZE = {"train_rows": None, "validation_rows": None, "steps": 50, "batch_size": 
 SETTINGS = {"sst2": {**SIZE, "cells": [("sst2", e) for e in EPSILONS], "rows": {"sst2": 500}},
             "banking77": {**SIZE, "cells": [("banking77", e) for e in EPSILONS], "rows": {"banking77": 770}}}
 CONTROL_ROWS = 500  # --control: so few training rows that each (canary) record is drawn about 6 times in 50 steps
+EXPOSURE_CANDIDATES = 99  # --control: each canary's secret ranked among 99 random ones (at most 6.6 bits)
 QUICK = {"cells": [("sst2", 8.0), ("banking77", math.inf)], "train_rows": 200, "validation_rows": 60,
-         "steps": 2, "batch_size": 16, "rows": {"sst2": 20, "banking77": 20}, "max_new_tokens": 12, "canaries": 2}
+         "steps": 2, "batch_size": 16, "rows": {"sst2": 20, "banking77": 20}, "max_new_tokens": 12, "canaries": 2,
+         "exposure_candidates": 9}
 
 
 class _Tee(io.StringIO):
@@ -145,8 +150,10 @@ def cell(name: str, epsilon: float, seed: int, s: dict[str, Any], folder: Path) 
     synthetic = folder / "synthetic"
     dpl("synthesize", checkpoint, "--rows", str(s["rows"][name]), "--out", str(synthetic), "--seed", str(seed),
         "--max_new_tokens", str(s["max_new_tokens"]), *(["--non_private_ok"] if math.isinf(epsilon) else []))
+    exposure = (["--run", checkpoint, "--exposure_candidates", str(s["exposure_candidates"])]
+                if s.get("exposure_candidates") else [])
     dpl("evaluate-synthetic", str(synthetic), str(paths["validation"]), "--train", str(paths["train"]),
-        "--canaries", str(paths["canaries"]), "--seed", str(seed))
+        "--canaries", str(paths["canaries"]), "--seed", str(seed), *exposure)
     page = json.loads((synthetic / "evaluation" / "evaluation.json").read_text())
     report = json.loads((synthetic / "privacy.json").read_text())
     down, leak = page["downstream"], page["leakage"]["synthetic"]
@@ -160,7 +167,16 @@ def cell(name: str, epsilon: float, seed: int, s: dict[str, Any], folder: Path) 
             "canaries_reproduced": page["canaries"]["reproduced"],
             "canary_secrets_reproduced": page["canaries"]["secrets_reproduced"],
             "canary_longest_match": max((f["longest_match"] for f in page["canaries"]["each"]), default=0),
+            **exposure_figures(page["canaries"].get("exposure")),
             "seconds": time.perf_counter() - start, "machine": machine()}
+
+
+def exposure_figures(exposure: dict[str, Any] | None) -> dict[str, Any]:
+    """A cell's canary exposure figures (mean and most over its canaries, each rank), when measured."""
+    if not exposure:
+        return {}
+    return {"canary_exposure": exposure["mean"], "canary_exposure_max": exposure["max"],
+            "canary_ranks": [e["rank"] for e in exposure["each"]]}
 
 
 def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -169,7 +185,7 @@ def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for c in cells:
         groups.setdefault((c["data"], c["epsilon"]), []).append(c)
     keys = ("tstr_accuracy", "real_accuracy", "mauve", "mauve_real", "exact_duplicates", "near_duplicates",
-            "canaries_reproduced", "canary_secrets_reproduced", "canary_longest_match")
+            "canaries_reproduced", "canary_secrets_reproduced", "canary_longest_match", "canary_exposure")
     out = []
     for (name, epsilon), group in sorted(groups.items(), key=lambda item: item[0][1]):  # by epsilon, inf last
         row: dict[str, Any] = {"data": name, "epsilon": epsilon, "seeds": len(group)}
@@ -179,14 +195,17 @@ def summary(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{key}_spread"] = statistics.pstdev(values) if len(values) > 1 else 0.0 if values else None
         longest = [g["canary_longest_match"] for g in group if g.get("canary_longest_match") is not None]
         row["canary_longest_match_max"] = max(longest) if longest else None
+        most = [g["canary_exposure_max"] for g in group if g.get("canary_exposure_max") is not None]
+        row["canary_exposure_max"] = max(most) if most else None
         out.append(row)
     return out
 
 
-def canary_cell(row: dict[str, Any], inserted: int) -> str:
+def canary_cell(row: dict[str, Any], inserted: int, candidates: int | None = None) -> str:
     """How many canaries came back whole (mean over the seeds); with the cells that recorded them, how many secrets
     (the 6-digit number) and the longest run of a canary's words in one synthetic record over the seeds (of its 8;
-    below the leakage index's 4-grams: "< 4")."""
+    below the leakage index's 4-grams: "< 4"); with ``candidates``, the canaries' exposure under the trained model
+    (mean over canaries and seeds, and the most, of at most log2(candidates + 1) bits)."""
     from dpl.synthetic.leakage import SHINGLE
 
     text = f"{row['canaries_reproduced']:g} of {inserted}"
@@ -194,6 +213,9 @@ def canary_cell(row: dict[str, Any], inserted: int) -> str:
     if longest is not None:
         run = f"< {SHINGLE}" if longest < SHINGLE else f"{longest:g}"
         text += f" (secrets {row['canary_secrets_reproduced']:g}, longest run {run} words)"
+    if candidates and row.get("canary_exposure") is not None:
+        text += (f"; exposure {row['canary_exposure']:.2f} bits, most {row['canary_exposure_max']:.2f} of "
+                 f"{math.log2(candidates + 1):.2f}")
     return text
 
 
@@ -211,7 +233,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {row['data']} | {eps} | {row['seeds']} | {pm(row, 'tstr_accuracy')} | "
                      f"{pm(row, 'real_accuracy')} | {pm(row, 'mauve', 1.0, 3)} | {pm(row, 'mauve_real', 1.0, 3)} | "
                      f"{100 * row['exact_duplicates']:.1f} / {100 * row['near_duplicates']:.1f} | "
-                     f"{canary_cell(row, results['settings']['canaries'])} |")
+                     f"{canary_cell(row, results['settings']['canaries'], results['settings'].get('exposure_candidates'))}"
+                     " |")
     return "\n".join(lines)
 
 
@@ -223,16 +246,19 @@ def settings_for(data: str, quick: bool = False, control: bool = False) -> dict[
         return QUICK
     s = SETTINGS[data]
     if control:
-        return {**s, "train_rows": CONTROL_ROWS, "cells": [(data, 8.0), (data, math.inf)]}
+        return {**s, "train_rows": CONTROL_ROWS, "cells": [(data, math.inf), (data, 8.0)],
+                "exposure_candidates": EXPOSURE_CANDIDATES, "order": "seed"}
     return s
 
 
 def cells_to_run(cells: list[tuple[str, float]], seeds: list[int], done: list[dict[str, Any]],
-                 epsilons: list[float] | None = None) -> list[tuple[str, float, int]]:
+                 epsilons: list[float] | None = None, by_seed: bool = False) -> list[tuple[str, float, int]]:
     """The (data, epsilon, seed) cells not in ``done``, in the run order (:data:`FIRST`, every seed of one epsilon
-    before the next); only those of ``epsilons`` when given."""
-    return [(d, e, seed) for d, e in sorted(cells, key=lambda c: FIRST.index(c[1])) for seed in seeds
-            if (epsilons is None or e in epsilons)
+    before the next; ``by_seed``: every cell of one seed, in the given order, before the next seed); only those of
+    ``epsilons`` when given."""
+    order = ([(d, e, seed) for seed in seeds for d, e in cells] if by_seed else
+             [(d, e, seed) for d, e in sorted(cells, key=lambda c: FIRST.index(c[1])) for seed in seeds])
+    return [(d, e, seed) for d, e, seed in order if (epsilons is None or e in epsilons)
             and not any(c["data"] == d and c["epsilon"] == e and c["seed"] == seed for c in done)]
 
 
@@ -288,7 +314,7 @@ def main() -> None:
     path = Path(args.out) / f"{name}.json"
     settings = {**s, "cells": [[d, str(e)] for d, e in s["cells"]], "seeds": seeds}
     done = cells_on_disk(path, settings) if args.resume else []
-    todo = cells_to_run(s["cells"], seeds, done, args.epsilons)
+    todo = cells_to_run(s["cells"], seeds, done, args.epsilons, by_seed=s.get("order") == "seed")
     print(f"[synthetic] {name}: {len(todo)} of {len(s['cells']) * len(seeds)} cells to run "
           f"({s['steps']} steps of B = {s['batch_size']}, then "
           f"{' / '.join(str(n) for n in s['rows'].values())} records each)", file=sys.stderr, flush=True)

@@ -116,14 +116,16 @@ def _histogram(args: argparse.Namespace, run: Any, report: dict[str, Any], schem
     """The DP histogram of the run's training labels (the training data read again, as the run's config says)."""
     if run.checkpoint is None:
         raise ConfigError("--label_epsilon needs the run folder (its config names the training data), not an export")
-    data = _data_module(Path(run.source))
+    data = run_data_module(Path(run.source))
     values = [str(row[0]) for row in data.train_controls()]
     users = data.train_user_keys() if report.get("unit") == "user" else None
     return label_counts.dp_histogram(values, users, labels, args.label_epsilon, float(report["delta"]),
                                      str(report.get("adjacency")))
 
 
-def _data_module(ckpt: Path) -> Any:
+def run_data_module(ckpt: Path, **overrides: Any) -> Any:
+    """The data module of the run of checkpoint ``ckpt``, rebuilt from its ``config.yaml`` (``overrides``: init
+    arguments to replace, e.g. another ``data_dir``)."""
     import yaml
     from lightning.pytorch.cli import LightningArgumentParser
 
@@ -133,6 +135,8 @@ def _data_module(ckpt: Path) -> Any:
                                                              ckpt.parent / "config.yaml") if p.is_file()), None)
     if not config or "data" not in config:
         raise ConfigError(f"{ckpt}: no config.yaml with the run's data beside it")
+    if overrides:
+        config["data"]["init_args"] = {**(config["data"].get("init_args") or {}), **overrides}
     parser = LightningArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(DPDataModule, "data", required=True)
     try:

@@ -8,7 +8,8 @@ against the real data, in one page (``evaluation.md``, ``evaluation.json``, ``ev
   texts against them), on the encoder's features; length, distinct-1/2 and label proportions.
 * Leakage (with ``--train``): exact and near duplicates of training records (:mod:`dpl.synthetic.leakage`), beside
   the same measure for the real validation texts; with ``--canaries FILE`` (one canary a line, inserted into the
-  training data before the run), whether the synthetic data reproduces them.
+  training data before the run), whether the synthetic data reproduces them, and with ``--run RUN`` their exposure
+  under the trained model (:mod:`dpl.synthetic.exposure`).
 
 The evaluation reads the real data: its figures are not differentially private. Keep it with the data owner.
 """
@@ -138,7 +139,22 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if args.canaries:
         canaries = [line.strip() for line in Path(args.canaries).read_text().splitlines() if line.strip()]
         result["canaries"] = leakage.canaries(synth_texts, canaries)
+        if args.run:
+            say(f"exposure of {len(canaries)} canaries under {args.run} ({args.exposure_candidates} alternatives each)")
+            result["canaries"]["exposure"] = _exposure(args, canaries, text)
     return result
+
+
+def _exposure(args: argparse.Namespace, canaries: list[str], text: str) -> dict[str, Any]:
+    """:func:`dpl.synthetic.exposure.canary_exposure` of the canaries, each with its row of the training file."""
+    from dpl.synthetic.exposure import canary_exposure
+
+    rows = {as_text(r, text).strip(): r for r in read_rows(Path(args.train))}
+    missing = next((c for c in canaries if c not in rows), None)
+    if missing is not None:
+        raise ConfigError(f"the canary {missing[:60]!r} is not a record of {args.train}: exposure scores each canary "
+                          f"with its training row")
+    return canary_exposure(args.run, [rows[c] for c in canaries], text, args.exposure_candidates, args.seed)
 
 
 def evaluate_command(argv: list[str]) -> int:
@@ -156,6 +172,10 @@ def evaluate_command(argv: list[str]) -> int:
     parser.add_argument("--encoder", default=ENCODER, help="the feature model (a BERT-like encoder)")
     parser.add_argument("--canaries", default=None, help="a file of canaries inserted into the training data, one "
                                                          "a line")
+    parser.add_argument("--run", default=None, help="the run trained on --train (a run folder or checkpoint): "
+                                                    "with --canaries, each canary's exposure under its model")
+    parser.add_argument("--exposure_candidates", type=int, default=99,
+                        help="the random secrets each canary's is ranked among (default 99: at most 6.6 bits)")
     parser.add_argument("--near_words", type=int, default=8, help="a near duplicate shares this many consecutive "
                                                                    "words with a training record")
     parser.add_argument("--seed", type=int, default=0)
@@ -170,6 +190,11 @@ def evaluate_command(argv: list[str]) -> int:
             raise ConfigError(f"{out} exists: choose a new folder (--out), or add --overwrite")
         if args.near_words < 4:
             raise ConfigError(f"--near_words must be at least 4, got {args.near_words}")
+        if args.run is not None and not (args.canaries and args.train):
+            raise ConfigError("--run measures the canaries' exposure: give --canaries and --train (the file the run "
+                              "was trained on) too")
+        if args.exposure_candidates < 1:
+            raise ConfigError(f"--exposure_candidates must be positive, got {args.exposure_candidates}")
         result = evaluate(args)
     except DPLError as exc:
         print(f"dpl: error: {exc}", file=sys.stderr)

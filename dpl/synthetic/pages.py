@@ -125,6 +125,13 @@ def _markdown(result: dict[str, Any], plotted: bool) -> str:
         lines += [f"Canaries: {canaries['reproduced']} of {canaries['canaries']} reproduced whole by a synthetic "
                   f"record, {canaries['secrets_reproduced']} secret numbers reproduced; the most consecutive words "
                   f"of a canary in one record: {max(c['longest_match'] for c in canaries['each'])}.", ""]
+        exposure = canaries.get("exposure")
+        if exposure:
+            lines += [f"Exposure under the trained model (each canary's secret ranked by the model's loss among "
+                      f"{exposure['candidates']} random ones; Carlini et al., \"The Secret Sharer\"): mean "
+                      f"{exposure['mean']:.2f} bits, most {exposure['max']:.2f} of at most {exposure['most']:.2f} "
+                      f"(a model that learnt nothing of them: about 1.44 expected); ranks "
+                      f"{', '.join(str(e['rank']) for e in exposure['each'])}.", ""]
     return "\n".join(lines)
 
 
