@@ -574,6 +574,31 @@ def test_part_runs_in_parallel_processes_share_one_results_file(tmp_path):
     assert finetune.results_on_disk(args, "finetune_denoise", mine)["cells"] == [cell("DP-SGD", 1)]
 
 
+def test_a_part_run_with_an_arm_added_keeps_the_cells_saved_under_the_older_arms(tmp_path, monkeypatch):
+    """The clipping e2e row's fourth arm runs beside a file written under the first three (``arms_added``): each of
+    its saves keeps the cells another process saved there meanwhile."""
+    import argparse
+    import types
+
+    import clipping
+    import finetune
+
+    monkeypatch.setattr(finetune, "machine", lambda: "test")
+    old = {"arms": {"flat": {"clipping": "flat"}}, "seeds": [0, 1]}
+    new = {"arms": {**old["arms"], "A+B": {"clipping": "per-layer"}}, "seeds": [0, 1]}
+    theirs = {"arm": "flat", "seed": 1, "curve": {}}
+    (tmp_path / "clipping_e2e.json").write_text(json.dumps({"settings": old, "cells": [theirs]}))
+    run = {"sigma": 1.0, "gradient_sigma": 1.0, "thresholds": None, "epsilon": 8.0, "epsilon_spent": 8.0,
+           "delta": 1e-5, "diverged": False, "logged": {}, "seconds": 1.0, "cpu_seconds": 1.0, "curve": []}
+    setup = types.SimpleNamespace(run=lambda arm, seed: run, settings={"physical_batch_size": 8})
+    results = {"settings": new, "cells": []}
+    args = argparse.Namespace(resume=True, out=tmp_path, arms=["A+B"])
+    finetune.run_seeds(args, {"seeds": [0], "metrics": [], "scored_steps": [50]}, results, "clipping_e2e", setup,
+                       [{"name": "A+B", "plugins": []}], same=clipping.arms_added)
+    saved = json.loads((tmp_path / "clipping_e2e.json").read_text())
+    assert [(c["arm"], c["seed"]) for c in saved["cells"]] == [("A+B", 0), ("flat", 1)]
+
+
 def test_private_training_reports_progress_when_asked(capsys):
     import torch
     from common import Head, Split, train_private

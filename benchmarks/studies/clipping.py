@@ -365,9 +365,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "runs": old["runs"]}
     start = time.perf_counter()
     if args.row == "e2e":
-        finetune.run_seeds(args, s, results, name, setup, arms)
+        finetune.run_seeds(args, s, results, name, setup, arms, same=arms_added)
     else:
-        finetune.run_tuned(args, s, results, name, setup, arms)
+        finetune.run_tuned(args, s, results, name, setup, arms, same=arms_added)
     results["seconds"] = time.perf_counter() - start
     results = finetune.results_on_disk(args, name, results, same=arms_added)
     save(name, results, args.out)

@@ -277,9 +277,10 @@ def run_ftrl(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, se
 
 
 def run_tuned(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup,
-              arms: list[dict[str, Any]]) -> None:
+              arms: list[dict[str, Any]], same: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None) -> None:
     """Every (epsilon, arm) cell: the lr tuned on the tuning rows, then the report seeds. Each run is saved as it
-    ends (``results["runs"]``), so ``--resume`` continues within a cell, from the first run not yet saved."""
+    ends (``results["runs"]``), so ``--resume`` continues within a cell, from the first run not yet saved; ``same``:
+    which other settings of the file on disk resume too (:func:`results_on_disk`)."""
     done = {(c["arm"], c["epsilon"]) for c in results["cells"]}
     start = time.perf_counter()
     fresh = 0
@@ -300,7 +301,7 @@ def run_tuned(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, s
                   "epsilon_spent": r["epsilon"], "machine": machine()}
         results["runs"].append(record)
         fresh += 1
-        save(out, results_on_disk(args, out, results), args.out)  # after every run
+        save(out, results_on_disk(args, out, results, same), args.out)  # after every run
         return record
 
     for eps, arm in pending(args, arms, s["epsilons"], done):
@@ -326,7 +327,7 @@ def run_tuned(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, s
                 "diverged": len(runs) - len(ok), "seconds_per_run": statistics.fmean(r["seconds"] for r in runs),
                 "logged": runs[0]["logged"]}
         results["cells"].append(cell)
-        save(out, results_on_disk(args, out, results), args.out)  # so far
+        save(out, results_on_disk(args, out, results, same), args.out)  # so far
         print(f"[{time.perf_counter() - start:6.0f} s] eps={eps:g} {arm['name']}: lr {tuned['best']:.3g}"
               f"{' (AT EDGE)' if tuned['at_edge'] else ''} acc {fmt(cell['acc']) if ok else 'diverged'} "
               f"({cell['seconds_per_run']:.1f} s per run)", flush=True)
@@ -450,8 +451,9 @@ def run_denoise(args: Any, s: dict[str, Any], results: dict[str, Any], out: str,
 
 
 def run_seeds(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, setup: Setup,
-              arms: list[dict[str, Any]]) -> None:
-    """Every (seed, arm) run at the study's one lr, scored at the scored steps; each saved as it ends."""
+              arms: list[dict[str, Any]], same: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None) -> None:
+    """Every (seed, arm) run at the study's one lr, scored at the scored steps; each saved as it ends (``same``: as
+    in :func:`run_tuned`)."""
     done = {(c["arm"], c["seed"]) for c in results["cells"]}
     start = time.perf_counter()
     for seed, arm in pending(args, arms, s["seeds"], done):
@@ -465,7 +467,7 @@ def run_seeds(args: Any, s: dict[str, Any], results: dict[str, Any], out: str, s
                 "curve": {str(p["step"]): {m: p[m] for m in s["metrics"]} for p in r["curve"]},
                 "predictions": {str(p["step"]): p["predictions"] for p in r["curve"]}}
         results["cells"].append(cell)
-        save(out, results_on_disk(args, out, results), args.out)  # so far
+        save(out, results_on_disk(args, out, results, same), args.out)  # so far
         last = cell["curve"].get(str(s["scored_steps"][-1]), {})
         print(f"[{time.perf_counter() - start:6.0f} s] seed {seed} {arm['name']}: " + ", ".join(
             f"{m} {v:.4f}" for m, v in last.items()) + f" @ {s['scored_steps'][-1]}" + (
