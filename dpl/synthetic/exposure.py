@@ -57,6 +57,7 @@ def record_losses(ckpt: Path, module: Any, rows: list[dict[str, Any]], batch_siz
     """The summed training loss of each row under ``module`` (the loaded run of ``ckpt``), tokenized by the run's
     own data module as training tokenizes it."""
     from dpl.synthetic.command import run_data_module
+    from dpl.synthetic.sampling import Progress
     from dpl.tasks.data.padding import IGNORE_INDEX
 
     with tempfile.TemporaryDirectory(prefix="dpl-exposure-") as folder:
@@ -66,11 +67,14 @@ def record_losses(ckpt: Path, module: Any, rows: list[dict[str, Any]], batch_siz
         data.setup("fit")
         examples = list(data.train_set)
     losses: list[float] = []
+    progress = Progress(len(examples), "exposure")
     with torch.inference_mode():
         for start in range(0, len(examples), batch_size):
             batch = data.collate(examples[start:start + batch_size])
             scored = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
             losses += (module.per_example_loss(batch).double() * scored).tolist()
+            progress.update(len(scored))
+    progress.close()
     return losses
 
 
