@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -230,6 +231,24 @@ def test_synthetic_study_processes_add_their_cells_to_one_file(tmp_path):
     assert synthetic.cells_on_disk(path, {"steps": 2}) == []
     with synthetic.locked(path):
         assert path.with_suffix(".lock").is_file()
+
+
+def test_synthetic_study_processes_claim_different_cells(tmp_path):
+    """A cell claimed by a live process is not run by another; a dead process's claim lapses; a released cell, or a
+    cell saved meanwhile, is claimed again only while it is still to run."""
+    import synthetic
+
+    path = tmp_path / "synthetic_sst2.json"
+    assert synthetic.claim(path, "sst2 1.0 0", lambda: True)
+    assert not synthetic.claim(path, "sst2 1.0 0", lambda: True)  # this (live) process holds it
+    assert synthetic.claim(path, "sst2 1.0 1", lambda: True) and not synthetic.claim(path, "sst2 4.0 0", lambda: False)
+    synthetic.release(path, "sst2 1.0 0")
+    assert synthetic.claim(path, "sst2 1.0 0", lambda: True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claims = path.with_suffix(".claims.lock")
+    claims.write_text(json.dumps({"sst2 8.0 2": int(dead.stdout)}))
+    assert synthetic.claim(path, "sst2 8.0 2", lambda: True)  # its process died: the claim lapsed
+    assert json.loads(claims.read_text()) == {"sst2 8.0 2": os.getpid()}
 
 
 def test_synthetic_canary_control_sees_each_canary_in_several_batches():

@@ -36,9 +36,10 @@ Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/sy
 ``_seeds<first>``) after every cell; the cells run in the order epsilon 8, inf, 4, 1 (every seed of one before the
 next, so a partial run already compares epsilon 8 with the non-private copy); ``--resume`` keeps the cells of a file
 with the same settings; ``--epsilons`` runs only some epsilons' cells (the headline cells of both data sets first:
-``--epsilons 8 inf``), and two processes of one study with ``--resume`` and different ``--epsilons`` share its
-file (each adds its cells under a lock, ``<file>.lock``); ``--table`` prints the docs' table of a results file
-without training.
+``--epsilons 8 inf``), and processes of one study with ``--resume`` share its file: each claims a cell before it
+runs it (``<file>.claims.lock``, cleared of processes that died), skips the cells others hold or have saved, and
+adds its cells under a lock (``<file>.lock``); ``--table`` prints the docs' table of a results file without
+training.
 
     python benchmarks/studies/synthetic.py --data sst2 --resume         # SST-2: 12 cells, about 6 CPU-hours
     python benchmarks/studies/synthetic.py --data banking77 --resume    # Banking77: 12 cells, about 8 CPU-hours
@@ -288,6 +289,46 @@ def locked(path: Path) -> Any:
         yield
 
 
+def _claims(path: Path) -> tuple[Path, dict[str, int]]:
+    """The file of the cells being run (``<file>.claims.lock``: cell -> process id) and its live claims."""
+    import os
+
+    claims_path = path.with_suffix(".claims.lock")
+    claims = json.loads(claims_path.read_text() or "{}") if claims_path.is_file() else {}
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    return claims_path, {k: pid for k, pid in claims.items() if alive(pid)}
+
+
+def claim(path: Path, key: str, still_to_run: Any) -> bool:
+    """Claim the cell ``key`` of results file ``path`` for this process, when no live process holds it and
+    ``still_to_run()`` (under the lock: it reads the file). Processes of one study so run different cells."""
+    import os
+
+    with locked(path):
+        claims_path, claims = _claims(path)
+        if key in claims or not still_to_run():
+            return False
+        claims_path.write_text(json.dumps({**claims, key: os.getpid()}))
+        return True
+
+
+def release(path: Path, key: str) -> None:
+    """Give the cell ``key`` back (its results saved, or its run failed)."""
+    with locked(path):
+        claims_path, claims = _claims(path)
+        claims.pop(key, None)
+        claims_path.write_text(json.dumps(claims))
+
+
 def main() -> None:
     parser = study_parser(__doc__)
     parser.add_argument("--data", choices=tuple(DATASETS), default="sst2", help="the data set of the study")
@@ -319,13 +360,17 @@ def main() -> None:
           f"({s['steps']} steps of B = {s['batch_size']}, then "
           f"{' / '.join(str(n) for n in s['rows'].values())} records each)", file=sys.stderr, flush=True)
     for data, epsilon, seed in todo:
-        if args.resume and cells_to_run([(data, epsilon)], [seed], cells_on_disk(path, settings)) == []:
-            continue  # another process of the same study ran it meanwhile
+        key = f"{data} {epsilon} {seed}"
+        if args.resume and not claim(path, key, lambda: cells_to_run([(data, epsilon)], [seed],
+                                                                     cells_on_disk(path, settings)) != []):
+            continue  # another process of the same study ran it meanwhile, or is running it
         folder = Path(tempfile.mkdtemp(prefix=f"synthetic-{data}-"))
         try:
             result = cell(data, epsilon, seed, s, folder)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+            if args.resume:
+                release(path, key)
         done.append(result)
         print(f"[synthetic] {data} eps={epsilon} seed={seed}: TSTR {result['tstr_accuracy']:.3f} "
               f"(real {result['real_accuracy']:.3f}), MAUVE {result['mauve']}, {result['seconds']:.0f} s",
