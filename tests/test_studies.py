@@ -251,6 +251,32 @@ def test_synthetic_study_processes_claim_different_cells(tmp_path):
     assert json.loads(claims.read_text()) == {"sst2 8.0 2": os.getpid()}
 
 
+def test_synthetic_untrained_baseline_is_one_cell_of_epsilon_0_per_seed(monkeypatch):
+    """``--untrained``: one cell per seed, epsilon 0, the rest of the study's settings; its fit is one step at lr 0
+    without noise (the pretrained weights), sampled with ``--non_private_ok``; the table names it."""
+    import synthetic
+
+    s, full = synthetic.settings_for("banking77", untrained=True), synthetic.settings_for("banking77")
+    assert s["cells"] == [("banking77", 0.0)] and {k: v for k, v in s.items() if k not in ("cells", "order")} == \
+        {k: v for k, v in full.items() if k != "cells"}
+    assert synthetic.cells_to_run(s["cells"], [0, 1], [], by_seed=True) == [("banking77", 0.0, 0), ("banking77", 0.0, 1)]
+    calls = []
+    monkeypatch.setattr(synthetic, "dpl", lambda *args: calls.append(args) or "checkpoint /run/last.ckpt\n")
+    monkeypatch.setattr(synthetic, "prepare", lambda *a: {"train": Path("/d/train.tsv"), "validation": Path("/v.tsv"),
+                                                          "canaries": Path("/c.txt")})
+    with pytest.raises(FileNotFoundError):  # no evaluation page: the commands are what this test reads
+        synthetic.cell("banking77", 0.0, 0, s, Path("/nonexistent"))
+    fit, synthesize = calls[0], calls[1]
+    assert fit[fit.index("--trainer.max_steps") + 1] == "1"
+    assert fit[fit.index("--model.init_args.optimizer.init_args.lr") + 1] == "0"
+    assert fit[fit.index("--model.init_args.privacy.noise_multiplier") + 1] == "0"
+    assert "--non_private_ok" in synthesize
+    row = {**{k: 0.0 for k in ("tstr_accuracy", "real_accuracy", "mauve", "mauve_real", "exact_duplicates",
+                               "near_duplicates", "canaries_reproduced")}, "data": "banking77", "epsilon": 0.0}
+    table = synthetic.table({"settings": s, "summary": synthetic.summary([{**row, "seed": 0}])})
+    assert "| banking77 | 0 (untrained) | 1 |" in table
+
+
 def test_synthetic_canary_control_sees_each_canary_in_several_batches():
     """``--control``: epsilon inf and 8 on 500 training rows (the rest of the full study's settings), where each
     canary is expected in about 6 of the 50 Poisson batches, both epsilons of a seed first, with the canaries'

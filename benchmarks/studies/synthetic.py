@@ -32,6 +32,11 @@ the trained model (``dpl evaluate-synthetic --run``: its secret ranked among 99 
 1.44 expected of a model that learnt nothing of it), which detects memorization long before a sampled record
 repeats a secret. Its TSTR figures are of a 500-row training set, not comparable with the full study's.
 
+The baseline of no training (``--untrained``): the same prompts sampled from the pretrained model itself (a fit of
+one step at lr 0, so the weights stay the pretrained ones: the records depend on no training row, epsilon 0),
+evaluated the same way. It shows what the control prefix alone (a label's name) is worth to the classifier, which
+no epsilon can go below; 3 cells of sampling and evaluation (about 15 minutes each).
+
 Results (per cell and seed, and the mean and spread over seeds) go to ``<out>/synthetic_<data>.json`` (other seeds:
 ``_seeds<first>``) after every cell; the cells run in the order epsilon 8, inf, 4, 1 (every seed of one before the
 next, so a partial run already compares epsilon 8 with the non-private copy); ``--resume`` keeps the cells of a file
@@ -44,6 +49,7 @@ training.
     python benchmarks/studies/synthetic.py --data sst2 --resume         # SST-2: 12 cells, about 6 CPU-hours
     python benchmarks/studies/synthetic.py --data banking77 --resume    # Banking77: 12 cells, about 8 CPU-hours
     python benchmarks/studies/synthetic.py --data sst2 --control --resume   # the canary control: 6 cells
+    python benchmarks/studies/synthetic.py --data banking77 --untrained --resume   # no training: 3 cells
     python benchmarks/studies/synthetic.py --quick     # SST-2 at 8 and Banking77 at inf: 2 steps on 200 rows (the test)
     python benchmarks/studies/synthetic.py --table benchmarks/results/studies/synthetic_sst2.json
 """
@@ -141,16 +147,19 @@ def cell(name: str, epsilon: float, seed: int, s: dict[str, Any], folder: Path) 
     """One fit -> synthesize -> evaluate; its figures."""
     start = time.perf_counter()
     paths = prepare(name, s, seed, folder)
-    privacy = (["--model.init_args.privacy.noise_multiplier", "0"] if math.isinf(epsilon)
+    untrained = epsilon == 0  # lr 0: the weights stay the pretrained ones, the records depend on no training row
+    privacy = (["--model.init_args.privacy.noise_multiplier", "0"] if math.isinf(epsilon) or untrained
                else ["--model.init_args.privacy.target_epsilon", str(epsilon)])
+    steps = ["--trainer.max_steps", "1", "--model.init_args.optimizer.init_args.lr", "0"] if untrained else \
+        ["--trainer.max_steps", str(s["steps"])]
     out = dpl("fit", "--config", str(ROOT / DATASETS[name]["config"]), "--data.init_args.data_dir",
-              str(paths["train"].parent), "--trainer.default_root_dir", str(folder / "runs"),
-              "--trainer.max_steps", str(s["steps"]), "--model.init_args.privacy.batch_size", str(s["batch_size"]),
-              "--seed_everything", str(seed), *privacy)
+              str(paths["train"].parent), "--trainer.default_root_dir", str(folder / "runs"), *steps,
+              "--model.init_args.privacy.batch_size", str(s["batch_size"]), "--seed_everything", str(seed), *privacy)
     checkpoint = out.strip().splitlines()[-1].rsplit("checkpoint ", 1)[-1]
     synthetic = folder / "synthetic"
     dpl("synthesize", checkpoint, "--rows", str(s["rows"][name]), "--out", str(synthetic), "--seed", str(seed),
-        "--max_new_tokens", str(s["max_new_tokens"]), *(["--non_private_ok"] if math.isinf(epsilon) else []))
+        "--max_new_tokens", str(s["max_new_tokens"]),
+        *(["--non_private_ok"] if math.isinf(epsilon) or untrained else []))
     exposure = (["--run", checkpoint, "--exposure_candidates", str(s["exposure_candidates"])]
                 if s.get("exposure_candidates") else [])
     dpl("evaluate-synthetic", str(synthetic), str(paths["validation"]), "--train", str(paths["train"]),
@@ -158,7 +167,9 @@ def cell(name: str, epsilon: float, seed: int, s: dict[str, Any], folder: Path) 
     page = json.loads((synthetic / "evaluation" / "evaluation.json").read_text())
     report = json.loads((synthetic / "privacy.json").read_text())
     down, leak = page["downstream"], page["leakage"]["synthetic"]
-    return {"data": name, "epsilon": epsilon, "seed": seed, "epsilon_spent": float(report["training"]["epsilon"]),
+    # untrained: the run's report says inf (sigma 0), but with lr 0 no training row reaches the weights: epsilon 0
+    spent = 0.0 if untrained else float(report["training"]["epsilon"])
+    return {"data": name, "epsilon": epsilon, "seed": seed, "epsilon_spent": spent,
             "sigma": report["training"]["noise_multiplier"], "tstr_accuracy": down["tstr_accuracy"],
             "real_accuracy": down["real_accuracy"], "majority_accuracy": down["majority_accuracy"],
             "mauve": page["mauve"].get("mauve"), "mauve_real": (page.get("mauve_real") or {}).get("mauve"),
@@ -227,19 +238,20 @@ def table(results: dict[str, Any]) -> str:
             return "—"
         return f"{scale * row[key]:.{digits}f} ± {scale * row[key + '_spread']:.{digits}f}"
 
+    settings = results["settings"]
     lines = ["| data | ε | seeds | TSTR accuracy | real rows' accuracy | MAUVE (synthetic) | MAUVE (real rows) "
              "| exact / near duplicates, % | canaries reproduced |", "|---|---|---|---|---|---|---|---|---|"]
     for row in results["summary"]:
-        eps = "∞ (no noise)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:g}"
+        eps = ("∞ (no noise)" if math.isinf(row["epsilon"]) else "0 (untrained)" if row["epsilon"] == 0
+               else f"{row['epsilon']:g}")
         lines.append(f"| {row['data']} | {eps} | {row['seeds']} | {pm(row, 'tstr_accuracy')} | "
                      f"{pm(row, 'real_accuracy')} | {pm(row, 'mauve', 1.0, 3)} | {pm(row, 'mauve_real', 1.0, 3)} | "
                      f"{100 * row['exact_duplicates']:.1f} / {100 * row['near_duplicates']:.1f} | "
-                     f"{canary_cell(row, results['settings']['canaries'], results['settings'].get('exposure_candidates'))}"
-                     " |")
+                     f"{canary_cell(row, settings['canaries'], settings.get('exposure_candidates'))} |")
     return "\n".join(lines)
 
 
-def settings_for(data: str, quick: bool = False, control: bool = False) -> dict[str, Any]:
+def settings_for(data: str, quick: bool = False, control: bool = False, untrained: bool = False) -> dict[str, Any]:
     """The study's size: the data set's 12 cells; ``quick``: the test's 2 tiny cells; ``control``: the canary arm's
     positive control, epsilon 8 and inf on :data:`CONTROL_ROWS` training rows, where q = B / (rows + canaries) is
     about 0.13 and each canary is expected in 6 of the 50 batches (in the full study: 0.05 of a batch for SST-2)."""
@@ -249,6 +261,8 @@ def settings_for(data: str, quick: bool = False, control: bool = False) -> dict[
     if control:
         return {**s, "train_rows": CONTROL_ROWS, "cells": [(data, math.inf), (data, 8.0)],
                 "exposure_candidates": EXPOSURE_CANDIDATES, "order": "seed"}
+    if untrained:
+        return {**s, "cells": [(data, 0.0)], "order": "seed"}
     return s
 
 
@@ -339,18 +353,23 @@ def main() -> None:
     parser.add_argument("--control", action="store_true",
                         help="the canary arm's positive control: epsilon 8 and inf on 500 training rows, where each "
                              "canary is drawn into about 6 batches (results: synthetic_<data>_control)")
+    parser.add_argument("--untrained", action="store_true",
+                        help="the baseline of no training: the pretrained model (lr 0) sampled after the same control "
+                             "prefixes, epsilon 0 (results: synthetic_<data>_untrained)")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="print the table of a results file and exit")
     parser.set_defaults(tune_seed=None)
     args = parser.parse_args()
+    if args.control and args.untrained:
+        parser.error("--control and --untrained are two studies: give one")
     if args.tune_seed is not None:
         parser.error("--tune-seed: this study tunes nothing (every cell trains with its config's lr)")
     args.tune_seed = PUBLISHED_TUNE_SEED
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return
-    s = settings_for(args.data, args.quick, args.control)
+    s = settings_for(args.data, args.quick, args.control, args.untrained)
     seeds = [args.seeds[0]] if args.quick else args.seeds
-    base = f"synthetic_{args.data}" + ("_control" if args.control else "")
+    base = f"synthetic_{args.data}" + ("_control" if args.control else "_untrained" if args.untrained else "")
     name = "synthetic_quick" if args.quick else result_name(base, args)
     path = Path(args.out) / f"{name}.json"
     settings = {**s, "cells": [[d, str(e)] for d, e in s["cells"]], "seeds": seeds}
