@@ -251,7 +251,7 @@ def test_synthetic_study_processes_claim_different_cells(tmp_path):
     assert json.loads(claims.read_text()) == {"sst2 8.0 2": os.getpid()}
 
 
-def test_synthetic_untrained_baseline_is_one_cell_of_epsilon_0_per_seed(monkeypatch):
+def test_synthetic_untrained_baseline_is_one_cell_of_epsilon_0_per_seed(monkeypatch, tmp_path):
     """``--untrained``: one cell per seed, epsilon 0, the rest of the study's settings; its fit is one step at lr 0
     without noise (the pretrained weights), sampled with ``--non_private_ok``; the table names it."""
     import synthetic
@@ -275,6 +275,14 @@ def test_synthetic_untrained_baseline_is_one_cell_of_epsilon_0_per_seed(monkeypa
                                "near_duplicates", "canaries_reproduced")}, "data": "banking77", "epsilon": 0.0}
     table = synthetic.table({"settings": s, "summary": synthetic.summary([{**row, "seed": 0}])})
     assert "| banking77 | 0 (untrained) | 1 |" in table
+    # the command line, its claims and its results file (each cell's fit, sampling and evaluation stubbed)
+    monkeypatch.setattr(synthetic, "cell", lambda data, epsilon, seed, *_: {**row, "epsilon": epsilon, "seed": seed,
+                                                                           "seconds": 1.0})
+    monkeypatch.setattr(sys, "argv", ["synthetic.py", "--data", "banking77", "--untrained", "--resume", "--out",
+                                      str(tmp_path)])
+    synthetic.main()
+    saved = json.loads((tmp_path / "synthetic_banking77_untrained.json").read_text())
+    assert [(c["epsilon"], c["seed"]) for c in saved["cells"]] == [(0.0, 0), (0.0, 1), (0.0, 2)]
 
 
 def test_synthetic_canary_control_sees_each_canary_in_several_batches():

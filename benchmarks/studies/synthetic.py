@@ -381,7 +381,7 @@ def main() -> None:
     for data, epsilon, seed in todo:
         key = f"{data} {epsilon} {seed}"
         if args.resume and not claim(path, key, lambda: cells_to_run([(data, epsilon)], [seed],
-                                                                     cells_on_disk(path, settings)) != []):
+                                                                     cells_on_disk(path, settings), by_seed=True)):
             continue  # another process of the same study ran it meanwhile, or is running it
         folder = Path(tempfile.mkdtemp(prefix=f"synthetic-{data}-"))
         try:
