@@ -324,6 +324,7 @@ def test_exposure_ranks_a_memorized_canary_first_and_the_page_says_so(world, tmp
     found = canary_exposure(str(run), [{"sentence": seen, "label": "positive"},
                                        {"sentence": unseen, "label": "positive"}], "sentence", 99, seed=0)
     assert [e["rank"] for e in found["each"]][0] == 1 and found["max"] == found["most"] == math.log2(100)
+    assert abs(found["by_chance"] - 1.3962) < 1e-4  # log2(100) - log2(100!) / 100
     assert found["each"][1]["rank"] > 1  # the never-seen canary: a uniform rank in 1..100 (this seed: not the first)
     out = tmp_path / "synthetic"
     assert _run(["synthesize", str(run), "--rows", "4", "--out", str(out), "--max_new_tokens", "3",

@@ -29,7 +29,7 @@ The canary arm's positive control (``--control``): the same fit at epsilon inf a
 seed. It shows whether this fit and sampler reproduce a canary the fit has seen (so that the full study's "0 of 10"
 means something), and what epsilon 8 changes at that sampling rate; it also measures each canary's exposure under
 the trained model (``dpl evaluate-synthetic --run``: its secret ranked among 99 random ones, at most 6.6 bits; about
-1.44 expected of a model that learnt nothing of it), which detects memorization long before a sampled record
+1.40 expected of a model that learnt nothing of it), which detects memorization long before a sampled record
 repeats a secret. Its TSTR figures are of a 500-row training set, not comparable with the full study's.
 
 The baseline of no training (``--untrained``): the same prompts sampled from the pretrained model itself (a fit of

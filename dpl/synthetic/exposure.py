@@ -6,7 +6,8 @@ row (its control values) is scored with the real secret and with ``candidates`` 
 digits, each as training scores a record: the run's data module tokenizes it, the loss is the summed cross-entropy
 of its text tokens and EOS. The real secret's rank r among the ``candidates + 1`` (ties count against it) gives the
 exposure ``log2(candidates + 1) - log2(r)`` bits: at most ``log2(candidates + 1)`` (rank 1); a model that learnt
-nothing of the canary ranks it uniformly, about ``log2(e) = 1.44`` bits expected.
+nothing of the canary ranks it uniformly: :func:`by_chance` bits expected (1.40 of 100 candidates; toward
+``log2(e) = 1.44`` with more).
 
 Exposure reads the model, not the synthetic data: it bounds what sampling could reproduce, and detects memorization
 long before a sampled record repeats a secret. Its inputs are the trained model and the canaries (test records the
@@ -45,6 +46,12 @@ def alternatives(secret: str, count: int, seed: int) -> list[str]:
             found.add(value)
             out.append(value)
     return out
+
+
+def by_chance(candidates: int) -> float:
+    """The exposure expected of a rank drawn uniformly among ``candidates + 1`` (a model that learnt nothing)."""
+    n = candidates + 1
+    return math.log2(n) - sum(math.log2(r) for r in range(1, n + 1)) / n
 
 
 def rank_and_exposure(loss: float, others: list[float]) -> tuple[int, float]:
@@ -108,4 +115,4 @@ def canary_exposure(run_path: str, canary_rows: list[dict[str, Any]], text_colum
         each.append({"canary": text, "rank": rank, "exposure": bits})
     values = [e["exposure"] for e in each]
     return {"candidates": candidates, "run": str(ckpt), "mean": sum(values) / len(values), "max": max(values),
-            "most": math.log2(candidates + 1), "each": each}
+            "most": math.log2(candidates + 1), "by_chance": by_chance(candidates), "each": each}

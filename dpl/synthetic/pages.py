@@ -130,7 +130,7 @@ def _markdown(result: dict[str, Any], plotted: bool) -> str:
             lines += [f"Exposure under the trained model (each canary's secret ranked by the model's loss among "
                       f"{exposure['candidates']} random ones; Carlini et al., \"The Secret Sharer\"): mean "
                       f"{exposure['mean']:.2f} bits, most {exposure['max']:.2f} of at most {exposure['most']:.2f} "
-                      f"(a model that learnt nothing of them: about 1.44 expected); ranks "
+                      f"(a model that learnt nothing of them: {exposure['by_chance']:.2f} expected); ranks "
                       f"{', '.join(str(e['rank']) for e in exposure['each'])}.", ""]
     return "\n".join(lines)
 
