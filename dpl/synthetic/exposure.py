@@ -26,11 +26,7 @@ from typing import Any
 import torch
 
 from dpl.errors import ConfigError
-
-
-def secret_of(text: str) -> str | None:
-    """The canary's secret: its first word of at least 4 digits (``None`` without one)."""
-    return next((w for w in text.split() if w.isdigit() and len(w) >= 4), None)
+from dpl.synthetic.leakage import secret_of
 
 
 def alternatives(secret: str, count: int, seed: int) -> list[str]:

@@ -75,6 +75,11 @@ def canary_texts(count: int, seed: int) -> list[str]:
             f"{rng.choice(nouns)}" for _ in range(count)]
 
 
+def secret_of(text: str) -> str | None:
+    """A canary's secret: its first word of at least 4 digits (``None`` without one)."""
+    return next((w for w in text.split() if w.isdigit() and len(w) >= 4), None)
+
+
 def canaries(texts: Sequence[str], inserted: Sequence[str]) -> dict[str, Any]:
     """For each canary: how many synthetic texts contain it whole, how many contain its secret (its number: a word
     of 6 digits), and the most consecutive words of it that one synthetic text reproduces."""
@@ -82,7 +87,7 @@ def canaries(texts: Sequence[str], inserted: Sequence[str]) -> dict[str, Any]:
     found = []
     for canary in inserted:
         c = normalise(canary)
-        secret = next((w for w in c.split() if w.isdigit() and len(w) >= 4), None)
+        secret = secret_of(c)
         index = TrainingIndex([canary])
         found.append({"canary": canary, "words": len(c.split()), "reproduced": sum(c in t for t in normalised),
                       "secret_reproduced": sum(secret in t.split() for t in normalised) if secret else None,
